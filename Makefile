@@ -1,0 +1,26 @@
+# The README's commands are the contract: `make demo` and `make test` on a fresh clone.
+PY := .venv/bin/python
+STAMP := .venv/.setup-stamp
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup test test-all demo bench lint clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements/lock.txt requirements/nodeps.txt pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+
+test: setup
+	$(PY) -m pytest -q
+
+test-all: setup
+	$(PY) -m pytest -q -m ""
+
+demo: setup
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=2 examples/demo.py
+
+bench: setup
+	$(PY) scripts/bench_convert.py --out bench/results.json
+
+clean:
+	rm -rf .venv bench/*.json .pytest_cache

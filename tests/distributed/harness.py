@@ -1,0 +1,139 @@
+"""Multi-process gloo test harness: one process group per test module, shared by its tests.
+
+Usage in a test module::
+
+    pool = make_pool_fixture(world_size=2)      # module-scoped fixture
+
+    def _check_roundtrip(rank, world_size):    # runs on every rank
+        ...
+
+    def test_roundtrip(pool):
+        pool.run(_check_roundtrip)
+
+``run`` sends a module-level function (by import name) to every rank, waits for
+all of them, and raises ``AssertionError`` naming the rank and traceback of
+every rank that failed. A rank that hangs (a collective left waiting) fails the
+test after ``timeout`` seconds and the pool is restarted for the next test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+_CTX = mp.get_context("spawn")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )
+    results.put((rank, "ready", None))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module, name, args, kwargs = task
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            value = fn(rank, world_size, *args, **kwargs)
+            results.put((rank, "ok", value))
+        except BaseException:  # noqa: BLE001 - reported to the parent with the rank
+            results.put((rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class ProcessGroupPool:
+    """``world_size`` spawned ranks with one gloo group, reused across tests."""
+
+    def __init__(self, world_size: int, *, timeout: float = 180.0) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self._start()
+
+    def _start(self) -> None:
+        port = _free_port()
+        self._tasks = [_CTX.Queue() for _ in range(self.world_size)]
+        self._results = _CTX.Queue()
+        self._procs = [
+            _CTX.Process(target=_worker, args=(r, self.world_size, port, self._tasks[r], self._results), daemon=True)
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._collect("start-up")
+
+    def _collect(self, what: str) -> list[Any]:
+        values: list[Any] = [None] * self.world_size
+        errors: dict[int, str] = {}
+        for _ in range(self.world_size):
+            try:
+                rank, status, value = self._results.get(timeout=self.timeout)
+            except queue.Empty:
+                done = sorted(set(range(self.world_size)) - {r for r, v in enumerate(values) if v is not None} - set(errors))
+                self.close(force=True)
+                self._start()
+                raise AssertionError(
+                    f"{what}: ranks {done} did not finish within {self.timeout}s (hang?); "
+                    f"errors so far: {errors}"
+                ) from None
+            if status == "error":
+                errors[rank] = value
+            else:
+                values[rank] = value
+        if errors:
+            report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise AssertionError(f"{what} failed on ranks {sorted(errors)}:\n{report}")
+        return values
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return each rank's value."""
+        for q in self._tasks:
+            q.put((fn.__module__, fn.__name__, args, kwargs))
+        return self._collect(fn.__name__)
+
+    def close(self, *, force: bool = False) -> None:
+        for p, q in zip(self._procs, self._tasks):
+            if not force and p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=0 if force else 30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def make_pool_fixture(world_size: int, name: str = "pool") -> Any:
+    """A module-scoped pytest fixture yielding a :class:`ProcessGroupPool`."""
+
+    @pytest.fixture(scope="module", name=name)
+    def _fixture():
+        pool = ProcessGroupPool(world_size)
+        yield pool
+        pool.close()
+
+    return _fixture

@@ -1,0 +1,40 @@
+"""Converters on 4 gloo ranks over real ShardedTensors of every layout TorchRec cannot make on CPU."""
+
+import pytest
+
+from torchrec_dtensor_bridge.layout import LayoutKind, ShardLayout
+
+from .checks import check_layout
+from .harness import make_pool_fixture
+
+pool = make_pool_fixture(4)
+
+LAYOUTS = {
+    "row_wise_even": ShardLayout.row_wise((8, 16), 4),
+    "row_wise_uneven": ShardLayout.row_wise((8, 16), [1, 3, 1, 3]),
+    "row_wise_7_3": ShardLayout.row_wise((10, 4), [7, 3, 0, 0]),
+    "row_wise_torchrec_ceil": ShardLayout.row_wise((10, 5), 4),
+    "row_wise_two_per_rank": ShardLayout.row_wise((12, 4), [2, 1, 3, 1, 2, 3], ranks=[0, 1, 2, 0, 1, 3]),
+    "table_wise": ShardLayout.table_wise((8, 16), 2),
+    "column_wise_even": ShardLayout.column_wise((8, 16), 4),
+    "column_wise_uneven": ShardLayout.column_wise((8, 20), [4, 8, 3, 5]),
+    "column_wise_two_per_rank": ShardLayout.column_wise((6, 16), [4, 4, 4, 4], ranks=[0, 1, 0, 1]),
+    "table_row_wise": ShardLayout.row_wise((9, 8), [5, 4], ranks=[2, 3]),
+    "table_column_wise": ShardLayout.column_wise((5, 12), [6, 6], ranks=[1, 3]),
+    "grid": ShardLayout.grid((8, 16), [4, 4], [8, 8], [0, 1, 2, 3]),
+    "grid_diagonal_pairs": ShardLayout.grid((8, 16), [4, 4], [8, 8], [0, 1, 1, 0]),
+    "one_row": ShardLayout.row_wise((1, 7), [0, 1, 0, 0]),
+    "vector_row_wise": ShardLayout.row_wise((10,), [4, 3, 3, 0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layout_roundtrip(pool, name):
+    layout = LAYOUTS[name].with_name(name)
+    pictures = pool.run(check_layout, layout)
+    assert len(set(pictures)) == 1, "ranks disagree on the sharding picture"
+
+
+def test_kinds_cover_every_type():
+    kinds = {lay.kind for lay in LAYOUTS.values()}
+    assert kinds >= {LayoutKind.ROW_WISE, LayoutKind.COLUMN_WISE, LayoutKind.TABLE_WISE, LayoutKind.GRID}

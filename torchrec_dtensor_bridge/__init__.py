@@ -1,0 +1,38 @@
+"""torchrec_dtensor_bridge: TorchRec sharded embedding tables as DTensors, zero-copy.
+
+Public API (see ``shared/API.md``)::
+
+    import torchrec_dtensor_bridge as tdb
+    dt = tdb.to_dtensor(sharded_tensor)      # zero-copy, every TorchRec layout
+    st = tdb.to_sharded_tensor(dt)           # the inverse, same storage
+    w = tdb.full_tensor(dt)                  # collective; the whole table
+    tdb.visualize_sharding(dt, print=True)   # which rank holds which rows/cols
+"""
+
+from .convert import (
+    full_tensor,
+    layout_of,
+    state_dict_to_dtensor,
+    state_dict_to_sharded_tensor,
+    storage_metadata,
+    to_dtensor,
+    to_sharded_tensor,
+)
+from .layout import LayoutKind, ShardLayout, ShardSpec
+from .visualize import visualize_sharding
+from .wrapper import LocalShardsWrapper
+
+__all__ = [
+    "LayoutKind",
+    "LocalShardsWrapper",
+    "ShardLayout",
+    "ShardSpec",
+    "full_tensor",
+    "layout_of",
+    "state_dict_to_dtensor",
+    "state_dict_to_sharded_tensor",
+    "storage_metadata",
+    "to_dtensor",
+    "to_sharded_tensor",
+    "visualize_sharding",
+]

@@ -1,0 +1,62 @@
+"""The one place that touches private PyTorch APIs.
+
+``ShardedTensor`` lives in ``torch.distributed._shard`` and has no public home;
+a one-rank :class:`DeviceMesh` without a process group needs the private
+``_init_backend`` flag. Everything else in the package imports these names
+from here, so an upstream move breaks exactly one module.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as ShardedTensorShard
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+)
+from torch.distributed._shard.sharded_tensor.metadata import (
+    TensorProperties as ShardedTensorProperties,
+)
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "ShardMetadata",
+    "ShardedTensor",
+    "ShardedTensorMetadata",
+    "ShardedTensorProperties",
+    "ShardedTensorShard",
+    "make_sharded_tensor",
+    "one_rank_mesh",
+    "sharded_tensor_process_group",
+]
+
+
+def make_sharded_tensor(
+    local: list[tuple[torch.Tensor, ShardMetadata]],
+    metadata: ShardedTensorMetadata,
+    process_group: dist.ProcessGroup | None,
+) -> ShardedTensor:
+    """Build a ShardedTensor from local tensors and global metadata; no copy, no collective."""
+    shards = [ShardedTensorShard(tensor=t, metadata=m) for t, m in local]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, sharded_tensor_metadata=metadata, process_group=process_group
+    )
+
+
+def sharded_tensor_process_group(st: ShardedTensor) -> dist.ProcessGroup | None:
+    """The process group a ShardedTensor's placement ranks refer to."""
+    return st._process_group
+
+
+@lru_cache(maxsize=None)
+def one_rank_mesh(device_type: str, rank: int) -> DeviceMesh:
+    """A mesh holding only global ``rank``, built without creating a process group.
+
+    Non-collective, and cached: one mesh per (device type, rank), never one per
+    table. DTensor needs no communication on a one-rank mesh.
+    """
+    return DeviceMesh(device_type, [rank], _init_backend=False)

@@ -1,0 +1,124 @@
+"""ShardLayout <-> ShardedTensor metadata and DCP storage metadata (no tensors, no communication)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from .._compat import ShardedTensor, ShardedTensorMetadata, ShardedTensorProperties, ShardMetadata
+from ..layout import ShardLayout, ShardSpec
+
+__all__ = [
+    "layout_from_sharded_tensor",
+    "layout_from_sharded_tensor_metadata",
+    "layout_from_storage_metadata",
+    "layout_to_sharded_tensor_metadata",
+    "layout_to_storage_metadata",
+]
+
+
+def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
+    if group is None or group is dist.GroupMember.WORLD or not dist.is_initialized():
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def _group_rank(group: dist.ProcessGroup | None, global_rank: int) -> int:
+    if group is None or group is dist.GroupMember.WORLD or not dist.is_initialized():
+        return global_rank
+    return dist.get_group_rank(group, global_rank)
+
+
+def layout_from_sharded_tensor_metadata(
+    md: ShardedTensorMetadata,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    name: str = "table",
+) -> ShardLayout:
+    """Layout of a ShardedTensor from its global metadata; ranks become global ranks."""
+    shards = []
+    for sm in md.shards_metadata:
+        placement = sm.placement
+        rank = None if placement is None else _global_rank(process_group, placement.rank())
+        device = None if placement is None else str(placement.device())
+        shards.append(ShardSpec(rank, tuple(sm.shard_offsets), tuple(sm.shard_sizes), device))
+    dtype = md.tensor_properties.dtype if md.tensor_properties is not None else None
+    lay = ShardLayout(tuple(md.size), tuple(shards), dtype, name)
+    lay.validate()
+    return lay
+
+
+def layout_from_sharded_tensor(st: ShardedTensor, *, name: str = "table") -> ShardLayout:
+    """Layout of a ShardedTensor (metadata only; O(number of shards))."""
+    from .._compat import sharded_tensor_process_group
+
+    return layout_from_sharded_tensor_metadata(
+        st.metadata(), process_group=sharded_tensor_process_group(st), name=name
+    )
+
+
+def layout_to_sharded_tensor_metadata(
+    layout: ShardLayout,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+    requires_grad: bool = False,
+) -> ShardedTensorMetadata:
+    """ShardedTensor metadata for ``layout``; placement ranks are group ranks of ``process_group``.
+
+    A shard's device is the one recorded in the layout, else ``device`` (``cuda``
+    gets the index ``rank % device_count``, as TorchRec places shards).
+    """
+    if len(layout.unique_shards()) != len(layout.shards):
+        raise ValueError(
+            f"table {layout.name!r}: a ShardedTensor cannot hold replicated blocks "
+            f"(layout kind {layout.kind.value}); keep it a DTensor or a plain tensor"
+        )
+    if layout.dtype is None:
+        raise ValueError(f"table {layout.name!r}: layout has no dtype")
+    dev = torch.device(device or "cpu")
+    shards_md = []
+    for s in layout.shards:
+        if s.rank is None:
+            raise ValueError(f"table {layout.name!r}: shard at {list(s.offsets)} has no rank")
+        if s.device is not None:
+            d = s.device
+        elif dev.type == "cuda":
+            d = f"cuda:{s.rank % max(torch.cuda.device_count(), 1)}"
+        else:
+            d = dev.type
+        shards_md.append(
+            ShardMetadata(
+                shard_offsets=list(s.offsets),
+                shard_sizes=list(s.sizes),
+                placement=f"rank:{_group_rank(process_group, s.rank)}/{d}",
+            )
+        )
+    props = ShardedTensorProperties(dtype=layout.dtype, requires_grad=requires_grad)
+    return ShardedTensorMetadata(
+        shards_metadata=shards_md, size=torch.Size(layout.global_shape), tensor_properties=props
+    )
+
+
+def layout_to_storage_metadata(layout: ShardLayout, *, requires_grad: bool = False) -> TensorStorageMetadata:
+    """DCP metadata describing every distinct block of ``layout`` (replicas once)."""
+    props = TensorProperties(dtype=layout.dtype or torch.get_default_dtype(), requires_grad=requires_grad)
+    chunks = [
+        ChunkStorageMetadata(offsets=torch.Size(s.offsets), sizes=torch.Size(s.sizes))
+        for s in layout.unique_shards()
+        if s.numel
+    ]
+    return TensorStorageMetadata(properties=props, size=torch.Size(layout.global_shape), chunks=chunks)
+
+
+def layout_from_storage_metadata(md: TensorStorageMetadata, *, name: str = "table") -> ShardLayout:
+    """Layout of a checkpointed tensor; chunks carry no rank. Validates coverage."""
+    shards = [ShardSpec(None, tuple(c.offsets), tuple(c.sizes)) for c in md.chunks]
+    lay = ShardLayout(tuple(md.size), tuple(shards), md.properties.dtype, name)
+    lay.validate()
+    return lay

@@ -1,0 +1,119 @@
+"""ShardLayout <-> DTensor device mesh and placements.
+
+A layout DTensor can express exactly (an even ``torch.chunk`` split on one dim
+in mesh order, a full replica, a table on one rank) gets a plain local tensor;
+any other layout gets a :class:`LocalShardsWrapper` and the closest placement
+(``Shard(0)`` for row cuts and grids, ``Shard(1)`` for column cuts), with the
+true shape and stride given explicitly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from .._compat import one_rank_mesh
+from ..layout import LayoutKind, ShardLayout, ShardSpec
+
+__all__ = ["DTensorPlacement", "layout_from_placements", "placement_for_layout", "world_mesh"]
+
+
+@dataclass(frozen=True)
+class DTensorPlacement:
+    """Where a layout lives as a DTensor.
+
+    Attributes:
+        mesh: the device mesh.
+        placements: one placement per mesh axis.
+        exact: True when mesh and placements alone describe the layout (the local
+            tensor can be a plain tensor); False when a LocalShardsWrapper must carry it.
+    """
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    exact: bool
+
+
+@lru_cache(maxsize=None)
+def _mesh_for_group(device_type: str, group: dist.ProcessGroup) -> DeviceMesh:
+    return DeviceMesh.from_group(group, device_type)
+
+
+def world_mesh(device_type: str, process_group: dist.ProcessGroup | None = None) -> DeviceMesh:
+    """A cached 1-D mesh over ``process_group`` (default: every rank); no new group is made."""
+    return _mesh_for_group(device_type, process_group or dist.group.WORLD)
+
+
+def _chunk(extent: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, length) of piece ``index`` of ``torch.chunk``-style splitting."""
+    block = -(-extent // parts) if parts else 0
+    start = min(index * block, extent)
+    return start, max(0, min(block, extent - start))
+
+
+def layout_from_placements(
+    mesh: DeviceMesh,
+    placements: tuple[Placement, ...] | list[Placement],
+    global_shape: tuple[int, ...] | torch.Size,
+    *,
+    dtype: torch.dtype | None = None,
+    name: str = "table",
+) -> ShardLayout:
+    """The layout DTensor itself implies for ``Shard``/``Replicate`` placements
+    on any mesh (computed for every mesh coordinate; no communication)."""
+    shape = tuple(int(d) for d in global_shape)
+    ranks = mesh.mesh
+    shards = []
+    for coord in itertools.product(*(range(n) for n in ranks.shape)):
+        offsets, sizes = [0] * len(shape), list(shape)
+        for axis, p in enumerate(placements):
+            if isinstance(p, Replicate):
+                continue
+            if type(p) is not Shard:
+                raise NotImplementedError(f"table {name!r}: placement {p} on mesh axis {axis} is not supported")
+            d = p.dim if p.dim >= 0 else p.dim + len(shape)
+            start, length = _chunk(sizes[d], ranks.shape[axis], coord[axis])
+            offsets[d] += start
+            sizes[d] = length
+        shards.append(ShardSpec(int(ranks[coord].item()), tuple(offsets), tuple(sizes)))
+    return ShardLayout(shape, tuple(shards), dtype, name)
+
+
+def _same_blocks(a: ShardLayout, b: ShardLayout) -> bool:
+    return sorted((s.rank or 0, s.offsets, s.sizes) for s in a.shards) == sorted(
+        (s.rank or 0, s.offsets, s.sizes) for s in b.shards
+    )
+
+
+def placement_for_layout(
+    layout: ShardLayout,
+    device_type: str,
+    device_mesh: DeviceMesh | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> DTensorPlacement:
+    """Mesh and placements for ``layout``.
+
+    A table on one rank lives on that rank's cached one-rank mesh with
+    ``Replicate()`` (unless ``device_mesh`` is given); everything else on
+    ``device_mesh`` or the cached world mesh.
+    """
+    kind = layout.kind
+    if kind is LayoutKind.TABLE_WISE and device_mesh is None and len(layout.shards) == 1:
+        owner = layout.shards[0].rank
+        assert owner is not None, "table-wise layout without an owner rank"
+        return DTensorPlacement(one_rank_mesh(device_type, owner), (Replicate(),), True)
+    mesh = device_mesh if device_mesh is not None else world_mesh(device_type, process_group)
+    candidates: list[tuple[Placement, ...]] = [tuple(Replicate() for _ in range(mesh.ndim))]
+    if mesh.ndim == 1:
+        candidates += [(Shard(d),) for d in range(layout.ndim)]
+    for placements in candidates:
+        if _same_blocks(layout_from_placements(mesh, placements, layout.global_shape), layout):
+            return DTensorPlacement(mesh, placements, True)
+    nearest: Placement = {LayoutKind.COLUMN_WISE: Shard(1), LayoutKind.REPLICATED: Replicate()}.get(kind, Shard(0))
+    return DTensorPlacement(mesh, (nearest,) + tuple(Replicate() for _ in range(mesh.ndim - 1)), False)

@@ -1,0 +1,196 @@
+"""The op table of :class:`LocalShardsWrapper`: every op is applied shard by shard.
+
+Handlers are registered once, at import, by :func:`implements`; registering an
+op twice is an error. An op with no handler raises ``NotImplementedError``
+naming the op and its argument types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .local_shards_wrapper import LocalShardsWrapper
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+Handler = Callable[[Any, tuple, dict], Any]
+_OPS: dict[Any, Handler] = {}
+
+
+def implements(*ops: Any) -> Callable[[Handler], Handler]:
+    """Register ``fn`` as the handler of ``ops``; refuses an op registered twice."""
+
+    def register(fn: Handler) -> Handler:
+        for op in ops:
+            if op in _OPS:
+                raise RuntimeError(f"{op} already has a LocalShardsWrapper handler ({_OPS[op].__name__})")
+            _OPS[op] = fn
+        return fn
+
+    return register
+
+
+def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    handler = _OPS.get(func)
+    if handler is None:
+        kinds = [type(a).__name__ for a in args]
+        raise NotImplementedError(
+            f"LocalShardsWrapper does not support {func} (argument types {kinds}); "
+            f"supported: {sorted(str(op) for op in _OPS)}"
+        )
+    return handler(func, args, kwargs)
+
+
+def _like(w: LocalShardsWrapper, shards: list[torch.Tensor]) -> LocalShardsWrapper:
+    layout = w.layout_of_table
+    if layout is not None and shards and layout.dtype not in (None, shards[0].dtype):
+        layout = dataclasses.replace(layout, dtype=shards[0].dtype)
+    return LocalShardsWrapper(
+        shards, w.local_offsets(), w._global_shape, layout=layout, dtype=w.dtype, device=w.device
+    )
+
+
+def _per_shard_operand(w: LocalShardsWrapper, other: Any, op: Any) -> list[Any]:
+    """``other`` split to match ``w``'s shards: a same-layout wrapper, a tensor of
+    the wrapper's shape, or a scalar / 0-dim tensor broadcast to every shard."""
+    n = len(w.local_shards())
+    if isinstance(other, LocalShardsWrapper):
+        if other.local_offsets() != w.local_offsets() or other.local_sizes() != w.local_sizes():
+            raise ValueError(
+                f"{op}: wrappers differ in layout: offsets {[list(o) for o in w.local_offsets()]} "
+                f"sizes {[list(s) for s in w.local_sizes()]} vs offsets "
+                f"{[list(o) for o in other.local_offsets()]} sizes {[list(s) for s in other.local_sizes()]}"
+            )
+        return other.local_shards()
+    if isinstance(other, torch.Tensor) and other.dim() > 0:
+        return w.split_packed(other)
+    return [other] * n
+
+
+@implements(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    w = args[0]
+    return _like(w, [func(s, *args[1:], **kwargs) for s in w.local_shards()]) if w.local_shards() else (
+        LocalShardsWrapper([], [], w._global_shape, layout=w.layout_of_table,
+                           dtype=kwargs.get("dtype") or w.dtype, device=kwargs.get("device") or w.device)
+    )
+
+
+@implements(aten.detach.default, aten.alias.default)
+def _unary_alias(func, args, kwargs):
+    w = args[0]
+    return _like(w, [func(s) for s in w.local_shards()])
+
+
+@implements(aten.clone.default)
+def _clone(func, args, kwargs):
+    fmt = kwargs.get("memory_format")
+    if fmt not in (None, torch.preserve_format, torch.contiguous_format):
+        raise NotImplementedError(f"LocalShardsWrapper.clone does not support memory_format={fmt}")
+    return _like(args[0], [s.clone() for s in args[0].local_shards()])
+
+
+@implements(aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default)
+def _like_op(func, args, kwargs):
+    w = args[0]
+    return _like(w, [func(s, **kwargs) for s in w.local_shards()])
+
+
+@implements(aten.new_empty.default, aten.new_zeros.default)
+def _new(func, args, kwargs):
+    w, size = args[0], torch.Size(args[1])
+    if size == w.shape:
+        fill = torch.empty_like if func is aten.new_empty.default else torch.zeros_like
+        return _like(w, [fill(s, dtype=kwargs.get("dtype")) for s in w.local_shards()])
+    if size.numel() == 0:
+        # DTensor asks for an empty local tensor on ranks outside the mesh: no shards.
+        return LocalShardsWrapper([], [], w._global_shape, layout=w.layout_of_table,
+                                  dtype=kwargs.get("dtype") or w.dtype, device=w.device)
+    raise NotImplementedError(
+        f"{func}: size {list(size)} is neither the wrapper's shape {list(w.shape)} nor empty"
+    )
+
+
+@implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(func, args, kwargs):
+    w, size = args[0], torch.Size(args[1])
+    if size in (w.shape, w.global_shape):
+        # DTensor views a local tensor as itself or as the global shape; per shard
+        # both mean "the same shard".
+        return _like(w, [aten.alias.default(s) for s in w.local_shards()])
+    if len(w.local_shards()) == 1 and size.numel() == w.numel() and w.local_offsets()[0] == torch.Size(
+        [0] * w.dim()
+    ) and size == w.local_shards()[0].shape:
+        return _like(w, [w.local_shards()[0].view(size)])
+    raise NotImplementedError(
+        f"LocalShardsWrapper cannot view shape {list(w.shape)} (global {list(w.global_shape)}) as {list(size)}"
+    )
+
+
+@implements(aten.copy_.default)
+def _copy(func, args, kwargs):
+    w, src = args[0], args[1]
+    for dst, part in zip(w.local_shards(), _per_shard_operand(w, src, func)):
+        dst.copy_(part, **kwargs)
+    return w
+
+
+@implements(aten.equal.default)
+def _equal(func, args, kwargs):
+    a, b = args
+    if not isinstance(a, LocalShardsWrapper) or not isinstance(b, LocalShardsWrapper):
+        return False
+    return (
+        a.local_offsets() == b.local_offsets()
+        and a.local_sizes() == b.local_sizes()
+        and all(torch.equal(x, y) for x, y in zip(a.local_shards(), b.local_shards()))
+    )
+
+
+@implements(aten.is_same_size.default)
+def _is_same_size(func, args, kwargs):
+    return args[0].shape == args[1].shape
+
+
+@implements(aten.fill_.Scalar, aten.fill_.Tensor)
+def _fill(func, args, kwargs):
+    for s in args[0].local_shards():
+        func(s, args[1])
+    return args[0]
+
+
+@implements(aten.zero_.default)
+def _zero(func, args, kwargs):
+    for s in args[0].local_shards():
+        s.zero_()
+    return args[0]
+
+
+@implements(
+    aten.add_.Tensor, aten.add_.Scalar, aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar,
+    aten.sub_.Tensor, aten.sub_.Scalar,
+)
+def _inplace_binary(func, args, kwargs):
+    w = args[0]
+    for s, part in zip(w.local_shards(), _per_shard_operand(w, args[1], func)):
+        func(s, part, *args[2:], **kwargs)
+    return w
+
+
+@implements(c10d.all_gather_into_tensor.default)
+def _all_gather(func, args, kwargs):
+    # DTensor's own gather assumes one regular local tensor; hand it the packed shards.
+    return func(args[0].pack().contiguous(), *args[1:], **kwargs)
+
+
+@implements(c10d.wait_tensor.default)
+def _wait(func, args, kwargs):
+    w = args[0]
+    for s in w.local_shards():
+        func(s)
+    return w
