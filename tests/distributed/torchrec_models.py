@@ -83,3 +83,29 @@ def random_kjt(tables, batch: int, seed: int) -> KeyedJaggedTensor:
         lengths.append(ln)
         values.append(torch.randint(0, rows, (int(ln.sum()),), generator=g))
     return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def shard_ebc_with_rowwise_adagrad(world_size: int, seed: int = 0):
+    """A fused-kernel sharded EBC with row-wise Adagrad: its optimizer keeps 1-D per-row state."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1}
+    )
+    last = world_size - 1
+    tables = {n: spec for n, spec in TABLES.items() if spec[2] != "data_parallel"}
+    per_param = {
+        "t_rw": row_wise(compute_kernel="fused"),
+        "t_tw": table_wise(rank=last, compute_kernel="fused"),
+        "t_cw": column_wise(ranks=[r % world_size for r in range(4)], compute_kernel="fused"),
+        "t_trw": row_wise(compute_kernel="fused"),
+        "t_twc": table_wise(rank=0, compute_kernel="fused"),
+    }
+    ebc = build_ebc(tables, seed)
+    plan = construct_module_sharding_plan(
+        ebc, per_param_sharding=per_param, sharder=sharder, local_size=world_size, world_size=world_size,
+        device_type="cpu",
+    )
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    return shard(ebc, plan=plan, env=env, device=torch.device("cpu"), sharder=sharder), tables

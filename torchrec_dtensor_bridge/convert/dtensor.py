@@ -202,22 +202,41 @@ def to_sharded_tensor(dtensor: DTensor, process_group: dist.ProcessGroup | None 
     return make_sharded_tensor(list(zip(tensors, local_md)), md, process_group)
 
 
+def _map_state(sd: Any, fn: Any, prefix: str = "") -> Any:
+    """Apply ``fn(key, value)`` to every leaf of a (nested) state_dict; keeps containers' types."""
+    if isinstance(sd, Mapping):
+        out = {k: _map_state(v, fn, f"{prefix}{k}.") for k, v in sd.items()}
+        if type(sd) is dict:
+            return out
+        res = type(sd)(out)  # OrderedDict stays OrderedDict, with a module's _metadata
+        if hasattr(sd, "_metadata"):
+            res._metadata = sd._metadata  # type: ignore[attr-defined]
+        return res
+    if isinstance(sd, list):
+        return [_map_state(v, fn, f"{prefix}{i}.") for i, v in enumerate(sd)]
+    return fn(prefix[:-1], sd)
+
+
 def state_dict_to_dtensor(sd: Mapping[str, Any]) -> dict[str, Any]:
-    """Every ShardedTensor value of ``sd`` as a DTensor (zero-copy); other values unchanged."""
-    return {k: to_dtensor(v, name=k) if isinstance(v, ShardedTensor) else v for k, v in sd.items()}
+    """Every ShardedTensor in ``sd`` as a DTensor (zero-copy); other values unchanged.
+
+    Nested dicts and lists are walked, so a TorchRec fused optimizer's
+    ``state_dict()`` (per-row ``momentum1`` etc.) converts too. Not collective.
+    """
+    return _map_state(sd, lambda k, v: to_dtensor(v, name=k) if isinstance(v, ShardedTensor) else v)
+
+
+def _dtensor_to_sharded(key: str, v: Any) -> Any:
+    if not isinstance(v, DTensor):
+        return v
+    lay = layout_of(v, name=key)
+    return v.to_local() if lay.kind is LayoutKind.REPLICATED else to_sharded_tensor(v)
 
 
 def state_dict_to_sharded_tensor(sd: Mapping[str, Any]) -> dict[str, Any]:
-    """Every sharded DTensor value of ``sd`` as a ShardedTensor (zero-copy).
+    """Every sharded DTensor in ``sd`` (nested containers included) as a ShardedTensor (zero-copy).
 
     A replicated DTensor becomes its local tensor (TorchRec keeps data-parallel
     tables as plain tensors); other values are unchanged.
     """
-    out: dict[str, Any] = {}
-    for k, v in sd.items():
-        if isinstance(v, DTensor):
-            lay = layout_of(v, name=k)
-            out[k] = v.to_local() if lay.kind is LayoutKind.REPLICATED else to_sharded_tensor(v)
-        else:
-            out[k] = v
-    return out
+    return _map_state(sd, _dtensor_to_sharded)
