@@ -18,6 +18,7 @@ import enum
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -228,6 +229,10 @@ class ShardLayout:
     def unique_shards(self) -> tuple[ShardSpec, ...]:
         """One block per distinct non-empty box (its first replica) plus every
         empty block, in layout order."""
+        return self._unique
+
+    @cached_property
+    def _unique(self) -> tuple[ShardSpec, ...]:
         seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
         out = []
         for s in self.shards:
@@ -244,8 +249,9 @@ class ShardLayout:
             return holders.pop()
         return None
 
-    @property
+    @cached_property
     def kind(self) -> LayoutKind:
+        """The cut's shape (computed once; layouts are immutable)."""
         full = [s for s in self.shards if s.numel]
         boxes = {s.box for s in full}
         if len(boxes) == 1 and len(full) > 1:

@@ -38,3 +38,37 @@ def test_layout_roundtrip(pool, name):
 def test_kinds_cover_every_type():
     kinds = {lay.kind for lay in LAYOUTS.values()}
     assert kinds >= {LayoutKind.ROW_WISE, LayoutKind.COLUMN_WISE, LayoutKind.TABLE_WISE, LayoutKind.GRID}
+
+
+def _check_bad_input(rank, world_size):
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+
+    import torchrec_dtensor_bridge as tdb
+    from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
+    from torchrec_dtensor_bridge.convert.placements import world_mesh
+
+    def raises(exc, match, fn):
+        try:
+            fn()
+        except exc as e:
+            assert match in str(e), (match, str(e))
+            return
+        raise AssertionError(f"{fn} did not raise {exc.__name__}")
+
+    raises(TypeError, "got Tensor", lambda: tdb.to_dtensor(torch.ones(3)))
+    raises(TypeError, "got Tensor", lambda: tdb.to_sharded_tensor(torch.ones(3)))
+    raises(TypeError, "got list", lambda: tdb.full_tensor([1, 2]))
+    lay = ShardLayout.row_wise((8, 4), 4, name="emb")
+    # a local shard whose shape disagrees with the layout: names table, rank and both shapes
+    raises(ValueError, f"table 'emb': local shard 0 on rank {rank} has shape [3, 4], layout says [2, 4]",
+           lambda: dtensor_from_local_shards(lay, [torch.zeros(3, 4)]))
+    raises(ValueError, "holds 1 shards in the layout but 2 local tensors",
+           lambda: dtensor_from_local_shards(lay, [torch.zeros(2, 4), torch.zeros(2, 4)]))
+    rep = DTensor.from_local(torch.ones(2, 2), world_mesh("cpu"), [Replicate()], run_check=False)
+    raises(ValueError, "replicated DTensor", lambda: tdb.to_sharded_tensor(rep))
+    assert torch.equal(tdb.full_tensor(rep), torch.ones(2, 2))
+
+
+def test_bad_input_is_reported_on_every_rank(pool):
+    pool.run(_check_bad_input)

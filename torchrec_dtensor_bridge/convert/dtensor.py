@@ -77,12 +77,18 @@ def dtensor_from_local_shards(
         )
     else:
         local = LocalShardsWrapper(
-            local_shards, [s.offsets for s in mine], layout.global_shape, layout=layout, dtype=dtype, device=dev
+            local_shards, [s.offsets for s in mine], layout.global_shape, layout=layout, dtype=dtype, device=dev,
+            _trusted=_consistent(local_shards),
         )
     shape = torch.Size(layout.global_shape)
     return DTensor.from_local(
         local, where.mesh, where.placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
     )
+
+
+def _consistent(shards: list[torch.Tensor]) -> bool:
+    """Shards already matched to a validated layout need only agree in dtype and device."""
+    return all(s.dtype == shards[0].dtype and s.device == shards[0].device for s in shards[1:])
 
 
 def _device_of_layout(layout: ShardLayout) -> torch.device:

@@ -57,6 +57,18 @@ def _chunk(extent: int, parts: int, index: int) -> tuple[int, int]:
     return start, max(0, min(block, extent - start))
 
 
+_MESH_RANKS: dict[int, tuple[DeviceMesh, torch.Tensor]] = {}
+
+
+def _mesh_ranks(mesh: DeviceMesh) -> torch.Tensor:
+    """``mesh.mesh`` (costly to rebuild on every call), cached per mesh object."""
+    hit = _MESH_RANKS.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        hit = (mesh, mesh.mesh)
+        _MESH_RANKS[id(mesh)] = hit
+    return hit[1]
+
+
 def layout_from_placements(
     mesh: DeviceMesh,
     placements: tuple[Placement, ...] | list[Placement],
@@ -68,7 +80,7 @@ def layout_from_placements(
     """The layout DTensor itself implies for ``Shard``/``Replicate`` placements
     on any mesh (computed for every mesh coordinate; no communication)."""
     shape = tuple(int(d) for d in global_shape)
-    ranks = mesh.mesh
+    ranks = _mesh_ranks(mesh)
     shards = []
     for coord in itertools.product(*(range(n) for n in ranks.shape)):
         offsets, sizes = [0] * len(shape), list(shape)
@@ -109,9 +121,12 @@ def placement_for_layout(
         assert owner is not None, "table-wise layout without an owner rank"
         return DTensorPlacement(one_rank_mesh(device_type, owner), (Replicate(),), True)
     mesh = device_mesh if device_mesh is not None else world_mesh(device_type, process_group)
-    candidates: list[tuple[Placement, ...]] = [tuple(Replicate() for _ in range(mesh.ndim))]
-    if mesh.ndim == 1:
-        candidates += [(Shard(d),) for d in range(layout.ndim)]
+    candidates: list[tuple[Placement, ...]] = []
+    # A DTensor placement gives every mesh rank exactly one block: anything else is not exact.
+    if len(layout.shards) == mesh.size() and len(layout.ranks()) == len(layout.shards):
+        candidates.append(tuple(Replicate() for _ in range(mesh.ndim)))
+        if mesh.ndim == 1:
+            candidates += [(Shard(d),) for d in range(layout.ndim)]
     for placements in candidates:
         if _same_blocks(layout_from_placements(mesh, placements, layout.global_shape), layout):
             return DTensorPlacement(mesh, placements, True)

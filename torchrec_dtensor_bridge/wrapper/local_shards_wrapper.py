@@ -68,12 +68,16 @@ class LocalShardsWrapper(torch.Tensor):
         layout: ShardLayout | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        _trusted: bool = False,
     ) -> LocalShardsWrapper:
         shards = list(local_shards)
         if layout is not None and global_shape is None:
             global_shape = layout.global_shape
-        gshape = None if global_shape is None else torch.Size(int(d) for d in global_shape)
-        offsets = _validate(shards, local_offsets, gshape)
+        gshape = None if global_shape is None else torch.Size(tuple(map(int, global_shape)))
+        if _trusted:  # the caller checked shards against a validated layout
+            offsets = [torch.Size(o) for o in local_offsets]
+        else:
+            offsets = _validate(shards, local_offsets, gshape)
         ndim = shards[0].ndim if shards else (len(gshape) if gshape is not None else 2)
         shape, stack_dim = _packed_shape(shards, offsets, ndim)
         if shards:
@@ -157,16 +161,25 @@ class LocalShardsWrapper(torch.Tensor):
     def _properties(self) -> TensorProperties:
         return TensorProperties(dtype=self.dtype, requires_grad=self.requires_grad, pin_memory=False)
 
-    def _like(self, shards: list[torch.Tensor]) -> LocalShardsWrapper:
-        """A wrapper with the same offsets and table metadata over new shards."""
-        return LocalShardsWrapper(
-            shards,
-            self._offsets,
-            self._global_shape,
-            layout=self._layout,
-            dtype=self.dtype,
-            device=self.device,
+    def _like(self, shards: list[torch.Tensor], layout: ShardLayout | None = None) -> LocalShardsWrapper:
+        """A wrapper with the same offsets and table metadata over new shards of the
+        same sizes (the result of a shard-by-shard op): no re-validation."""
+        assert [s.shape for s in shards] == [s.shape for s in self._local_shards], "shard sizes changed"
+        first = shards[0] if shards else None
+        r = torch.Tensor._make_wrapper_subclass(
+            LocalShardsWrapper,
+            self.shape,
+            strides=self.stride(),
+            dtype=first.dtype if first is not None else self.dtype,
+            device=first.device if first is not None else self.device,
+            requires_grad=first.requires_grad if first is not None else False,
         )
+        r._local_shards = shards
+        r._offsets = self._offsets
+        r._global_shape = self._global_shape
+        r._layout = layout if layout is not None else self._layout
+        r._stack_dim = self._stack_dim
+        return r
 
     def pack(self) -> torch.Tensor:
         """The local shards concatenated along :attr:`stack_dim` (a copy unless one shard)."""
@@ -284,7 +297,7 @@ def _validate(
             f"got {len(shards)} local_shards but {len(offsets_in)} local_offsets; "
             "they must pair up one to one"
         )
-    offsets = [torch.Size(int(v) for v in o) for o in offsets_in]
+    offsets = [torch.Size(tuple(map(int, o))) for o in offsets_in]
     if not shards:
         return offsets
     first = shards[0]

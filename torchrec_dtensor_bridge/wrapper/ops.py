@@ -50,9 +50,7 @@ def _like(w: LocalShardsWrapper, shards: list[torch.Tensor]) -> LocalShardsWrapp
     layout = w.layout_of_table
     if layout is not None and shards and layout.dtype not in (None, shards[0].dtype):
         layout = dataclasses.replace(layout, dtype=shards[0].dtype)
-    return LocalShardsWrapper(
-        shards, w.local_offsets(), w._global_shape, layout=layout, dtype=w.dtype, device=w.device
-    )
+    return w._like(shards, layout)
 
 
 def _per_shard_operand(w: LocalShardsWrapper, other: Any, op: Any) -> list[Any]:
