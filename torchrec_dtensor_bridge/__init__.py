@@ -9,6 +9,7 @@ Public API (see ``shared/API.md``)::
     tdb.visualize_sharding(dt, print=True)   # which rank holds which rows/cols
 """
 
+from . import checkpoint
 from .convert import (
     full_tensor,
     layout_of,
@@ -27,6 +28,7 @@ __all__ = [
     "LocalShardsWrapper",
     "ShardLayout",
     "ShardSpec",
+    "checkpoint",
     "full_tensor",
     "layout_of",
     "state_dict_to_dtensor",

@@ -1,0 +1,13 @@
+"""Checkpoints: DCP save/load with atomic commits, validation and checksums; inspection.
+
+    import torchrec_dtensor_bridge as tdb
+    tdb.checkpoint.save(state_dict, "/ckpt/step100")   # collective, atomic
+    tdb.checkpoint.load(state_dict, "/ckpt/step100")   # collective, validated, reshards
+    tdb.checkpoint.inspect("/ckpt/step100")            # no process group needed
+"""
+
+from .api import load, save
+from .commit import CheckpointError, IncompleteCheckpointError
+from .inspect import format_report, inspect
+
+__all__ = ["CheckpointError", "IncompleteCheckpointError", "format_report", "inspect", "load", "save"]

@@ -1,0 +1,279 @@
+"""``save`` and ``load``: DCP with atomic commits, validation before any write, and checksums.
+
+Save, on every rank (*collective*):
+
+1. agree on a save id (rank 0 draws it, everyone receives it);
+2. ``dcp.save`` into a fresh generation directory beside ``path``;
+3. checksum every storage item (files spread over ranks), gather to rank 0;
+4. rank 0 writes the manifest durably and swaps ``path`` to the new generation
+   (one atomic rename), then removes older and interrupted generations;
+5. every rank learns the outcome; a failure anywhere raises everywhere.
+
+Load, on every rank (*collective*):
+
+1. resolve ``path`` to its committed generation (never an uncommitted one);
+2. check every key, shape and dtype of the destination against the metadata,
+   and the checksums of exactly the items this rank will read;
+3. agree: if any rank found a problem, every rank raises — nothing was written;
+4. ``dcp.load`` in place (DCP reads on each rank only the chunks overlapping
+   that rank's shards, which is what makes loads across plans and world sizes work).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
+
+from .._compat import ShardedTensor
+from ..convert import layout_of
+from .commit import CheckpointError, IncompleteCheckpointError, commit, generation_dir, resolve, sweep
+from .manifest import checksum_items, read_manifest, verify_items, write_manifest
+
+__all__ = ["load", "save"]
+
+
+# ----------------------------------------------------------------- collectives
+def _dist(group: dist.ProcessGroup | None) -> tuple[int, int, bool]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group), True
+    return 0, 1, False
+
+
+def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    _, world, on = _dist(group)
+    if not on:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _from_rank0(obj: Any, group: dist.ProcessGroup | None) -> Any:
+    _, _, on = _dist(group)
+    if not on:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+    return box[0]
+
+
+def _raise_if_any(problems: list[tuple[str, str]], group: dist.ProcessGroup | None, what: str) -> None:
+    """Every rank raises if any rank reported a problem (kind, message)."""
+    everyone = _gather(problems, group)
+    flat = [(r, kind, msg) for r, probs in enumerate(everyone) for kind, msg in probs]
+    if not flat:
+        return
+    seen: dict[str, list[int]] = {}
+    for r, _, msg in flat:
+        seen.setdefault(msg, []).append(r)
+    text = "\n  ".join(f"{msg} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for msg, rs in seen.items())
+    kinds = {k for _, k, _ in flat}
+    exc: type[Exception] = {"value": ValueError, "incomplete": IncompleteCheckpointError}.get(
+        kinds.pop() if len(kinds) == 1 else "", CheckpointError
+    )
+    raise exc(f"{what}:\n  {text}")
+
+
+def _run_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except CheckpointException as e:  # a BaseException upstream; ours is an Exception
+        raise CheckpointError(f"{fn.__module__}.{fn.__name__} failed: {e}") from e
+
+
+# -------------------------------------------------------------------- save
+def save(state_dict: Mapping[str, Any], path: str | Path, *, process_group: dist.ProcessGroup | None = None) -> str:
+    """Save ``state_dict`` (DTensors, ShardedTensors, tensors, objects) to ``path``; *collective*.
+
+    Atomic: until the final rename, a load of ``path`` returns the previous
+    checkpoint; a save interrupted at any point (a rank killed) never damages
+    it. Returns the save id.
+
+    Example::
+
+        >>> tdb.checkpoint.save(tdb.state_dict_to_dtensor(model.state_dict()), "/ckpt/step100")
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+    rank, world, _ = _dist(process_group)
+    path = Path(path).absolute()
+    save_id = _from_rank0(uuid.uuid4().hex, process_group)
+    gen = generation_dir(path, save_id)
+    problems: list[tuple[str, str]] = []
+    if rank == 0:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists() and not path.is_symlink():
+                raise CheckpointError(
+                    f"{path} exists and is not a torchrec_dtensor_bridge checkpoint; refusing to overwrite it"
+                )
+            gen.mkdir()
+        except (OSError, CheckpointError) as e:
+            problems.append(("io", f"cannot prepare {gen}: {e}"))
+    _raise_if_any(problems, process_group, f"checkpoint.save({path})")
+    writer = dcp.FileSystemWriter(gen, sync_files=True)
+    _run_dcp(dcp.save, state_dict, storage_writer=writer, process_group=process_group)
+
+    md = dcp.FileSystemReader(gen).read_metadata()
+    files = sorted({info.relative_path for info in md.storage_data.values()})
+    mine = [idx for idx, info in md.storage_data.items() if files.index(info.relative_path) % world == rank]
+    sums = _gather(checksum_items(gen, md, mine), process_group)
+    outcome = None
+    if rank == 0:
+        try:
+            merged = {k: v for part in sums for k, v in part.items()}
+            dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
+            write_manifest(gen, save_id, merged, {"world_size": world, "files": files, "dcp_save_id": dcp_id})
+            commit(path, gen)
+            sweep(path, keep=gen)
+        except Exception as e:  # reported to every rank below
+            outcome = f"commit of {gen} as {path} failed: {e}"
+    outcome = _from_rank0(outcome, process_group)
+    if outcome:
+        raise CheckpointError(outcome)
+    return save_id
+
+
+# -------------------------------------------------------------------- load
+def _leaves(sd: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(fqn, value) of every leaf, with keys flattened as DCP flattens them."""
+    if isinstance(sd, Mapping):
+        for k, v in sd.items():
+            yield from _leaves(v, f"{prefix}{k}.")
+    elif isinstance(sd, (list, tuple)) and any(isinstance(v, (torch.Tensor, Mapping)) for v in sd):
+        for i, v in enumerate(sd):
+            yield from _leaves(v, f"{prefix}{i}.")
+    else:
+        yield prefix[:-1], sd
+
+
+def _local_boxes(value: torch.Tensor, rank: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """This rank's blocks of ``value`` as (offsets, sizes), without communication."""
+    if isinstance(value, ShardedTensor):
+        return [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)) for s in value.local_shards()]
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        if callable(getattr(local, "local_offsets", None)):
+            return [(tuple(o), tuple(s.shape)) for o, s in zip(local.local_offsets(), local.local_shards())]
+        return [(s.offsets, s.sizes) for s in layout_of(value).shards_on(dist.get_rank())]
+    return [((0,) * value.dim(), tuple(value.shape))]
+
+
+def _overlaps(a_off, a_size, b_off, b_size) -> bool:
+    return all(x < y + ys and y < x + xs for x, xs, y, ys in zip(a_off, a_size, b_off, b_size)) and all(
+        a_size
+    ) and all(b_size)
+
+
+def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool) -> tuple[list[tuple[str, str]], list[tuple[str, Any]]]:
+    problems: list[tuple[str, str]] = []
+    leaves = list(_leaves(sd))
+    saved = md.state_dict_metadata
+    for fqn, value in leaves:
+        m = saved.get(fqn)
+        if m is None:
+            problems.append(("value", f"key {fqn!r} is not in the checkpoint"))
+            continue
+        if isinstance(value, torch.Tensor):
+            if not isinstance(m, TensorStorageMetadata):
+                problems.append(("value", f"key {fqn!r} was saved as an object, the destination is a tensor"))
+                continue
+            if tuple(m.size) != tuple(value.shape):
+                problems.append(
+                    ("value", f"key {fqn!r}: saved shape {list(m.size)}, destination shape {list(value.shape)}")
+                )
+            if m.properties.dtype != value.dtype:
+                problems.append(
+                    ("value", f"key {fqn!r}: saved dtype {m.properties.dtype}, destination dtype {value.dtype}")
+                )
+    if strict:
+        extra = sorted(set(saved) - {fqn for fqn, _ in leaves})
+        if extra:
+            problems.append(("value", f"unexpected keys in the checkpoint {extra} (load(..., strict=False) ignores them)"))
+    return problems, leaves
+
+
+def _needed_items(leaves: list[tuple[str, Any]], md: Metadata, rank: int) -> list[MetadataIndex]:
+    out = []
+    for fqn, value in leaves:
+        m = md.state_dict_metadata.get(fqn)
+        if m is None:
+            continue
+        if not isinstance(m, TensorStorageMetadata):
+            out.append(MetadataIndex(fqn))
+            continue
+        boxes = _local_boxes(value, rank) if isinstance(value, torch.Tensor) else []
+        for chunk in m.chunks:
+            if any(_overlaps(chunk.offsets, chunk.sizes, o, s) for o, s in boxes):
+                out.append(MetadataIndex(fqn, chunk.offsets))
+    return out
+
+
+def load(
+    state_dict: Mapping[str, Any],
+    path: str | Path,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """Load the checkpoint at ``path`` in place into ``state_dict``; *collective*.
+
+    Destinations may be DTensors, ShardedTensors or plain tensors of any layout
+    and world size: each rank reads only the chunks overlapping its shards.
+    Every key, shape and dtype, and the checksum of every item this rank reads,
+    is checked first; on any problem every rank raises and nothing is written.
+
+    Args:
+        state_dict: the destination, as returned by ``state_dict()`` (nested dicts allowed).
+        path: a checkpoint written by :func:`save` (or, with ``verify=False``, any DCP directory).
+        strict: report keys present in the checkpoint but absent from ``state_dict``.
+        verify: check item checksums (requires a checkpoint written by :func:`save`).
+        process_group: the group to load over (default: every rank).
+
+    Example::
+
+        >>> tdb.checkpoint.load(tdb.state_dict_to_dtensor(model.state_dict()), "/ckpt/step100")
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+    rank, _, _ = _dist(process_group)
+    path = Path(path).absolute()
+    problems: list[tuple[str, str]] = []
+    root: Path | None = None
+    md: Metadata | None = None
+    try:
+        root = resolve(path)
+        md = dcp.FileSystemReader(root).read_metadata()
+        manifest = read_manifest(root)
+    except IncompleteCheckpointError as e:
+        problems.append(("incomplete", str(e)))
+    except (OSError, CheckpointError, ValueError) as e:
+        problems.append(("io", f"{type(e).__name__}: {e}"))
+    if md is not None and root is not None:
+        key_problems, leaves = _check_keys(state_dict, md, strict)
+        problems += key_problems
+        if verify and not key_problems:
+            if manifest is None:
+                problems.append(("io", f"{root} has no checksum manifest (not written by checkpoint.save); "
+                                       "pass verify=False to load it unchecked"))
+            else:
+                saved_id = md.storage_meta.save_id if md.storage_meta is not None else None
+                if saved_id != manifest.get("dcp_save_id"):
+                    problems.append(
+                        ("io", f"{root}: .metadata is from save {saved_id}, the manifest from {manifest.get('dcp_save_id')}")
+                    )
+                needed = _needed_items(leaves, md, rank)
+                problems += [("io", p) for p in verify_items(root, manifest, md, needed)]
+    _raise_if_any(problems, process_group, f"checkpoint.load({path}) refused, nothing was modified")
+    assert root is not None
+    _run_dcp(dcp.load, state_dict, storage_reader=dcp.FileSystemReader(root), process_group=process_group)
