@@ -9,6 +9,12 @@ Save, on every rank (*collective*):
    (one atomic rename), then removes older and interrupted generations;
 5. every rank learns the outcome; a failure anywhere raises everywhere.
 
+Rank 0's rename is the commit point. A save that dies before it leaves the
+previous checkpoint in force; once rank 0 holds every rank's checksums it may
+commit even if a peer dies afterwards (then the survivors raise, but the new
+checkpoint is complete and verified). Either way a load returns one whole
+checkpoint, never a mix.
+
 Load, on every rank (*collective*):
 
 1. resolve ``path`` to its committed generation (never an uncommitted one);
@@ -22,7 +28,7 @@ Load, on every rank (*collective*):
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +45,14 @@ from .commit import CheckpointError, IncompleteCheckpointError, commit, generati
 from .manifest import checksum_items, read_manifest, verify_items, write_manifest
 
 __all__ = ["load", "save"]
+
+# Fault injection for the crash tests: called with the name of each save stage.
+_fault_hook: Callable[[str], None] | None = None
+
+
+def _stage(name: str) -> None:
+    if _fault_hook is not None:
+        _fault_hook(name)
 
 
 # ----------------------------------------------------------------- collectives
@@ -120,20 +134,25 @@ def save(state_dict: Mapping[str, Any], path: str | Path, *, process_group: dist
         except (OSError, CheckpointError) as e:
             problems.append(("io", f"cannot prepare {gen}: {e}"))
     _raise_if_any(problems, process_group, f"checkpoint.save({path})")
+    _stage("prepared")
     writer = dcp.FileSystemWriter(gen, sync_files=True)
     _run_dcp(dcp.save, state_dict, storage_writer=writer, process_group=process_group)
 
+    _stage("dcp_saved")
     md = dcp.FileSystemReader(gen).read_metadata()
     files = sorted({info.relative_path for info in md.storage_data.values()})
     mine = [idx for idx, info in md.storage_data.items() if files.index(info.relative_path) % world == rank]
     sums = _gather(checksum_items(gen, md, mine), process_group)
+    _stage("checksummed")
     outcome = None
     if rank == 0:
         try:
             merged = {k: v for part in sums for k, v in part.items()}
             dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
             write_manifest(gen, save_id, merged, {"world_size": world, "files": files, "dcp_save_id": dcp_id})
+            _stage("manifest_written")
             commit(path, gen)
+            _stage("committed")
             sweep(path, keep=gen)
         except Exception as e:  # reported to every rank below
             outcome = f"commit of {gen} as {path} failed: {e}"

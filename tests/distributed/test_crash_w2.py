@@ -1,0 +1,118 @@
+"""Crash matrix: a saving rank SIGKILLed at each stage, on a fresh path and over a checkpoint.
+
+Each case runs two fresh gloo processes (a killed rank breaks its group, so the
+shared pool is not used). Afterwards this process loads the path with no
+process group: it must return the last committed checkpoint bit-exact or raise
+IncompleteCheckpointError — never mixed values — and the surviving rank must
+have raised promptly instead of hanging.
+"""
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+
+import torchrec_dtensor_bridge as tdb
+from torchrec_dtensor_bridge.layout import ShardLayout
+
+from .checks import reference_table
+from .harness import _free_port
+
+LAYOUT = ShardLayout.row_wise((64, 8), [40, 24], name="t")
+
+
+def _worker(rank, port, path, mode, stage, victim, results):
+    import torch.distributed as dist
+
+    from torchrec_dtensor_bridge.checkpoint import api
+    from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+
+    def state(seed):
+        table = reference_table(LAYOUT.global_shape, seed=seed)
+        return {"t": dtensor_from_local_shards(LAYOUT, [table[s.slices()].clone() for s in LAYOUT.shards_on(rank)])}
+
+    try:
+        if mode == "overwrite":
+            tdb.checkpoint.save(state(1), path)
+
+        def hook(name):
+            if name == stage and rank == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        api._fault_hook = hook
+        t0 = time.monotonic()
+        try:
+            tdb.checkpoint.save(state(2), path)
+            results.put((rank, "saved", time.monotonic() - t0))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            results.put((rank, f"raised {type(e).__name__}", time.monotonic() - t0))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, "error " + traceback.format_exc(), 0.0))
+
+
+# (stage, rank killed there, whether the new checkpoint is committed). Rank 0's rename is the
+# commit point: once rank 0 holds every rank's checksums ("checksummed" on rank 1), it commits
+# a complete, verified checkpoint even though a peer died afterwards.
+STAGES = [
+    ("prepared", 1, False),
+    ("dcp_saved", 1, False),
+    ("checksummed", 1, True),
+    ("manifest_written", 0, False),
+    ("committed", 0, True),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["fresh", "overwrite"])
+@pytest.mark.parametrize("stage, victim, committed", STAGES)
+def test_killed_save(tmp_path, mode, stage, victim, committed):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    path = str(tmp_path / "ck")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, path, mode, stage, victim, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            pytest.fail(f"rank {procs.index(p)} hung after rank {victim} was killed at {stage!r}")
+    assert procs[victim].exitcode == -signal.SIGKILL
+    survivor = 1 - victim
+    reports = {}
+    while not results.empty():
+        rank, status, seconds = results.get()
+        reports[rank] = (status, seconds)
+    status, seconds = reports[survivor]
+    assert not status.startswith("error"), status
+    if not committed:
+        assert status.startswith("raised"), f"survivor returned from an interrupted save: {status}"
+    assert seconds < 45, f"survivor took {seconds:.1f}s to notice"
+
+    old = reference_table(LAYOUT.global_shape, seed=1)
+    new = reference_table(LAYOUT.global_shape, seed=2)
+    dest = {"t": torch.full(LAYOUT.global_shape, -1.0)}
+    if committed:
+        tdb.checkpoint.load(dest, path)
+        assert torch.equal(dest["t"], new)
+    elif mode == "overwrite":
+        tdb.checkpoint.load(dest, path)
+        assert torch.equal(dest["t"], old), "an interrupted overwrite changed what the checkpoint returns"
+    else:
+        with pytest.raises(tdb.checkpoint.IncompleteCheckpointError, match="no committed checkpoint"):
+            tdb.checkpoint.load(dest, path)
+        assert torch.equal(dest["t"], torch.full(LAYOUT.global_shape, -1.0))
+    # the next save cleans up what the interrupted one left
+    tdb.checkpoint.save({"t": new.clone()}, path)
+    leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ck.tdb-"))
+    assert len(leftovers) == 1, leftovers
