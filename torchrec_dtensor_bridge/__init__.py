@@ -20,6 +20,7 @@ from .convert import (
     to_sharded_tensor,
 )
 from .layout import LayoutKind, ShardLayout, ShardSpec
+from .state_dict import enable_dtensor_state_dict
 from .visualize import visualize_sharding
 from .wrapper import LocalShardsWrapper
 
@@ -29,6 +30,7 @@ __all__ = [
     "ShardLayout",
     "ShardSpec",
     "checkpoint",
+    "enable_dtensor_state_dict",
     "full_tensor",
     "layout_of",
     "state_dict_to_dtensor",

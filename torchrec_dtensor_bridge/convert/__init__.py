@@ -17,8 +17,10 @@ from .metadata import (
     layout_to_storage_metadata,
 )
 from .placements import layout_from_placements, placement_for_layout
+from .reshard import copy_into
 
 __all__ = [
+    "copy_into",
     "dtensor_from_local_shards",
     "full_tensor",
     "layout_from_placements",
