@@ -9,5 +9,6 @@
 from .api import load, save
 from .commit import CheckpointError, IncompleteCheckpointError
 from .inspect import format_report, inspect
+from .migrate import migrate
 
-__all__ = ["CheckpointError", "IncompleteCheckpointError", "format_report", "inspect", "load", "save"]
+__all__ = ["CheckpointError", "IncompleteCheckpointError", "format_report", "inspect", "load", "migrate", "save"]

@@ -1,0 +1,108 @@
+"""Migration of ShardedTensor-era checkpoints and the CLI, against real TorchRec models on 2 ranks."""
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+import torchrec_dtensor_bridge as tdb
+
+from .checks import reference_table
+from .harness import make_pool_fixture
+from .torchrec_models import TABLES, build_ebc, shard_ebc
+
+pool = make_pool_fixture(2)
+PLAN_B = {"t_rw": "column_wise", "t_tw": "row_wise", "t_cw": "table_wise", "t_trw": "column_wise",
+          "t_twc": "row_wise", "t_dp": "data_parallel"}
+
+
+def _reference(key, value, i):
+    return reference_table(tuple(value.size()), value.dtype, seed=i)
+
+
+def _old_state(world_size):
+    sharded, _ = shard_ebc(build_ebc(), world_size)
+    sd = sharded.state_dict()
+    for i, (key, value) in enumerate(sorted(sd.items())):
+        table = _reference(key, value, i)
+        if isinstance(value, ShardedTensor):
+            for s in value.local_shards():
+                idx = tuple(slice(o, o + z) for o, z in zip(s.metadata.shard_offsets, s.metadata.shard_sizes))
+                s.tensor.copy_(table[idx])
+        else:
+            value.copy_(table)
+    return sd
+
+
+def _write_old(rank, world_size, path, kind):
+    sd = _old_state(world_size)
+    if kind == "dcp":
+        dcp.save(sd, checkpoint_id=path)
+    else:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(sd, Path(path) / f"model_rank{rank}.pt")
+    dist.barrier()
+
+
+def _load_new(rank, world_size, path):
+    sharded, _ = shard_ebc(build_ebc(seed=7), world_size, plan_kinds=PLAN_B)
+    sd = tdb.state_dict_to_dtensor(sharded.state_dict())
+    tdb.checkpoint.load(sd, path)
+    for i, (key, value) in enumerate(sorted(sd.items())):
+        want = reference_table(tuple(value.shape), value.dtype, seed=i)
+        got = tdb.full_tensor(value) if isinstance(value, torch.distributed.tensor.DTensor) else value
+        assert torch.equal(got, want), key
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "torchrec_dtensor_bridge", *args], capture_output=True, text=True,
+                          timeout=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["dcp", "rank_files"])
+def test_migrate_then_load_into_another_plan(pool, tmp_path, kind):
+    src, dst = str(tmp_path / "old"), str(tmp_path / "new")
+    pool.run(_write_old, src, kind)
+    run = _cli("migrate", src, dst, "--no-progress")
+    assert run.returncode == 0, run.stderr
+    assert f"migrated {len(TABLES)} keys" in run.stdout, run.stdout
+    pool.run(_load_new, dst)
+    report = _cli("inspect", dst)
+    assert report.returncode == 0, report.stderr
+    for name, (rows, dim, _) in TABLES.items():
+        line = next(l for l in report.stdout.splitlines() if l.startswith(f"embedding_bags.{name}.weight"))
+        assert f"{rows}x{dim}" in line and "float32" in line, line
+    info = json.loads(_cli("inspect", dst, "--json").stdout)
+    assert info["embedding_bags.t_rw.weight"]["shape"] == list(TABLES["t_rw"][:2])
+
+
+def test_migrate_refuses_a_checkpoint_with_missing_rows(pool, tmp_path):
+    src = tmp_path / "old"
+    pool.run(_write_old, str(src), "dcp")
+    md_path = src / ".metadata"
+    md = pickle.loads(md_path.read_bytes())
+    md.state_dict_metadata["embedding_bags.t_rw.weight"].chunks.pop()
+    md_path.write_bytes(pickle.dumps(md))
+    run = _cli("migrate", str(src), str(tmp_path / "new"), "--no-progress")
+    assert run.returncode != 0
+    assert "embedding_bags.t_rw.weight" in run.stderr and "cover" in run.stderr, run.stderr
+    assert not (tmp_path / "new").exists()
+
+
+def test_cli_errors_exit_non_zero(tmp_path):
+    run = _cli("migrate", str(tmp_path / "nope"), str(tmp_path / "new"))
+    assert run.returncode != 0 and "does not exist" in run.stderr
+    run = _cli("inspect", str(tmp_path / "nope"))
+    assert run.returncode != 0 and "no committed checkpoint" in run.stderr
+    run = _cli("frobnicate")
+    assert run.returncode != 0
+    run = _cli("migrate", "--help")
+    assert run.returncode == 0 and "per-rank torch.save" in run.stdout

@@ -1,0 +1,203 @@
+"""Migrate ShardedTensor-era checkpoints to committed, checksummed DTensor-layout DCP checkpoints.
+
+Two kinds of source are accepted:
+
+* a DCP directory (``dcp.save`` of ShardedTensor state_dicts, or any DCP
+  checkpoint): every tensor's chunks are checked to cover it exactly, the
+  data files are streamed into a new generation, checksummed and committed.
+  DCP stores ShardedTensor and DTensor chunks identically, so no tensor is
+  ever materialised: memory stays flat whatever the table sizes.
+* per-rank ``torch.save`` files of state_dicts holding ShardedTensors (one
+  file per rank, named ``...rank<N>...``): unpickling a ShardedTensor needs its
+  process group, so one local gloo process per file loads its file, converts
+  it to DTensors (zero-copy) and joins a collective :func:`save`.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import re
+import shutil
+import socket
+import traceback
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..convert.metadata import layout_from_storage_metadata
+from .commit import CheckpointError, commit, generation_dir, resolve, sweep
+from .manifest import checksum_items, write_manifest
+
+__all__ = ["migrate", "rank_files"]
+
+_RANK = re.compile(r"rank[_\-]?(\d+)", re.IGNORECASE)
+_COPY_BLOCK = 8 << 20
+
+
+def _bar(total: int, desc: str, enabled: bool, unit: str = "B") -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not enabled, leave=False)
+
+
+def rank_files(src: Path) -> list[Path]:
+    """The per-rank ``torch.save`` files in ``src``, ordered by rank; checks ranks 0..N-1 are all there."""
+    found: dict[int, Path] = {}
+    for p in sorted(src.iterdir()):
+        m = _RANK.search(p.name)
+        if p.is_file() and m and p.suffix in (".pt", ".pth", ".bin"):
+            r = int(m.group(1))
+            if r in found:
+                raise ValueError(f"{src}: two files for rank {r}: {found[r].name} and {p.name}")
+            found[r] = p
+    if not found:
+        raise ValueError(f"{src}: no per-rank files (*rank<N>*.pt) and no DCP .metadata")
+    missing = sorted(set(range(max(found) + 1)) - set(found))
+    if missing:
+        raise ValueError(f"{src}: per-rank files for ranks {missing} are missing (have {sorted(found)})")
+    return [found[r] for r in range(len(found))]
+
+
+def migrate(src: str | Path, dst: str | Path, *, progress: bool = True) -> dict[str, Any]:
+    """Convert the checkpoint at ``src`` into a committed checkpoint at ``dst``.
+
+    Returns a summary: ``{"source": kind, "keys": n, "bytes": n, "save_id": id}``.
+    Raises ``ValueError`` (naming the key or file) for an incomplete or
+    inconsistent source; ``dst`` is untouched unless the migration completes.
+    """
+    src, dst = Path(src).absolute(), Path(dst).absolute()
+    if dst.exists() and not dst.is_symlink():
+        raise CheckpointError(f"{dst} exists and is not a torchrec_dtensor_bridge checkpoint")
+    if not src.exists():
+        raise ValueError(f"migrate: source {src} does not exist")
+    root = resolve(src) if src.is_symlink() else src
+    if (root / ".metadata").is_file():
+        return _migrate_dcp(root, dst, progress)
+    if root.is_dir():
+        return _migrate_rank_files(rank_files(root), dst, progress)
+    raise ValueError(f"migrate: {src} is neither a DCP directory nor a directory of per-rank files")
+
+
+def _migrate_dcp(root: Path, dst: Path, progress: bool) -> dict[str, Any]:
+    md = dcp.FileSystemReader(root).read_metadata()
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, TensorStorageMetadata):
+            layout_from_storage_metadata(m, name=fqn)  # coverage: a checkpoint missing rows is an error
+    files = sorted({info.relative_path for info in md.storage_data.values()})
+    for rel in files:
+        if not (root / rel).is_file():
+            raise ValueError(f"migrate: {root} references data file {rel}, which is missing")
+    save_id = uuid.uuid4().hex
+    gen = generation_dir(dst, save_id)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    gen.mkdir()
+    try:
+        total = sum((root / rel).stat().st_size for rel in files)
+        with _bar(total, "copy", progress) as bar:
+            for rel in [".metadata", *files]:
+                _copy_durably(root / rel, gen / rel, bar)
+        with _bar(len(md.storage_data), "checksum", progress, unit="item") as bar:
+            sums = checksum_items(gen, md, list(md.storage_data))
+            bar.update(len(md.storage_data))
+        dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
+        write_manifest(gen, save_id, sums, {"world_size": None, "files": files, "dcp_save_id": dcp_id,
+                                           "migrated_from": str(root)})
+        commit(dst, gen)
+    except BaseException:
+        shutil.rmtree(gen, ignore_errors=True)
+        raise
+    sweep(dst, keep=gen)
+    return {"source": "dcp", "keys": len(md.state_dict_metadata), "bytes": total, "save_id": save_id}
+
+
+def _copy_durably(a: Path, b: Path, bar: Any) -> None:
+    with open(a, "rb") as fa, open(b, "wb") as fb:
+        while block := fa.read(_COPY_BLOCK):
+            fb.write(block)
+            if a.name != ".metadata":
+                bar.update(len(block))
+        fb.flush()
+        os.fsync(fb.fileno())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_worker(rank: int, world: int, port: int, files: list[str], dst: str, progress: bool, out: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    from ..convert import state_dict_to_dtensor
+    from .api import save
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
+        with _bar(3, "migrate", progress and rank == 0, unit="step") as bar:
+            sd = torch.load(files[rank], weights_only=False, map_location="cpu")
+            bar.update(1)
+            dts = state_dict_to_dtensor(sd)
+            bar.update(1)
+            save_id = save(dts, dst)
+            bar.update(1)
+        keys = len(dts)
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors(sd))
+        out.put((rank, "ok", {"source": "per-rank torch.save", "keys": keys, "bytes": nbytes, "save_id": save_id}))
+        dist.destroy_process_group()
+    except BaseException:  # reported to the parent, which raises
+        out.put((rank, "error", traceback.format_exc()))
+
+
+def _tensors(sd: Any) -> list[Any]:
+    import torch
+
+    from .._compat import ShardedTensor
+
+    out = []
+    for v in sd.values():
+        if isinstance(v, ShardedTensor):
+            out += [s.tensor for s in v.local_shards()]
+        elif isinstance(v, torch.Tensor):
+            out.append(v)
+    return out
+
+
+def _migrate_rank_files(files: list[Path], dst: Path, progress: bool) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_worker, args=(r, len(files), port, [str(f) for f in files], str(dst), progress, out))
+        for r in range(len(files))
+    ]
+    for p in procs:
+        p.start()
+    results = []
+    while len(results) < len(procs):
+        try:
+            results.append(out.get(timeout=2))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            reported = {r for r, _, _ in results}
+            if any(r not in reported for r in dead):
+                for p in procs:
+                    p.kill()
+                raise CheckpointError(f"migrate: rank processes {dead} died without a report") from None
+    for p in procs:
+        p.join()
+    errors = sorted((r, msg) for r, status, msg in results if status == "error")
+    if errors:
+        raise CheckpointError("migrate failed:\n" + "\n".join(f"--- rank {r} ({files[r].name}) ---\n{m}" for r, m in errors))
+    summary = next(msg for r, status, msg in results if r == 0)
+    summary["bytes"] = sum(msg["bytes"] for _, _, msg in results)
+    return summary

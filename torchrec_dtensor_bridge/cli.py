@@ -1,0 +1,66 @@
+"""Command line: ``python -m torchrec_dtensor_bridge {inspect,migrate}``.
+
+A thin argparse shell over :mod:`torchrec_dtensor_bridge.checkpoint`; every
+failure prints ``error: ...`` to stderr and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main"]
+
+_MIGRATE_HELP = """\
+Convert a ShardedTensor-era checkpoint at SRC into a DTensor-layout DCP
+checkpoint at DST (committed atomically, with per-item checksums).
+
+Accepted SRC:
+  * a DCP directory (one with a .metadata file), e.g. written by
+    torch.distributed.checkpoint.save of a TorchRec state_dict of ShardedTensors;
+    its chunks must cover every tensor exactly (a missing row is an error);
+  * a directory of per-rank torch.save files of state_dicts, one per rank, named
+    like rank0.pt, model_rank_1.pt (extensions .pt/.pth/.bin). One local gloo
+    process per file loads it (ShardedTensors need their process group).
+DST must not exist, or be a checkpoint written by this tool (it is replaced atomically).
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m torchrec_dtensor_bridge",
+        description="Inspect and migrate checkpoints of TorchRec sharded tables (DTensor / DCP).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,migrate}")
+    p = sub.add_parser("inspect", help="print a checkpoint's tables, shapes, dtypes and shard layouts",
+                       description="Print every key of a checkpoint: dtype, shape, shard cuts and size.")
+    p.add_argument("path", help="a checkpoint written by checkpoint.save, or any DCP directory")
+    p.add_argument("--json", action="store_true", help="print checkpoint.inspect's dict as JSON")
+    m = sub.add_parser("migrate", help="convert a ShardedTensor-era checkpoint to a DTensor-layout DCP one",
+                       description=_MIGRATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    m.add_argument("src")
+    m.add_argument("dst")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status."""
+    args = _parser().parse_args(argv)
+    from . import checkpoint
+
+    try:
+        if args.command == "inspect":
+            if args.json:
+                print(json.dumps(checkpoint.inspect(args.path), indent=2))
+            else:
+                print(checkpoint.format_report(args.path))
+        else:
+            summary = checkpoint.migrate(args.src, args.dst, progress=not args.no_progress)
+            print(f"migrated {summary['keys']} keys ({summary['bytes'] / 2**20:.2f} MiB) from "
+                  f"{summary['source']} {args.src} to {args.dst} (save id {summary['save_id']})")
+    except (ValueError, TypeError, OSError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
