@@ -17,7 +17,7 @@ test-all: setup
 	$(PY) -m pytest -q -m ""
 
 demo: setup
-	$(PY) -m torch.distributed.run --standalone --nproc_per_node=2 examples/demo.py
+	$(PY) -m torch.distributed.run --standalone --nproc_per_node=4 examples/demo.py
 
 bench: setup
 	$(PY) scripts/bench_convert.py --out bench/results.json

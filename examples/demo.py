@@ -1,14 +1,18 @@
 """End-to-end demo: a TorchRec model sharded on local gloo ranks, seen as DTensors.
 
-Run with ``make demo`` (2 ranks) or
-``torchrun --standalone --nproc_per_node=N examples/demo.py``.
+Run with ``make demo`` (4 ranks) or
+``torchrun --standalone --nproc_per_node=N examples/demo.py`` (N >= 2).
 
 1. Builds an EmbeddingBagCollection with one table per TorchRec sharding type
    and shards it with a hand-written plan (row-wise runs on CPU this way).
 2. Converts its state_dict to DTensors (zero-copy) and prints each layout.
 3. Checks every table: ``full_tensor`` equals the unsharded table, the local
    shards are the module's own storage, and the way back gives TorchRec's
-   ShardedTensor metadata. Exits non-zero on any mismatch.
+   ShardedTensor metadata.
+4. Saves the DTensor state_dict with ``tdb.checkpoint.save`` (atomic,
+   checksummed), then loads it into the same model sharded by a DIFFERENT plan
+   on FEWER ranks (a subgroup), and checks tables and forward outputs against
+   the unsharded model. Exits non-zero on any mismatch.
 """
 
 from __future__ import annotations
@@ -16,14 +20,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 import warnings
 
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.shard import shard
 from torchrec.distributed.sharding_plan import (
     column_wise,
@@ -47,26 +54,64 @@ def _table_column_wise(ranks: list[int]):
     return make
 
 
-def build_model(world_size: int) -> tuple[EmbeddingBagCollection, dict]:
-    """The unsharded model (same seed on every rank) and a plan covering every sharding type."""
+TABLES = {"user_rw": (1000, 32), "item_tw": (500, 16), "ad_cw": (300, 64), "geo_trw": (250, 8),
+          "page_twc": (120, 32), "hour_dp": (24, 8)}
+
+
+def plan_a(world_size: int) -> dict:
+    """One table per TorchRec sharding type."""
     last = world_size - 1
-    specs = {
-        "user_rw": (1000, 32, row_wise()),
-        "item_tw": (500, 16, table_wise(rank=last)),
-        "ad_cw": (300, 64, column_wise(ranks=[r % world_size for r in range(4)])),
-        "geo_trw": (250, 8, table_row_wise(host_index=0)),
-        "page_twc": (120, 32, _table_column_wise([last, 0])),
-        "hour_dp": (24, 8, data_parallel()),
+    return {
+        "user_rw": row_wise(),
+        "item_tw": table_wise(rank=last),
+        "ad_cw": column_wise(ranks=[r % world_size for r in range(4)]),
+        "geo_trw": table_row_wise(host_index=0),
+        "page_twc": _table_column_wise([last, 0]),
+        "hour_dp": data_parallel(),
     }
-    torch.manual_seed(0)
+
+
+def plan_b(world_size: int) -> dict:
+    """Every table moved to another layout."""
+    return {
+        "user_rw": column_wise(ranks=[r % world_size for r in range(4)]),
+        "item_tw": row_wise(),
+        "ad_cw": table_wise(rank=0),
+        "geo_trw": _table_column_wise([world_size - 1]),
+        "page_twc": row_wise(),
+        "hour_dp": table_wise(rank=world_size - 1),
+    }
+
+
+def build_model(seed: int = 0) -> EmbeddingBagCollection:
+    """The unsharded model (same seed on every rank)."""
+    torch.manual_seed(seed)
     ebc = EmbeddingBagCollection(
         tables=[
             EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[n])
-            for n, (r, d, _) in specs.items()
+            for n, (r, d) in TABLES.items()
         ],
         device=torch.device("cpu"),
     )
-    return ebc, {n: g for n, (_, _, g) in specs.items()}
+    return ebc
+
+
+def shard_model(ebc: EmbeddingBagCollection, generators: dict, group: dist.ProcessGroup):
+    """Shard ``ebc`` over ``group`` with a hand-written TorchRec plan (row-wise works on CPU this way)."""
+    world = dist.get_world_size(group)
+    plan = construct_module_sharding_plan(
+        ebc, per_param_sharding=generators, local_size=world, world_size=world, device_type="cpu"
+    )
+    env = ShardingEnv(world, dist.get_rank(group), group)
+    return shard(ebc, plan=plan, env=env, device=torch.device("cpu"))
+
+
+def sample_batch(seed: int) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(TABLES) * 8,), generator=g)
+    chunks = [torch.randint(0, rows, (int(n),), generator=g)
+              for (rows, _), n in zip(TABLES.values(), lengths.view(len(TABLES), 8).sum(1))]
+    return KeyedJaggedTensor.from_lengths_sync(keys=list(TABLES), values=torch.cat(chunks), lengths=lengths)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,12 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
 
-    reference, generators = build_model(world)
+    reference = build_model()
     full = {k: v.detach().clone() for k, v in reference.state_dict().items()}
-    plan = construct_module_sharding_plan(
-        reference, per_param_sharding=generators, local_size=world, world_size=world, device_type="cpu"
-    )
-    sharded = shard(reference, plan=plan, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"))
+    sharded = shard_model(build_model(seed=1), plan_a(world), dist.group.WORLD)
     sd = sharded.state_dict()
     # TorchRec initialises shards itself; write the reference weights through its ShardedTensors.
     for key, value in sd.items():
@@ -122,21 +164,62 @@ def main(argv: list[str] | None = None) -> int:
             if not good:
                 failures.append(f"{name}: {what} check failed on rank {rank}")
 
+    say(f"{'table':<10} {'layout':<30} {'placements':<22} parity (this rank)")
+    for name, kind, placements, ok in rows:
+        say(f"{name:<10} {kind:<30} {placements:<22} {'ok' if ok else 'MISMATCH'}")
+    failures += checkpoint_phase(dts, reference, full, rank, world, say)
+
     verdicts = [None] * world
     dist.all_gather_object(verdicts, failures)
     all_failures = [f for v in verdicts for f in v]
-    say(f"{'table':<10} {'layout':<30} {'placements':<22} parity")
-    for name, kind, placements, ok in rows:
-        say(f"{name:<10} {kind:<30} {placements:<22} {'ok' if ok else 'MISMATCH'}")
+    say("\n== summary ==")
     if all_failures:
-        say("\nFAILED:\n  " + "\n  ".join(all_failures))
+        say("FAILED:\n  " + "\n  ".join(all_failures))
     else:
         say(
-            f"\nAll {len(rows)} tables: full_tensor == unsharded table, DTensor shards are the module's own "
-            "storage (same data_ptr), and to_sharded_tensor gives back TorchRec's metadata."
+            f"OK on all {world} ranks: {len(rows)} tables as DTensors with full_tensor == the unsharded table, "
+            "shards that are the module's own storage (same data_ptr), TorchRec's metadata on the way back; "
+            "a checkpoint that reloads bit-exact into another plan on fewer ranks."
         )
+    dist.barrier()  # nobody tears the group down while a peer still uses it
     dist.destroy_process_group()
     return 1 if all_failures else 0
+
+
+def checkpoint_phase(dts: dict, reference: EmbeddingBagCollection, full: dict, rank: int, world: int, say) -> list[str]:
+    """Save on every rank; load into plan B on a subgroup of ``world - 1`` ranks; verify."""
+    failures: list[str] = []
+    path = [tempfile.mkdtemp(prefix="tdb-demo-") + "/ckpt" if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    tdb.checkpoint.save(dts, path[0])
+    say(f"\n== checkpoint: saved on {world} ranks to {path[0]} ==")
+    say(tdb.checkpoint.format_report(path[0]))
+    load_world = max(world - 1, 1)
+    group = dist.new_group(list(range(load_world)))
+    if rank < load_world:
+        other = shard_model(build_model(seed=2), plan_b(load_world), group)
+        dest = tdb.state_dict_to_dtensor(other.state_dict())
+        tdb.checkpoint.load(dest, path[0], process_group=group)
+        for key, value in dest.items():
+            got = tdb.full_tensor(value, process_group=group) if isinstance(value, DTensor) else value
+            if not torch.equal(got, full[key]):
+                failures.append(f"{key}: differs after loading into plan B on {load_world} ranks")
+        kjt = sample_batch(seed=rank)
+        got, want = other(kjt).wait().to_dict(), reference(kjt).to_dict()  # sharded output orders keys its own way
+        for key in want:
+            if not torch.allclose(got[key], want[key], rtol=1e-5, atol=1e-6):
+                failures.append(f"{key}: forward of the plan-B model differs from the unsharded model on rank {rank}")
+        if rank == 0:
+            for key, value in dest.items():
+                if isinstance(value, DTensor):
+                    kind = tdb.layout_of(value).kind.value
+                    say(f"  {key.split('.')[-2]:<10} now {kind}")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(Path(path[0]).parent, ignore_errors=True)
+    say(f"loaded into plan B on {load_world} ranks: "
+        + ("tables bit-exact, forward == unsharded model" if not failures else "MISMATCH"))
+    return failures
 
 
 if __name__ == "__main__":

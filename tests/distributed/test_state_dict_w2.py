@@ -52,7 +52,7 @@ def _outputs(dmp, rank):
     kjt = random_kjt(TABLES, batch=6, seed=100 + rank)
     out = dmp(kjt)
     out = out.wait() if hasattr(out, "wait") else out
-    return out.values().detach().clone()
+    return {k: v.detach().clone() for k, v in out.to_dict().items()}  # plans order keys differently
 
 
 def _same(x, y):
@@ -66,7 +66,8 @@ def _check_hooks_reshard_in_memory(rank, world_size):
     sd = a.state_dict()
     tables = [k for k, v in sd.items() if isinstance(v, DTensor)]
     assert len(tables) == len(TABLES) - 1, tables
-    assert not torch.equal(_outputs(a, rank), _outputs(b, rank))
+    before = _outputs(b, rank)
+    assert any(not torch.allclose(v, before[k]) for k, v in _outputs(a, rank).items())
     b.load_state_dict(sd)  # DTensors of plan A into plan B: resharded point to point
     for key in tables:  # bit-exact tables, whatever the pooled outputs' rounding
         assert torch.equal(tdb.full_tensor(b.state_dict()[key]), tdb.full_tensor(sd[key])), key
@@ -76,7 +77,7 @@ def _check_hooks_reshard_in_memory(rank, world_size):
     full = {f"{k}": v for k, v in ref.state_dict().items()}
     b.load_state_dict(full)
     kjt = random_kjt(TABLES, batch=6, seed=100 + rank)
-    torch.testing.assert_close(_outputs(b, rank), ref(kjt).values(), rtol=1e-6, atol=1e-6)
+    _same(_outputs(b, rank), ref(kjt).to_dict())
     # ShardedTensors (TorchRec's own format) of plan A load into plan B as well
     c = _dmp(PLAN_A, seed=4, world_size=world_size)
     b.load_state_dict(c.state_dict())
