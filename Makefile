@@ -19,8 +19,13 @@ test-all: setup
 demo: setup
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=4 examples/demo.py
 
+BENCH_OUT := bench/results.json
+
 bench: setup
-	$(PY) scripts/bench_convert.py --out bench/results.json
+	mkdir -p bench
+	$(PY) scripts/bench_convert.py --out $(BENCH_OUT)
+	$(PY) scripts/bench_checkpoint.py --gib 2 --reps 5 --out $(BENCH_OUT)
+	$(PY) scripts/plot_bench.py --results $(BENCH_OUT) --out bench
 
 clean:
 	rm -rf .venv bench/*.json .pytest_cache

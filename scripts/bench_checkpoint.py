@@ -1,0 +1,161 @@
+"""Checkpoint benchmark: our save/load vs plain dcp.save/dcp.load of the same tensors, side by side.
+
+Two local gloo ranks save and load a row-wise sharded state_dict (``--gib`` GiB in
+all), alternating ours and plain DCP so both see the same page cache and disk.
+Also measured: ``dd`` write bandwidth of the same disk (with fdatasync), and the
+bytes each rank reads (``rchar`` of /proc/self/io) in a resharded load
+(row-wise save -> column-wise load) against the bytes it needs.
+
+    python scripts/bench_checkpoint.py --gib 2 --reps 5 --out bench/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+
+def _rchar() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _worker(rank: int, world: int, port: int, args: dict, out: mp.Queue) -> None:
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import torchrec_dtensor_bridge as tdb
+    from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
+    from torchrec_dtensor_bridge.layout import ShardLayout
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    tables, dim = 8, 128
+    rows = int(args["gib"] * 2**30 / (tables * dim * 4))
+    rows -= rows % world
+    layouts = [ShardLayout.row_wise((rows, dim), world, name=f"t{i}") for i in range(tables)]
+    sd = {}
+    for lay in layouts:
+        local = [torch.randn(s.sizes) for s in lay.shards_on(rank)]
+        sd[lay.name] = dtensor_from_local_shards(lay, local)
+    root = Path(args["dir"])
+    times: dict[str, list[float]] = {"ours_save": [], "dcp_save": [], "ours_load": [], "dcp_load": []}
+
+    def timed(key: str, fn) -> None:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        times[key].append(time.perf_counter() - t0)
+
+    for rep in range(args["reps"] + 1):  # the first round is a warm-up, dropped below
+        plain = root / "plain"
+        if rank == 0 and plain.exists():
+            shutil.rmtree(plain)
+        dist.barrier()
+        timed("dcp_save", lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(plain, sync_files=True)))
+        timed("ours_save", lambda: tdb.checkpoint.save(sd, root / "ours"))
+        timed("dcp_load", lambda: dcp.load(sd, checkpoint_id=plain))
+        timed("ours_load", lambda: tdb.checkpoint.load(sd, root / "ours"))
+    result = {k: v[1:] for k, v in times.items()}
+
+    # Resharded load: row-wise saved, column-wise destination.
+    col = [ShardLayout.column_wise((rows, dim), world, name=lay.name) for lay in layouts]
+    dest = {lay.name: dtensor_from_local_shards(lay, [torch.empty(s.sizes) for s in lay.shards_on(rank)]) for lay in col}
+    needed = sum(s.numel * 4 for lay in col for s in lay.shards_on(rank))
+    before = _rchar()
+    tdb.checkpoint.load(dest, root / "ours")
+    ours_read = _rchar() - before
+    before = _rchar()
+    dcp.load(dest, checkpoint_id=root / "ours")
+    dcp_read = _rchar() - before
+    result.update(rank=rank, bytes_total=tables * rows * dim * 4, needed=needed, ours_read=ours_read,
+                  dcp_read=dcp_read)
+    out.put(result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _dd(directory: Path, mib: int = 1024) -> float:
+    f = directory / "dd.bin"
+    t0 = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=16M", f"count={mib // 16}", "conv=fdatasync"],
+                   check=True, capture_output=True)
+    dt = time.perf_counter() - t0
+    f.unlink()
+    return mib / 1024 / dt
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, default=2.0)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: under ./bench)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results.json"))
+    args = parser.parse_args(argv)
+    scratch = Path(tempfile.mkdtemp(dir=args.dir or Path("bench").absolute()))
+    try:
+        dd = _dd(scratch)
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cfg = {"gib": args.gib, "reps": args.reps, "dir": str(scratch)}
+        procs = [ctx.Process(target=_worker, args=(r, 2, port, cfg, q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        per_rank = sorted((q.get(timeout=1800) for _ in procs), key=lambda r: r["rank"])
+        for p in procs:
+            p.join()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    r0 = per_rank[0]
+    gib = r0["bytes_total"] / 2**30
+    res = {
+        "gib": gib,
+        "dd_write_gib_s": dd,
+        **{k: _stats(r0[k]) for k in ("ours_save", "dcp_save", "ours_load", "dcp_load")},
+        "reshard_read": [{"rank": r["rank"], "needed": r["needed"], "ours_read": r["ours_read"],
+                          "dcp_read": r["dcp_read"]} for r in per_rank],
+    }
+    res["save_ratio_throughput"] = res["dcp_save"]["median"] / res["ours_save"]["median"]
+    res["load_ratio_throughput"] = res["dcp_load"]["median"] / res["ours_load"]["median"]
+    print(f"state_dict {gib:.2f} GiB on 2 ranks; dd write {dd:.2f} GiB/s")
+    for k in ("dcp_save", "ours_save", "dcp_load", "ours_load"):
+        s = res[k]
+        print(f"  {k:<10} median {s['median']:.2f}s ({gib / s['median']:.2f} GiB/s), min {s['min']:.2f}, max {s['max']:.2f}")
+    print(f"  ours/plain throughput: save {res['save_ratio_throughput']:.2f}x, load {res['load_ratio_throughput']:.2f}x "
+          "(target >= 0.8x)")
+    for r in res["reshard_read"]:
+        print(f"  resharded load, rank {r['rank']}: needs {r['needed'] / 2**20:.0f} MiB, ours reads "
+              f"{r['ours_read'] / r['needed']:.2f}x, plain dcp.load reads {r['dcp_read'] / r['needed']:.2f}x")
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+    results["checkpoint"] = res
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
