@@ -20,6 +20,7 @@ from .convert import (
     to_sharded_tensor,
 )
 from .layout import LayoutKind, ShardLayout, ShardSpec
+from .lookup import sharded_embedding, sharded_embedding_bag
 from .state_dict import enable_dtensor_state_dict
 from .visualize import visualize_sharding
 from .wrapper import LocalShardsWrapper
@@ -32,6 +33,8 @@ __all__ = [
     "checkpoint",
     "enable_dtensor_state_dict",
     "full_tensor",
+    "sharded_embedding",
+    "sharded_embedding_bag",
     "layout_of",
     "state_dict_to_dtensor",
     "state_dict_to_sharded_tensor",

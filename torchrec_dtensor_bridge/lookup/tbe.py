@@ -1,4 +1,4 @@
-"""Local pooled lookups on one shard: fbgemm_gpu's TBE kernel (the only fbgemm import).
+"""Local pooled lookups on one shard: fbgemm_gpu's TBE kernels (the only fbgemm import).
 
 Which fbgemm entry point, and why:
 
@@ -9,25 +9,34 @@ Which fbgemm entry point, and why:
   hands out no weight gradient. Unusable for a DTensor's shards.
 * ``torch.ops.fbgemm.dense_embedding_codegen_lookup_function`` (what
   ``DenseTableBatchedEmbeddingBagsCodegen`` calls) takes the weights as an
-  argument: a flat 1-D tensor plus per-table offsets. A contiguous shard's
-  ``view(-1)`` is that tensor with no copy, the op is differentiable and returns
-  the dense gradient of the shard. This is the kernel used here, on CPU
-  (fbgemm-gpu-cpu) and CUDA alike.
+  argument and is differentiable, but on CPU it has no autograd kernel
+  registered: torch warns that backpropagating through it "may lead to
+  silently incorrect behavior" and that this will stop working.
+* So the CPU kernels underneath are called directly:
+  ``split_embedding_codegen_forward_cpu`` (forward) and
+  ``split_embedding_backward_codegen_dense_cpu`` (the dense weight gradient),
+  both over ``shard.view(-1)``: the shard's own storage, no copy (the backward
+  kernel takes the weights as ``Tensor(a!)`` but does not write them; tested).
+  The caller's autograd Function wires them together.
 
 One fused call for all of a rank's shards would need the shards to live in ONE
-buffer (the op addresses tables by offset into its single weight tensor); the
+buffer (the kernels address tables by offset into a single weight tensor); the
 shards of a DTensor are separate allocations, so each shard gets its own call.
 
 fbgemm's pooling modes are SUM, MEAN and NONE: there is no MAX. ``mode="max"``
-runs ``torch.embedding_bag`` on the shard instead (also zero-copy). Shards that
-are not fp32 or not contiguous, and hosts without fbgemm_gpu, use the same
-torch fallback for SUM. MEAN is never asked of the kernel: a sharded mean must
-sum first and divide by the global bag size after the cross-rank reduction.
+runs ``torch.embedding_bag`` on the shard instead (also zero-copy) and keeps
+its arg-max rows for backward. Shards that are not fp32, not contiguous or not
+on CPU, and hosts without fbgemm_gpu, use torch for SUM too (the CUDA TBE path
+is not wired up: this project's CI has no GPU to test it). MEAN is never asked
+of the kernel: a sharded mean must sum first and divide by the global bag size
+after the cross-rank reduction.
 
-Measured on this 2-core CPU (one thread; 200,000 x 64 fp32 rows, 2048 bags of 20,
-SUM): forward TBE 0.53 ms (19.9 GB/s of rows) vs ``F.embedding_bag`` 0.50 ms
-(20.8 GB/s); forward + backward (dense gradient) TBE 23.8 ms vs 29.6 ms. Results
-equal to the last bit for SUM and per-sample weights, MEAN within 6e-8.
+Measured on this 2-core CPU (one thread; 200,000 x 64 fp32 rows, 2048 bags of
+20, SUM; the machine was shared, so numbers swing by 2x between runs): forward
+TBE 0.45-0.53 ms (19-23 GB/s of rows) vs ``torch.embedding_bag`` 0.50-1.8 ms
+(6-21 GB/s); backward TBE 24-33 ms vs torch ``index_add_`` 30-46 ms, both
+dominated by zero-filling the dense 51 MB gradient (~40 ms alone when busy).
+Outputs equal to the last bit; gradients within 1.2e-7.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["KERNEL_TBE", "KERNEL_TORCH", "pool_rows", "select_kernel", "tbe_available"]
+__all__ = ["KERNEL_TBE", "KERNEL_TORCH", "pool_rows", "pool_rows_backward", "select_kernel", "tbe_available"]
 
 KERNEL_TBE = "fbgemm_tbe"
 KERNEL_TORCH = "torch_embedding_bag"
@@ -57,14 +66,30 @@ def _fbgemm() -> ModuleType | None:
 
 def tbe_available() -> bool:
     """True when fbgemm_gpu (CPU or CUDA build) is importable."""
-    return _fbgemm() is not None and hasattr(torch.ops.fbgemm, "dense_embedding_codegen_lookup_function")
+    return _fbgemm() is not None and hasattr(torch.ops.fbgemm, "split_embedding_codegen_forward_cpu")
 
 
 def select_kernel(weight: torch.Tensor, max_mode: bool) -> str:
     """The kernel :func:`pool_rows` uses for ``weight`` (see the module docstring)."""
-    if max_mode or weight.dtype != torch.float32 or not weight.is_contiguous() or not tbe_available():
+    if (
+        max_mode
+        or weight.dtype != torch.float32
+        or weight.device.type != "cpu"
+        or not weight.is_contiguous()
+        or not tbe_available()
+    ):
         return KERNEL_TORCH
     return KERNEL_TBE
+
+
+def _table_args(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, dim = weight.shape
+    dev = weight.device
+    return (
+        torch.zeros(1, dtype=torch.int64, device=dev),  # weights_offsets: one table at 0
+        torch.tensor([0, dim], dtype=torch.int32, device=dev),  # D_offsets
+        torch.tensor([0, rows], dtype=torch.int64, device=dev),  # hash_size_cumsum
+    )
 
 
 def pool_rows(
@@ -74,44 +99,61 @@ def pool_rows(
     per_sample_weights: torch.Tensor | None = None,
     *,
     max_mode: bool = False,
-) -> torch.Tensor:
-    """Sum (or max) of ``weight`` rows per bag; differentiable w.r.t. ``weight``.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sum (or max) of ``weight`` rows per bag; no autograd graph (see :func:`pool_rows_backward`).
 
     Args:
-        weight: a 2-D shard (real storage or an alias of it; never copied).
+        weight: a 2-D shard (its real storage is read, never copied).
         ids: int64 row numbers inside ``weight``.
         offsets: ``num_bags + 1`` int64 bag boundaries into ``ids``.
         per_sample_weights: one factor per id (SUM only), or ``None``.
         max_mode: element-wise maximum instead of the sum; an empty bag gives 0.
 
     Returns:
-        ``(num_bags, weight.shape[1])`` tensor.
+        The ``(num_bags, dim)`` output, and for max the arg-max row of every
+        (bag, column) (``None`` for a sum).
     """
-    if select_kernel(weight, max_mode) == KERNEL_TORCH:
-        out, *_ = torch.embedding_bag(
-            weight, ids, offsets, False, 2 if max_mode else 0, False, per_sample_weights, True
+    with torch.no_grad():
+        if select_kernel(weight, max_mode) == KERNEL_TORCH:
+            out, _, _, argmax = torch.embedding_bag(
+                weight, ids, offsets, False, 2 if max_mode else 0, False, per_sample_weights, True
+            )
+            return out, (argmax if max_mode else None)
+        w_off, d_off, hash_cumsum = _table_args(weight)
+        out = torch.ops.fbgemm.split_embedding_codegen_forward_cpu(
+            weight.view(-1), w_off, d_off, weight.shape[1], hash_cumsum, ids, offsets, _POOL_SUM,
+            per_sample_weights, _OUTPUT_FP32,
         )
-        return out
-    rows, dim = weight.shape
-    dev = weight.device
-    return torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
-        dev_weights=weight.view(-1),
-        weights_offsets=torch.zeros(1, dtype=torch.int64, device=dev),
-        D_offsets=torch.tensor([0, dim], dtype=torch.int32, device=dev),
-        total_D=dim,
-        max_D=dim,
-        hash_size_cumsum=torch.tensor([0, rows], dtype=torch.int64, device=dev),
-        total_hash_size_bits=max(int(rows).bit_length(), 1),
-        indices=ids,
-        offsets=offsets,
-        pooling_mode=_POOL_SUM,
-        indice_weights=None if per_sample_weights is None else per_sample_weights.float(),
-        feature_requires_grad=None,
-        output_dtype=_OUTPUT_FP32,
-        B_offsets=None,
-        vbe_output_offsets_feature_rank=None,
-        vbe_B_offsets_rank_per_feature=None,
-        max_B=-1,
-        max_B_feature_rank=-1,
-        vbe_output_size=-1,
+        return out, None
+
+
+def pool_rows_backward(
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None = None,
+    argmax: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The dense gradient of ``weight`` for :func:`pool_rows`, given the output gradient.
+
+    For max, ``grad`` must already be zero where this shard's row is not the
+    one that wins (the caller knows the cross-rank winner).
+    """
+    grad = grad.contiguous()
+    if argmax is not None:
+        out = torch.zeros_like(weight)
+        return out.scatter_add_(0, argmax.clamp(min=0), grad.to(weight.dtype))
+    if select_kernel(weight, False) == KERNEL_TORCH:
+        lengths = offsets[1:] - offsets[:-1]
+        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths, output_size=ids.numel())
+        rows = grad.index_select(0, bag)
+        if per_sample_weights is not None:
+            rows = rows * per_sample_weights.unsqueeze(1)
+        return torch.zeros_like(weight).index_add_(0, ids, rows.to(weight.dtype))
+    w_off, d_off, hash_cumsum = _table_args(weight)
+    flat = torch.ops.fbgemm.split_embedding_backward_codegen_dense_cpu(
+        grad, weight.view(-1), w_off, d_off, weight.shape[1], hash_cumsum,
+        max(int(weight.shape[0]).bit_length(), 1), ids, offsets, _POOL_SUM, per_sample_weights,
     )
+    return flat.view(weight.shape)

@@ -1,0 +1,254 @@
+"""Sharded lookups on 2 gloo ranks: parity with F.embedding_bag / F.embedding, gradients, bad inputs.
+
+The per-rank routines here are shared with ``test_lookup_w3.py``. Each
+``pool.run`` checks one layout against every mode x option case, so a layout
+costs one round trip to the workers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from torchrec_dtensor_bridge.layout import LayoutKind, ShardLayout
+
+from .harness import make_pool_fixture
+
+pool = make_pool_fixture(2)
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+# (name, mode, options): every mode x option combination torch accepts.
+BAG_CASES = [
+    (f"{mode}-{opt}", mode, opt)
+    for mode in ("sum", "mean", "max")
+    for opt in ("offsets", "2d", "last_offset", "padding", "max_norm", "max_norm_p1")
+] + [("sum-psw", "sum", "psw"), ("sum-psw-padding", "sum", "psw_padding")]
+
+
+def _table(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g)
+
+
+def _weight(layout: ShardLayout, table: torch.Tensor, rank: int):
+    from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
+
+    shards = [table[s.slices()].clone() for s in layout.shards_on(rank)]
+    return dtensor_from_local_shards(layout, shards).requires_grad_()
+
+
+def _batch(rank: int, rows: int, opt: str, seed: int) -> dict:
+    """This rank's own batch (sizes differ per rank), with one empty bag."""
+    g = torch.Generator().manual_seed(seed * 97 + rank)
+    num_bags = 3 + 2 * rank
+    if opt == "2d":
+        return {"input": torch.randint(0, rows, (num_bags, 3), generator=g)}
+    lengths = torch.randint(1, 5, (num_bags,), generator=g)
+    lengths[1] = 0
+    ids = torch.randint(0, rows, (int(lengths.sum()),), generator=g)
+    if opt in ("padding", "psw_padding"):
+        ids[::3] = 2  # padding ids, including a whole bag of them when lengths allow
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    kw: dict = {"input": ids, "offsets": offsets[:-1]}
+    if opt == "last_offset":
+        kw.update(offsets=offsets, include_last_offset=True)
+    if opt.startswith("psw"):
+        kw["per_sample_weights"] = torch.rand(ids.shape, generator=g)
+    if opt in ("padding", "psw_padding"):
+        kw["padding_idx"] = 2
+    if opt == "max_norm":
+        kw["max_norm"] = 1.5
+    if opt == "max_norm_p1":
+        kw.update(max_norm=2.0, norm_type=1.0)
+    return kw
+
+
+def _everyone(obj: object) -> list:
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _assert_grad(grad, ref: torch.Tensor, layout: ShardLayout, rank: int, what: str) -> None:
+    import torchrec_dtensor_bridge as tdb
+    from torchrec_dtensor_bridge.convert import layout_of, local_shards_of
+
+    assert grad is not None, f"{what}: no weight.grad"
+    assert layout_of(grad).shards == layout.shards, f"{what}: grad layout differs from the weight's"
+    for spec, g in zip(layout.shards_on(rank), local_shards_of(grad)):
+        torch.testing.assert_close(g, ref[spec.slices()], **TOL, msg=lambda m: f"{what} shard {spec}: {m}")
+    torch.testing.assert_close(tdb.full_tensor(grad), ref, **TOL)
+
+
+def check_bag_parity(rank: int, world_size: int, layout: ShardLayout, seed: int = 0) -> int:
+    """Every mode x option case of ``sharded_embedding_bag`` on ``layout``: outputs,
+    gradients (sum over all ranks' batches) and in-place ``max_norm``."""
+    import torchrec_dtensor_bridge as tdb
+    from torchrec_dtensor_bridge.lookup import sharded_embedding_bag
+
+    table = _table(layout.global_shape, seed)
+    rows = layout.global_shape[0]
+    for k, (name, mode, opt) in enumerate(BAG_CASES):
+        what = f"{layout.name}/{name} rank {rank}"
+        weight = _weight(layout, table, rank)
+        mine = _batch(rank, rows, opt, seed + k)
+        kw = {key: v for key, v in mine.items() if key != "input"}
+        out = sharded_embedding_bag(mine["input"], weight, mode=mode, **kw)
+        full = table.clone().requires_grad_()
+        loss = 0.0
+        for q, theirs in enumerate(_everyone(mine)):
+            tkw = {key: v for key, v in theirs.items() if key != "input"}
+            ref = F.embedding_bag(theirs["input"], full, mode=mode, **tkw)
+            g_out = torch.linspace(-1, 1, ref.numel()).view_as(ref) * (q + 1)
+            loss = loss + (ref * g_out).sum()
+            if q == rank:
+                torch.testing.assert_close(out, ref.detach(), **TOL, msg=lambda m: f"{what}: {m}")
+                (out * g_out).sum().backward()
+        loss.backward()
+        _assert_grad(weight.grad, full.grad, layout, rank, what)
+        if "max_norm" in kw:
+            torch.testing.assert_close(tdb.full_tensor(weight.detach()), full.detach(), **TOL)
+    return len(BAG_CASES)
+
+
+def check_embedding_parity(rank: int, world_size: int, layout: ShardLayout, seed: int = 0) -> None:
+    """``sharded_embedding``: plain, padding_idx (negative), max_norm; grads accumulate over two calls."""
+    from torchrec_dtensor_bridge.lookup import sharded_embedding
+
+    table = _table(layout.global_shape, seed)
+    rows = layout.global_shape[0]
+    for opts in ({}, {"padding_idx": -1}, {"max_norm": 1.0}):
+        what = f"{layout.name}/embedding{opts} rank {rank}"
+        weight = _weight(layout, table, rank)
+        g = torch.Generator().manual_seed(seed + rank)
+        ids = torch.randint(0, rows, (2 + rank, 3), generator=g)
+        ids[0, 0] = rows - 1
+        full = table.clone().requires_grad_()
+        for _ in range(2):  # the second backward accumulates into weight.grad
+            out = sharded_embedding(ids, weight, **opts)
+            loss = 0.0
+            for q, theirs in enumerate(_everyone(ids)):
+                ref = F.embedding(theirs, full, **opts)
+                g_out = torch.linspace(-1, 1, ref.numel()).view_as(ref) + q
+                loss = loss + (ref * g_out).sum()
+                if q == rank:
+                    torch.testing.assert_close(out, ref.detach(), **TOL, msg=lambda m: f"{what}: {m}")
+                    (out * g_out).sum().backward()
+            loss.backward()
+        _assert_grad(weight.grad, full.grad, layout, rank, what)
+
+
+def check_no_grad(rank: int, world_size: int, layout: ShardLayout) -> None:
+    """Under ``torch.no_grad`` (and with a weight that needs none) no graph is kept."""
+    from torchrec_dtensor_bridge.lookup import sharded_embedding_bag
+
+    table = _table(layout.global_shape, 1)
+    weight = _weight(layout, table, rank)
+    ids = torch.arange(layout.global_shape[0]).view(-1, 1)[rank:]
+    with torch.no_grad():
+        out = sharded_embedding_bag(ids, weight, mode="sum")
+    assert not out.requires_grad
+    torch.testing.assert_close(out, table[rank:], **TOL)
+
+
+LAYOUTS_W2 = {
+    "row_wise_even": ShardLayout.row_wise((10, 6), 2),
+    "row_wise_two_per_rank": ShardLayout.row_wise((11, 6), [2, 4, 3, 2], ranks=[0, 1, 0, 1]),
+    "row_wise_one_rank_empty": ShardLayout.row_wise((7, 4), [7, 0]),
+    "column_wise": ShardLayout.column_wise((9, 8), [3, 5]),
+    "column_wise_two_per_rank": ShardLayout.column_wise((9, 8), [2, 2, 3, 1], ranks=[0, 1, 1, 0]),
+    "table_wise": ShardLayout.table_wise((9, 5), 1),
+    "grid": ShardLayout.grid((10, 8), [4, 6], [3, 5], [0, 1, 1, 0]),
+    "replicated": ShardLayout.replicated((9, 5), [0, 1]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS_W2))
+def test_embedding_bag_parity(pool, name):
+    layout = LAYOUTS_W2[name].with_name(name)
+    assert pool.run(check_bag_parity, layout) == [len(BAG_CASES)] * 2
+
+
+@pytest.mark.parametrize("name", ["row_wise_two_per_rank", "column_wise_two_per_rank", "grid", "table_wise"])
+def test_embedding_parity(pool, name):
+    pool.run(check_embedding_parity, LAYOUTS_W2[name].with_name(name))
+
+
+def test_no_grad(pool):
+    pool.run(check_no_grad, LAYOUTS_W2["row_wise_even"])
+
+
+def test_layouts_cover_every_kind():
+    assert {lay.kind for lay in LAYOUTS_W2.values()} == set(LayoutKind)
+
+
+# ---------------------------------------------------------------- bad inputs
+def _bad_cases(rows: int) -> list[tuple[type[Exception], str, dict]]:
+    ids, off = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    return [
+        (TypeError, "input must be a Tensor", {"input": [0, 1]}),
+        (ValueError, "got 3 dims", {"input": torch.zeros(1, 1, 1, dtype=torch.long)}),
+        (ValueError, "1-D input needs offsets", {"input": ids}),
+        (ValueError, "offsets must be None when input is 2-D", {"input": ids.view(1, 3), "offsets": off}),
+        (ValueError, f"outside [0, num_embeddings={rows})", {"input": torch.tensor([0, rows]), "offsets": off}),
+        (ValueError, "outside", {"input": torch.tensor([-1, 0]), "offsets": off}),
+        (ValueError, "per_sample_weights must have the shape", {"input": ids, "offsets": off, "mode": "sum",
+                                                                "per_sample_weights": torch.ones(2)}),
+        (NotImplementedError, "only supported for mode='sum'", {"input": ids, "offsets": off, "mode": "mean",
+                                                                 "per_sample_weights": torch.ones(3)}),
+        (ValueError, "mode must be one of", {"input": ids, "offsets": off, "mode": "median"}),
+        (ValueError, "include_last_offset=True needs offsets", {"input": ids.view(1, 3), "include_last_offset": True}),
+        (ValueError, "last offset must be the input length 3", {"input": ids, "offsets": off,
+                                                                 "include_last_offset": True}),
+        (ValueError, "max_norm must be > 0", {"input": ids, "offsets": off, "max_norm": 0.0}),
+        (NotImplementedError, "scale_grad_by_freq", {"input": ids, "offsets": off, "scale_grad_by_freq": True}),
+        (NotImplementedError, "sparse=True", {"input": ids, "offsets": off, "sparse": True}),
+        (ValueError, "offsets[0] must be 0", {"input": ids, "offsets": torch.tensor([1, 2])}),
+        (ValueError, "padding_idx must be within", {"input": ids, "offsets": off, "padding_idx": rows}),
+    ]
+
+
+def _expect(exc: type[Exception], match: str, fn) -> None:
+    try:
+        fn()
+    except exc as e:
+        assert match in str(e), (match, str(e))
+        return
+    except Exception as e:  # noqa: BLE001 - report the wrong kind
+        raise AssertionError(f"expected {exc.__name__} matching {match!r}, got {type(e).__name__}: {e}") from e
+    raise AssertionError(f"expected {exc.__name__} matching {match!r}, nothing raised")
+
+
+def check_bad_inputs(rank: int, world_size: int, layout: ShardLayout) -> int:
+    """Each bad input on every rank, then on ONE rank only: every rank raises; lookups still work after."""
+    from torchrec_dtensor_bridge.lookup import sharded_embedding, sharded_embedding_bag
+
+    rows = layout.global_shape[0]
+    weight = _weight(layout, _table(layout.global_shape, 0), rank)
+    good = {"input": torch.tensor([[0, 1]])}
+    n = 0
+    for exc, match, kw in _bad_cases(rows):
+        args = dict(kw)
+        _expect(exc, match, lambda: sharded_embedding_bag(args.pop("input"), weight, **args))
+        args = dict(kw) if rank == world_size - 1 else dict(good)
+        # only the last rank is wrong: the others raise the same kind, naming that rank
+        want = match if rank == world_size - 1 else f"rank {world_size - 1} rejected its arguments"
+        _expect(exc, want, lambda: sharded_embedding_bag(args.pop("input"), weight, **args))
+        n += 1
+    _expect(TypeError, "weight must be a DTensor", lambda: sharded_embedding_bag(good["input"], torch.ones(3, 2)))
+    _expect(ValueError, "ranks disagree on mode",
+            lambda: sharded_embedding_bag(good["input"], weight, mode="sum" if rank else "mean"))
+    bad_ids = torch.tensor([rows + 5]) if rank == 0 else torch.tensor([0])
+    _expect(ValueError, "outside" if rank == 0 else "rank 0 rejected", lambda: sharded_embedding(bad_ids, weight))
+    out = sharded_embedding_bag(good["input"], weight, mode="sum")  # the group is still in step
+    assert out.shape == (1, layout.global_shape[1])
+    return n
+
+
+@pytest.mark.parametrize("name", ["row_wise_two_per_rank", "column_wise"])
+def test_bad_inputs_raise_on_every_rank(pool, name):
+    counts = pool.run(check_bad_inputs, LAYOUTS_W2[name].with_name(name))
+    assert counts[0] == len(_bad_cases(LAYOUTS_W2[name].global_shape[0]))

@@ -1,0 +1,119 @@
+"""One-process tests of the lookup's argument checks and of the local TBE kernel wrapper."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchrec_dtensor_bridge.lookup import tbe
+from torchrec_dtensor_bridge.lookup.validate import RejectedArguments, bags_for_embedding, bags_from_input, check_options
+
+
+def _bags(input, offsets=None, psw=None, *, mode="sum", last=False, rows=10):
+    return bags_from_input("f", input, offsets, psw, rows=rows, mode=mode, include_last_offset=last,
+                           weight_dtype=torch.float32)
+
+
+def _rejected(kind, match, fn):
+    with pytest.raises(RejectedArguments) as info:
+        fn()
+    assert info.value.kind is kind and match in info.value.message, (info.value.kind, info.value.message)
+
+
+def test_canonical_forms():
+    b = _bags(torch.tensor([[1, 2], [3, 4]]))
+    assert b.ids.tolist() == [1, 2, 3, 4] and b.lengths.tolist() == [2, 2] and b.weights is None
+    b = _bags(torch.tensor([1, 2, 3]), torch.tensor([0, 0, 2]))
+    assert b.lengths.tolist() == [0, 2, 1] and b.bag_of_id().tolist() == [1, 1, 2]
+    b = _bags(torch.tensor([1, 2, 3]), torch.tensor([0, 1, 3]), last=True)
+    assert b.lengths.tolist() == [1, 2]
+    b = _bags(torch.tensor([], dtype=torch.long), torch.tensor([0]), last=True)
+    assert b.num_bags == 0
+    b = bags_for_embedding("f", torch.tensor([[1, 2, 3]], dtype=torch.int32), 10)
+    assert b.ids.dtype == torch.int64 and b.lengths.tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "kind, match, call",
+    [
+        (TypeError, "input must be a Tensor", lambda: _bags([1, 2], torch.tensor([0]))),
+        (TypeError, "int32 or int64 ids", lambda: _bags(torch.tensor([1.0]), torch.tensor([0]))),
+        (ValueError, "got 3 dims", lambda: _bags(torch.zeros(1, 1, 1, dtype=torch.long))),
+        (ValueError, "1-D input needs offsets", lambda: _bags(torch.tensor([1]))),
+        (ValueError, "offsets must be None when input is 2-D", lambda: _bags(torch.tensor([[1]]), torch.tensor([0]))),
+        (ValueError, "id 10, outside [0, num_embeddings=10)", lambda: _bags(torch.tensor([10]), torch.tensor([0]))),
+        (ValueError, "id -3", lambda: _bags(torch.tensor([-3]), torch.tensor([0]))),
+        (ValueError, "non-decreasing", lambda: _bags(torch.tensor([1, 2]), torch.tensor([0, 2, 1]))),
+        (ValueError, "offsets[0] must be 0", lambda: _bags(torch.tensor([1, 2]), torch.tensor([1]))),
+        (ValueError, "include_last_offset=True needs offsets", lambda: _bags(torch.tensor([[1]]), last=True)),
+        (ValueError, "must be the input length 2", lambda: _bags(torch.tensor([1, 2]), torch.tensor([0, 1]), last=True)),
+        (ValueError, "per_sample_weights must have the shape", lambda: _bags(torch.tensor([1]), torch.tensor([0]), torch.ones(2))),
+        (NotImplementedError, "mode='sum', got mode='max'",
+         lambda: _bags(torch.tensor([1]), torch.tensor([0]), torch.ones(1), mode="max")),
+        (TypeError, "per_sample_weights has dtype torch.float64",
+         lambda: _bags(torch.tensor([1]), torch.tensor([0]), torch.ones(1, dtype=torch.float64))),
+    ],
+)
+def test_bad_input(kind, match, call):
+    _rejected(kind, match, call)
+
+
+def _opts(**kw):
+    base = dict(mode="sum", padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False)
+    base.update(kw)
+    return check_options("f", (10, 4), **base)
+
+
+def test_options():
+    assert _opts(padding_idx=-1) == 9 and _opts(padding_idx=3) == 3 and _opts() is None
+    _rejected(ValueError, "mode must be one of", lambda: _opts(mode="avg"))
+    _rejected(ValueError, "max_norm must be > 0, got max_norm=-1", lambda: _opts(max_norm=-1))
+    _rejected(ValueError, "padding_idx must be within num_embeddings=10", lambda: _opts(padding_idx=10))
+    _rejected(NotImplementedError, "scale_grad_by_freq", lambda: _opts(scale_grad_by_freq=True))
+    _rejected(NotImplementedError, "sparse", lambda: _opts(sparse=True))
+    _rejected(ValueError, "weight must be 2-D", lambda: check_options(
+        "f", (10,), mode="sum", padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False))
+
+
+@pytest.mark.skipif(not tbe.tbe_available(), reason="fbgemm_gpu not installed")
+@pytest.mark.parametrize("with_psw", [False, True])
+def test_tbe_kernel_matches_torch_and_uses_the_shard(with_psw):
+    g = torch.Generator().manual_seed(0)
+    shard = torch.randn(50, 8, generator=g)
+    ids = torch.randint(0, 50, (40,), generator=g)
+    offsets = torch.tensor([0, 0, 7, 20, 40])  # an empty bag first
+    psw = torch.rand(40, generator=g) if with_psw else None
+    assert tbe.select_kernel(shard, max_mode=False) == tbe.KERNEL_TBE
+    before = shard.clone()
+    out, argmax = tbe.pool_rows(shard, ids, offsets, psw)
+    assert argmax is None
+    ref_w = shard.clone().requires_grad_()
+    ref = F.embedding_bag(ids, ref_w, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True)
+    torch.testing.assert_close(out, ref.detach())
+    grad = torch.randn(out.shape, generator=g)
+    ref.backward(grad)
+    torch.testing.assert_close(tbe.pool_rows_backward(grad, shard, ids, offsets, psw), ref_w.grad)
+    assert torch.equal(shard, before)  # the backward kernel takes the weights as Tensor(a!) but must not write them
+
+
+def test_max_uses_torch_fallback():
+    shard = torch.randn(5, 3)
+    assert tbe.select_kernel(shard, max_mode=True) == tbe.KERNEL_TORCH
+    ids, offsets = torch.tensor([1, 4]), torch.tensor([0, 2, 2])
+    out, argmax = tbe.pool_rows(shard, ids, offsets, max_mode=True)
+    torch.testing.assert_close(out, torch.stack([shard[[1, 4]].amax(0), torch.zeros(3)]))
+    ref_w = shard.clone().requires_grad_()
+    F.embedding_bag(ids, ref_w, offsets, mode="max", include_last_offset=True).sum().backward()
+    won = torch.tensor([[1.0] * 3, [0.0] * 3])  # the empty bag wins nothing
+    torch.testing.assert_close(tbe.pool_rows_backward(won, shard, ids, offsets, argmax=argmax), ref_w.grad)
+
+
+def test_torch_fallback_backward_matches():
+    shard = torch.randn(6, 2, dtype=torch.float64)  # not fp32: the torch path
+    ids, offsets, psw = torch.tensor([0, 5, 5, 2]), torch.tensor([0, 3, 4]), torch.rand(4, dtype=torch.float64)
+    assert tbe.select_kernel(shard, max_mode=False) == tbe.KERNEL_TORCH
+    ref_w = shard.clone().requires_grad_()
+    ref = F.embedding_bag(ids, ref_w, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True)
+    torch.testing.assert_close(tbe.pool_rows(shard, ids, offsets, psw)[0], ref.detach())
+    grad = torch.randn(ref.shape, dtype=torch.float64)
+    ref.backward(grad)
+    torch.testing.assert_close(tbe.pool_rows_backward(grad, shard, ids, offsets, psw), ref_w.grad)
