@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     say(f"{'table':<10} {'layout':<30} {'placements':<22} parity (this rank)")
     for name, kind, placements, ok in rows:
         say(f"{name:<10} {kind:<30} {placements:<22} {'ok' if ok else 'MISMATCH'}")
+    failures += lookup_phase(dts, full, rank, say)
     failures += checkpoint_phase(dts, reference, full, rank, world, say)
 
     verdicts = [None] * world
@@ -184,6 +185,30 @@ def main(argv: list[str] | None = None) -> int:
     dist.barrier()  # nobody tears the group down while a peer still uses it
     dist.destroy_process_group()
     return 1 if all_failures else 0
+
+
+def lookup_phase(dts: dict, full: dict, rank: int, say) -> list[str]:
+    """``sharded_embedding_bag`` on every sharded table, each rank with its own batch size."""
+    failures: list[str] = []
+    say("\n== lookups: tdb.sharded_embedding_bag on the sharded tables vs F.embedding_bag on the full ones ==")
+    g = torch.Generator().manual_seed(100 + rank)
+    for key, value in dts.items():
+        if not isinstance(value, DTensor):
+            continue
+        rows = value.shape[0]
+        batch = 5 + 3 * rank  # ranks pass different batch sizes, as in TorchRec
+        ids = torch.randint(0, rows, (batch * 4,), generator=g)
+        offsets = torch.arange(0, batch * 4, 4)
+        worst = 0.0
+        for mode in ("sum", "mean", "max"):
+            got = tdb.sharded_embedding_bag(ids, value, offsets, mode=mode)
+            want = torch.nn.functional.embedding_bag(ids, full[key], offsets, mode=mode)
+            worst = max(worst, (got - want).abs().max().item())
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                failures.append(f"{key}: sharded_embedding_bag(mode={mode}) differs on rank {rank}")
+        say(f"  {key.split('.')[-2]:<10} {tdb.layout_of(value).kind.value:<12} sum/mean/max: "
+            f"max |difference| {worst:.1e} on rank {rank}")
+    return failures
 
 
 def checkpoint_phase(dts: dict, reference: EmbeddingBagCollection, full: dict, rank: int, world: int, say) -> list[str]:
