@@ -22,7 +22,7 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["LayoutKind", "ShardLayout", "ShardSpec"]
+__all__ = ["LayoutKind", "ShardLayout", "ShardSpec", "boxes_overlap", "contiguous_strides"]
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,22 @@ class LayoutKind(enum.Enum):
     GRID = "grid"  # cut along several dims
 
 
-def _box_overlap(a: ShardSpec, b: ShardSpec) -> bool:
-    return all(
-        ao < bo + bs and bo < ao + as_
-        for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)
-    )
+def boxes_overlap(
+    a_offsets: Sequence[int], a_sizes: Sequence[int], b_offsets: Sequence[int], b_sizes: Sequence[int]
+) -> bool:
+    """Whether two blocks share an element (an empty block shares none)."""
+    if not all(a_sizes) or not all(b_sizes):
+        return False
+    return all(ao < bo + bs and bo < ao + az for ao, az, bo, bs in zip(a_offsets, a_sizes, b_offsets, b_sizes))
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (as ``torch.empty(shape).stride()``)."""
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(d), 1)
+    return tuple(reversed(strides))
 
 
 @dataclass(frozen=True)
@@ -324,7 +335,7 @@ class ShardLayout:
                             f"{list(s.offsets)}+{list(s.sizes)} twice on rank {s.rank}"
                         )
                     continue  # replicas on different ranks
-                if _box_overlap(s, t):
+                if boxes_overlap(s.offsets, s.sizes, t.offsets, t.sizes):
                     a, b = sorted((i, j))
                     sa, sb = self.shards[a], self.shards[b]
                     raise ValueError(

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from .._compat import ShardedTensor
 from ..convert import layout_of
+from ..layout import boxes_overlap
 from .commit import CheckpointError, IncompleteCheckpointError, commit, generation_dir, resolve, sweep
 from .manifest import checksum_items, read_manifest, verify_items, write_manifest
 
@@ -187,12 +188,6 @@ def _local_boxes(value: torch.Tensor, rank: int) -> list[tuple[tuple[int, ...], 
     return [((0,) * value.dim(), tuple(value.shape))]
 
 
-def _overlaps(a_off, a_size, b_off, b_size) -> bool:
-    return all(x < y + ys and y < x + xs for x, xs, y, ys in zip(a_off, a_size, b_off, b_size)) and all(
-        a_size
-    ) and all(b_size)
-
-
 def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool) -> tuple[list[tuple[str, str]], list[tuple[str, Any]]]:
     problems: list[tuple[str, str]] = []
     leaves = list(_leaves(sd))
@@ -232,7 +227,7 @@ def _needed_items(leaves: list[tuple[str, Any]], md: Metadata, rank: int) -> lis
             continue
         boxes = _local_boxes(value, rank) if isinstance(value, torch.Tensor) else []
         for chunk in m.chunks:
-            if any(_overlaps(chunk.offsets, chunk.sizes, o, s) for o, s in boxes):
+            if any(boxes_overlap(chunk.offsets, chunk.sizes, o, s) for o, s in boxes):
                 out.append(MetadataIndex(fqn, chunk.offsets))
     return out
 

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .._compat import ShardedTensor, make_sharded_tensor, sharded_tensor_process_group
-from ..layout import LayoutKind, ShardLayout, ShardSpec
+from ..layout import LayoutKind, ShardLayout, ShardSpec, contiguous_strides
 from ..wrapper import LocalShardsWrapper
 from .metadata import layout_from_sharded_tensor, layout_to_sharded_tensor_metadata
 from .placements import layout_from_placements, placement_for_layout
@@ -25,14 +25,6 @@ __all__ = [
     "to_dtensor",
     "to_sharded_tensor",
 ]
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [], 1
-    for d in reversed(shape):
-        out.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(out))
 
 
 def _rank() -> int:
@@ -82,7 +74,7 @@ def dtensor_from_local_shards(
         )
     shape = torch.Size(layout.global_shape)
     return DTensor.from_local(
-        local, where.mesh, where.placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
+        local, where.mesh, where.placements, run_check=False, shape=shape, stride=contiguous_strides(shape)
     )
 
 

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..layout import ShardLayout
+from ..layout import ShardLayout, boxes_overlap, contiguous_strides
 
 __all__ = ["LocalShardsWrapper"]
 
@@ -90,7 +90,7 @@ class LocalShardsWrapper(torch.Tensor):
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             shape,
-            strides=_contiguous_strides(shape),
+            strides=contiguous_strides(shape),
             dtype=dtype,
             device=device,
             requires_grad=requires_grad,
@@ -278,14 +278,6 @@ def _rebuild(shards, offsets, global_shape, layout, dtype, device) -> LocalShard
     return LocalShardsWrapper(shards, offsets, global_shape, layout=layout, dtype=dtype, device=device)
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(d), 1)
-    return tuple(reversed(strides))
-
-
 def _validate(
     shards: list[torch.Tensor], offsets_in: Sequence[Sequence[int]], gshape: torch.Size | None
 ) -> list[torch.Size]:
@@ -323,18 +315,12 @@ def _validate(
                     )
     for i in range(len(shards)):
         for j in range(i + 1, len(shards)):
-            if _overlap(offsets[i], shards[i].shape, offsets[j], shards[j].shape):
+            if boxes_overlap(offsets[i], shards[i].shape, offsets[j], shards[j].shape):
                 raise ValueError(
                     f"shards {i} (offsets {list(offsets[i])}, sizes {list(shards[i].shape)}) and "
                     f"{j} (offsets {list(offsets[j])}, sizes {list(shards[j].shape)}) overlap"
                 )
     return offsets
-
-
-def _overlap(oa, sa, ob, sb) -> bool:
-    if not all(sa) or not all(sb):
-        return False  # an empty shard covers nothing
-    return all(a < b + y and b < a + x for a, x, b, y in zip(oa, sa, ob, sb))
 
 
 def _packed_shape(
