@@ -57,6 +57,106 @@ def plot_checkpoint(res: dict, out: Path) -> Path:
     return path
 
 
+_LOOKUP_LABELS = {
+    "ours_tw": "ours, table-wise",
+    "torchrec_tw": "TorchRec DMP, table-wise (fused)",
+    "ours_rw": "ours, row-wise",
+    "upstream_rw": "upstream DTensor F.embedding, row-wise",
+}
+_LOOKUP_COLORS = {"ours_tw": "#1f77b4", "torchrec_tw": "#999", "ours_rw": "#2ca02c", "upstream_rw": "#bbb"}
+
+
+def _err(stats: list[dict], scale: float = 1.0) -> tuple[list[float], list[list[float]]]:
+    med = [s["median"] * scale for s in stats]
+    return med, [[m - s["min"] * scale for m, s in zip(med, stats)], [s["max"] * scale - m for m, s in zip(med, stats)]]
+
+
+def plot_lookup(res: dict, out: Path) -> list[Path]:
+    """lookup.png (2-rank times and the local lookup's GB/s), lookup_batch.png, lookup_world.png."""
+    cfg = res["config"]
+    made = []
+    w2 = res["world"]["2"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+    phases = [p for p in ("forward", "forward_backward") if p in w2]
+    width = 0.8 / len(_LOOKUP_LABELS)
+    for i, key in enumerate(_LOOKUP_LABELS):
+        med, err = _err([w2[p][key] for p in phases], 1e3)
+        xs = [j + (i - 1.5) * width for j in range(len(phases))]
+        ax.bar(xs, med, width, yerr=err, capsize=2, color=_LOOKUP_COLORS[key], label=_LOOKUP_LABELS[key],
+               hatch="//" if key.startswith("ours") else None, edgecolor="k", linewidth=0.3)
+    ax.set_xticks(range(len(phases)), [p.replace("_", " + ") for p in phases])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per step (median, min..max)")
+    ax.set_title(f"{cfg['tables']} tables x {cfg['rows']:,} x {cfg['dim']}, batch {cfg['batch']}/rank, 2 gloo ranks",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    loc = res["local"]
+    keys = ["copy", "copy_table", "ours_pool_rows", "torch_embedding_bag"]
+    labels = [f"copy {loc['copy_bytes'] // 2**20} MiB", f"copy {loc['shard_bytes'] / 2**20:.0f} MiB",
+              "ours (TBE)", "F.embedding_bag"]
+    gbs = [loc[k]["gb_s"] for k in keys]
+    lo = [g - loc[k]["gb_s_min"] for g, k in zip(gbs, keys)]
+    hi = [loc[k]["gb_s_max"] - g for g, k in zip(gbs, keys)]
+    ax2.bar(labels, gbs, yerr=[lo, hi], capsize=3, color=["#999", "#ccc", "#1f77b4", "#bbb"])
+    ax2.axhline(0.6 * loc["copy"]["gb_s"], color="r", linestyle="--", linewidth=1, label="60% of copy (target)")
+    ax2.set_ylabel("GB/s (copied, or rows gathered)")
+    ax2.set_title(f"local lookup alone, {loc['threads']} thread", fontsize=9)
+    ax2.tick_params(axis="x", labelsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "lookup.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    made.append(path)
+
+    if res.get("batch_sweep"):
+        sweep = res["batch_sweep"]
+        batches = [s["batch"] for s in sweep]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in ("ours_rw", "upstream_rw"):
+            stats = [s[key] for s in sweep]
+            rate = [2 * b * cfg["tables"] / s["median"] for b, s in zip(batches, stats)]
+            lo = [r - 2 * b * cfg["tables"] / s["max"] for r, b, s in zip(rate, batches, stats)]
+            hi = [2 * b * cfg["tables"] / s["min"] - r for r, b, s in zip(rate, batches, stats)]
+            ax.errorbar(batches, rate, yerr=[lo, hi], marker="o", capsize=3, label=_LOOKUP_LABELS[key],
+                        color=_LOOKUP_COLORS[key] if key.startswith("ours") else "#ff7f0e")
+        ax.set_xscale("log")
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.minorticks_off()
+        ax.set_yscale("log")
+        ax.set_xlabel("batch per rank (bags)")
+        ax.set_ylabel("pooled bags / s (all tables, both ranks)")
+        ax.set_title("Row-wise forward vs batch size, 2 gloo ranks", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / "lookup_batch.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+
+    if len(res["world"]) > 1:
+        worlds = sorted(res["world"], key=int)
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in _LOOKUP_LABELS:
+            stats = [res["world"][w]["forward"][key] for w in worlds]
+            rate = [int(w) * cfg["batch"] * cfg["tables"] / s["median"] for w, s in zip(worlds, stats)]
+            ax.plot([int(w) for w in worlds], rate, marker="o", label=_LOOKUP_LABELS[key],
+                    color={"torchrec_tw": "#555", "upstream_rw": "#ff7f0e"}.get(key, _LOOKUP_COLORS[key]),
+                    linestyle="-" if key.startswith("ours") else "--")
+        ax.set_xticks([int(w) for w in worlds])
+        ax.set_yscale("log")
+        ax.set_xlabel("gloo ranks (2-core machine: 1..2 only)")
+        ax.set_ylabel("pooled bags / s (all tables, all ranks)")
+        ax.set_title(f"Forward vs world size, batch {cfg['batch']} per rank", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / "lookup_world.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=Path("bench/results.json"))
@@ -69,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         made.append(plot_convert(res["convert"], args.out))
     if "checkpoint" in res:
         made.append(plot_checkpoint(res["checkpoint"], args.out))
+    if "lookup" in res:
+        made.extend(plot_lookup(res["lookup"], args.out))
     for p in made:
         print(f"wrote {p}")
     return 0

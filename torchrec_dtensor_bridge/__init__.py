@@ -21,6 +21,7 @@ from .convert import (
 )
 from .layout import LayoutKind, ShardLayout, ShardSpec
 from .lookup import sharded_embedding, sharded_embedding_bag
+from .sharding import shard_module
 from .state_dict import enable_dtensor_state_dict
 from .visualize import visualize_sharding
 from .wrapper import LocalShardsWrapper
@@ -36,6 +37,7 @@ __all__ = [
     "sharded_embedding",
     "sharded_embedding_bag",
     "layout_of",
+    "shard_module",
     "state_dict_to_dtensor",
     "state_dict_to_sharded_tensor",
     "storage_metadata",

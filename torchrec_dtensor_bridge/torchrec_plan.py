@@ -8,7 +8,26 @@ import torch
 
 from .layout import ShardLayout, ShardSpec
 
-__all__ = ["layout_from_parameter_sharding", "layouts_from_module_plan"]
+__all__ = ["embedding_bag_collection_type", "jagged_types", "layout_from_parameter_sharding", "layouts_from_module_plan"]
+
+
+def embedding_bag_collection_type() -> type | None:
+    """TorchRec's ``EmbeddingBagCollection`` class if torchrec is already loaded, else ``None``.
+
+    An EBC can only be in a module tree once torchrec is imported, so a caller
+    looking for EBCs never needs to import torchrec itself.
+    """
+    import sys
+
+    mod = sys.modules.get("torchrec.modules.embedding_modules")
+    return None if mod is None else mod.EmbeddingBagCollection
+
+
+def jagged_types() -> tuple[type, type]:
+    """``(KeyedJaggedTensor, KeyedTensor)``, imported on first use."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+    return KeyedJaggedTensor, KeyedTensor
 
 
 def layout_from_parameter_sharding(

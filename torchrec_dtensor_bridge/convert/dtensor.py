@@ -107,11 +107,7 @@ def to_dtensor(
     if not isinstance(sharded_tensor, ShardedTensor):
         raise TypeError(f"to_dtensor expects a ShardedTensor, got {type(sharded_tensor).__name__}")
     layout = layout_from_sharded_tensor(sharded_tensor, name=name or "table")
-    local = sharded_tensor.local_shards()
-    rank = _rank()
-    # Order the local tensors as the layout lists this rank's blocks.
-    by_offset = {tuple(s.metadata.shard_offsets): s.tensor for s in local}
-    tensors = [by_offset[spec.offsets] for spec in layout.shards_on(rank)]
+    tensors = _in_layout_order(sharded_tensor, layout.shards_on(_rank()))
     return dtensor_from_local_shards(
         layout,
         tensors,
@@ -160,10 +156,21 @@ def _gather_layout(t: DTensor, local: Any, name: str) -> ShardLayout:
     return lay
 
 
+def _in_layout_order(st: ShardedTensor, specs: tuple[ShardSpec, ...]) -> list[torch.Tensor]:
+    """``st``'s local tensors ordered as ``specs`` (a ShardedTensor may keep its local
+    shards in another order than its metadata). Matched by offsets AND sizes: an
+    empty block may share its offsets with a real one."""
+    pool: dict[tuple, list[torch.Tensor]] = {}
+    for s in st.local_shards():
+        key = (tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes))
+        pool.setdefault(key, []).append(s.tensor)
+    return [pool[(spec.offsets, spec.sizes)].pop(0) for spec in specs]
+
+
 def local_shards_of(t: DTensor | ShardedTensor) -> list[torch.Tensor]:
     """This rank's shard tensors (real storage), in the layout's order for this rank."""
     if isinstance(t, ShardedTensor):
-        return [s.tensor for s in t.local_shards()]
+        return _in_layout_order(t, layout_from_sharded_tensor(t).shards_on(_rank()))
     local = t._local_tensor
     if _is_shards_wrapper(local):
         return list(local.local_shards())

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from ..layout import ShardLayout, boxes_overlap, contiguous_strides
+from ..layout import LayoutKind, ShardLayout, ShardSpec, boxes_overlap, contiguous_strides
 
 __all__ = ["LocalShardsWrapper"]
 
@@ -234,13 +234,21 @@ class LocalShardsWrapper(torch.Tensor):
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         """The real local shard at ``index.offset`` (loads copy into it in place).
-        ``index.index`` is only a hint: DCP rewrites it to a global position."""
+        ``index.index`` is only a hint: DCP rewrites it to a global position, and on
+        load it counts only non-empty chunks. An empty shard may share its offsets
+        with a real one; DCP never reads or writes empty chunks, so a non-empty
+        shard at the offsets wins."""
         i = index.index
-        if i is not None and 0 <= i < len(self._offsets) and self._offsets[i] == index.offset:
+        if (
+            i is not None
+            and 0 <= i < len(self._offsets)
+            and self._offsets[i] == index.offset
+            and self._local_shards[i].numel()
+        ):
             return self._local_shards[i]
-        for off, shard in zip(self._offsets, self._local_shards):
-            if off == index.offset:
-                return shard
+        matches = [s for off, s in zip(self._offsets, self._local_shards) if off == index.offset]
+        if matches:
+            return next((s for s in matches if s.numel()), matches[0])
         raise ValueError(
             f"{index.fqn!r}: no local shard at offsets {list(index.offset or [])}; "
             f"this rank holds {[list(o) for o in self._offsets]}"
@@ -343,4 +351,6 @@ def _packed_shape(
     return torch.Size(shape), None
 
 
-torch.serialization.add_safe_globals([LocalShardsWrapper, _rebuild, ShardLayout])
+# ShardSpec and LayoutKind too: a wrapper carrying its table layout pickles them
+# (the shards, and `kind` once it is cached), and weights_only loads must accept them.
+torch.serialization.add_safe_globals([LocalShardsWrapper, _rebuild, ShardLayout, ShardSpec, LayoutKind])

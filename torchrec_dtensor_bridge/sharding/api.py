@@ -1,0 +1,130 @@
+"""``shard_module``: turn a module's embedding tables into DTensor-sharded parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..convert.dtensor import dtensor_from_local_shards
+from ..layout import LayoutKind, ShardLayout
+from .checks import PlanEntry, RefusedCall, agree, resolve_plan
+from .ebc import ebc_forward, ebc_owners
+from .modules import GATHER_OUTPUT_ATTR, forward_for, install_forward
+from .scatter import scatter_blocks
+
+__all__ = ["shard_module"]
+
+
+def _mesh_for(layout: ShardLayout, device_mesh: DeviceMesh) -> DeviceMesh | None:
+    """A table on one rank keeps the package's convention (its one-rank mesh); others use ``device_mesh``."""
+    return None if layout.kind is LayoutKind.TABLE_WISE and len(layout.shards) == 1 else device_mesh
+
+
+def _sharded_parameter(entry: PlanEntry, device_mesh: DeviceMesh, src_rank: int) -> nn.Parameter:
+    with torch.no_grad():
+        shards = scatter_blocks(entry.param.detach(), entry.layout, src_rank)
+    dt = dtensor_from_local_shards(
+        entry.layout, shards, device_mesh=_mesh_for(entry.layout, device_mesh), device=entry.param.device
+    )
+    return nn.Parameter(dt, requires_grad=entry.param.requires_grad)
+
+
+def shard_module(
+    module: nn.Module,
+    plan: Mapping[str, ShardLayout],
+    device_mesh: DeviceMesh,
+    src_rank: int = 0,
+    *,
+    gather_output: bool = False,
+) -> nn.Module:
+    """Shard ``module``'s embedding tables as ``plan`` says, with ``src_rank``'s values; *collective*.
+
+    Mirrors PyTorch's older ``torch.distributed._shard.shard_module``. Every
+    rank calls it with the same ``plan`` and ``src_rank``. Steps, the same on
+    every rank:
+
+    1. check the call locally (below) and agree on the verdict, the plan (a
+       digest per entry), ``src_rank`` and the parameters' dtypes in one
+       ``all_gather_object``; on any failure or disagreement every rank raises
+       and the module is left unchanged;
+    2. for each entry in plan order, ``src_rank`` sends every rank exactly the
+       blocks the layout gives it (point to point, never the whole table);
+       other ranks' values of the table are ignored;
+    3. each parameter becomes ``nn.Parameter(DTensor)`` over the received
+       blocks (``requires_grad`` kept), and each sharded module's forward runs
+       the sharded lookups: its class is swapped for a cached subclass
+       (``ShardedEmbeddingBag``, ``ShardedEmbedding``,
+       ``ShardedEmbeddingBagCollection``) that only overrides ``forward``.
+
+    Forwards are *collective*; each rank passes its own batch (sizes may
+    differ) and gets its own batch's output: ``nn.EmbeddingBag`` ->
+    :func:`~torchrec_dtensor_bridge.sharded_embedding_bag` with the module's
+    ``mode``, ``padding_idx``, ``max_norm``, ``norm_type`` and
+    ``include_last_offset``; ``nn.Embedding`` ->
+    :func:`~torchrec_dtensor_bridge.sharded_embedding`; a TorchRec
+    ``EmbeddingBagCollection`` takes a ``KeyedJaggedTensor`` and returns a
+    ``KeyedTensor`` like TorchRec's (tables not in the plan stay local).
+    Backward fills ``weight.grad`` with a DTensor of the weight's layout
+    holding the gradient of all ranks' batches.
+
+    Args:
+        module: the unsharded module; modified in place.
+        plan: parameter name (as in ``module.named_parameters()``, e.g.
+            ``"weight"``, ``"emb.weight"``, ``"embedding_bags.t0.weight"``) ->
+            layout of that table over global ranks.
+        device_mesh: a 1-D mesh over every rank (the lookups run on the
+            default group). A table held by one rank lives on that rank's
+            one-rank mesh, as everywhere in this package.
+        src_rank: the rank whose values are scattered.
+        gather_output: the output hook. ``False`` (default): each rank gets
+            only the local part - its own batch's output, a plain tensor.
+            ``True``: the output is resharded to a full copy - every rank gets
+            all ranks' outputs concatenated in rank order (for an EBC, the
+            ``KeyedTensor`` values), with a backward that sums every rank's
+            gradient of a row.
+
+    Returns:
+        ``module`` itself, sharded.
+
+    Raises:
+        TypeError, ValueError, NotImplementedError: on every rank when any rank
+            finds a problem: a plan that is not a mapping of names to
+            ``ShardLayout``s; a name that is missing, not a tensor parameter,
+            or not the weight of an embedding module; a non-contiguous or
+            already sharded parameter; a layout whose global shape or dtype
+            differs from the parameter's, that does not cover the table, or
+            that puts a block on a rank outside the mesh; two entries for one
+            parameter, or a parameter tied to several modules; a bad mesh or
+            ``src_rank``; ranks passing different plans or ``src_rank``.
+
+    Example::
+
+        >>> emb = nn.EmbeddingBag(1000, 64, mode="sum")
+        >>> mesh = init_device_mesh("cpu", (world,))
+        >>> shard_module(emb, {"weight": ShardLayout.row_wise((1000, 64), world)}, mesh)
+        >>> out = emb(ids, offsets)      # this rank's bags; emb.weight is a DTensor
+        >>> out.sum().backward()         # emb.weight.grad: a DTensor like emb.weight
+    """
+    error, entries = None, None
+    try:
+        if not isinstance(gather_output, bool):
+            raise RefusedCall(TypeError, f"shard_module: gather_output must be a bool, got {gather_output!r}")
+        entries = resolve_plan(module, plan, device_mesh, src_rank)
+    except RefusedCall as e:
+        error = e
+    agree(plan, src_rank, entries, error)
+    assert entries is not None
+    params = [_sharded_parameter(e, device_mesh, src_rank) for e in entries]
+    # Nothing above touched the module; from here on nothing can fail.
+    owners = ebc_owners(module)
+    for entry, param in zip(entries, params):
+        entry.owner._parameters[entry.name.rpartition(".")[2]] = param
+        install_forward(entry.owner, forward_for(entry.owner))
+        ebc = owners.get(id(entry.owner))
+        if ebc is not None:
+            install_forward(ebc, ebc_forward)
+        setattr(ebc if ebc is not None else entry.owner, GATHER_OUTPUT_ATTR, gather_output)
+    return module
