@@ -9,6 +9,7 @@ true shape and stride given explicitly.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 from dataclasses import dataclass
 from functools import lru_cache
@@ -21,7 +22,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from .._compat import one_rank_mesh
 from ..layout import LayoutKind, ShardLayout, ShardSpec
 
-__all__ = ["DTensorPlacement", "layout_from_placements", "placement_for_layout", "world_mesh"]
+__all__ = ["DTensorPlacement", "clear_caches", "layout_from_placements", "placement_for_layout", "world_mesh"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,23 @@ def _mesh_ranks(mesh: DeviceMesh) -> torch.Tensor:
         hit = (mesh, mesh.mesh)
         _MESH_RANKS[id(mesh)] = hit
     return hit[1]
+
+
+def clear_caches() -> None:
+    """Drop the cached meshes (and through them, process groups).
+
+    Runs automatically at interpreter exit: a gloo group kept alive by a cache
+    past ``destroy_process_group`` is otherwise torn down during interpreter
+    finalisation, which now and then aborts the process ("terminate called
+    without an active exception"). Call it yourself after destroying and
+    re-creating the default process group in one process.
+    """
+    _mesh_for_group.cache_clear()
+    one_rank_mesh.cache_clear()
+    _MESH_RANKS.clear()
+
+
+atexit.register(clear_caches)
 
 
 def layout_from_placements(
