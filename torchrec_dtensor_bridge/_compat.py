@@ -13,6 +13,7 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torch.distributed._shard.sharded_tensor import Shard as ShardedTensorShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import (
@@ -42,8 +43,11 @@ def make_sharded_tensor(
 ) -> ShardedTensor:
     """Build a ShardedTensor from local tensors and global metadata; no copy, no collective."""
     shards = [ShardedTensorShard(tensor=t, metadata=m) for t, m in local]
+    # TorchRec builds its ShardedTensors with an EnumerableShardingSpec; passing it also
+    # skips torch's spec inference (a ChunkShardingSpec attempt first), ~8 us a table.
+    spec = EnumerableShardingSpec(list(metadata.shards_metadata))
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, sharded_tensor_metadata=metadata, process_group=process_group
+        shards, sharded_tensor_metadata=metadata, process_group=process_group, sharding_spec=spec
     )
 
 
