@@ -23,6 +23,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties as ShardedTensorProperties,
 )
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.remote_device import _remote_device
 
 __all__ = [
     "ShardMetadata",
@@ -32,6 +33,7 @@ __all__ = [
     "ShardedTensorShard",
     "make_sharded_tensor",
     "one_rank_mesh",
+    "shard_placement",
     "sharded_tensor_process_group",
 ]
 
@@ -54,6 +56,12 @@ def make_sharded_tensor(
 def sharded_tensor_process_group(st: ShardedTensor) -> dist.ProcessGroup | None:
     """The process group a ShardedTensor's placement ranks refer to."""
     return st._process_group
+
+
+@lru_cache(maxsize=4096)
+def shard_placement(placement: str) -> _remote_device:
+    """The parsed ``"rank:N/device"`` placement of a ShardMetadata, parsed once per string."""
+    return _remote_device(placement)
 
 
 @lru_cache(maxsize=None)

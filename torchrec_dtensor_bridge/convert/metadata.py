@@ -10,7 +10,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .._compat import ShardedTensor, ShardedTensorMetadata, ShardedTensorProperties, ShardMetadata
+from .._compat import (
+    ShardedTensor,
+    ShardedTensorMetadata,
+    ShardedTensorProperties,
+    ShardMetadata,
+    shard_placement,
+)
 from ..layout import ShardLayout, ShardSpec
 
 __all__ = [
@@ -96,7 +102,7 @@ def layout_to_sharded_tensor_metadata(
             ShardMetadata(
                 shard_offsets=list(s.offsets),
                 shard_sizes=list(s.sizes),
-                placement=f"rank:{_group_rank(process_group, s.rank)}/{d}",
+                placement=shard_placement(f"rank:{_group_rank(process_group, s.rank)}/{d}"),
             )
         )
     props = ShardedTensorProperties(dtype=layout.dtype, requires_grad=requires_grad)

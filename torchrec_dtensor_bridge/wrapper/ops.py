@@ -118,9 +118,10 @@ def _new(func, args, kwargs):
 def _view(func, args, kwargs):
     w, size = args[0], torch.Size(args[1])
     if size in (w.shape, w.global_shape):
-        # DTensor views a local tensor as itself or as the global shape; per shard
-        # both mean "the same shard".
-        return _like(w, [aten.alias.default(s) for s in w.local_shards()])
+        # DTensor views a local tensor as itself (from_local) or as the global shape;
+        # per shard both mean "the same shard": the new wrapper holds the same shard
+        # tensors, so it aliases their storage exactly as a view would.
+        return w._like(list(w.local_shards()))
     if len(w.local_shards()) == 1 and size.numel() == w.numel() and w.local_offsets()[0] == torch.Size(
         [0] * w.dim()
     ) and size == w.local_shards()[0].shape:
