@@ -72,3 +72,26 @@ def _check_bad_input(rank, world_size):
 
 def test_bad_input_is_reported_on_every_rank(pool):
     pool.run(_check_bad_input)
+
+
+def _check_dtensor_own_gather_on_wrapper(rank, world_size):
+    """DTensor's own full_tensor() through a wrapper local tensor: the functional collectives
+    (all_gather_into_tensor, wait_tensor) reach the wrapper's op table and gather its shards."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    import torchrec_dtensor_bridge as tdb
+    from torchrec_dtensor_bridge.convert.placements import world_mesh
+
+    from .checks import reference_table
+
+    table = reference_table((8, 6))
+    local = tdb.LocalShardsWrapper([table[2 * rank : 2 * rank + 2].clone()], [(2 * rank, 0)], (8, 6))
+    dt = DTensor.from_local(local, world_mesh("cpu"), [Shard(0)], run_check=False, shape=table.shape,
+                            stride=table.stride())
+    assert torch.equal(dt.full_tensor(), table)
+    assert torch.equal(tdb.full_tensor(dt), table)
+
+
+def test_dtensor_full_tensor_through_wrapper_ops(pool):
+    pool.run(_check_dtensor_own_gather_on_wrapper)
