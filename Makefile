@@ -3,7 +3,7 @@ PY := .venv/bin/python
 STAMP := .venv/.setup-stamp
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-all demo bench lint clean
+.PHONY: setup test test-all demo bench typecheck clean
 
 setup: $(STAMP)
 
@@ -15,6 +15,9 @@ test: setup
 
 test-all: setup
 	$(PY) -m pytest -q -m ""
+
+typecheck: setup
+	$(PY) -m mypy torchrec_dtensor_bridge
 
 demo: setup
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=4 examples/demo.py

@@ -205,7 +205,7 @@ def _local_boxes(value: torch.Tensor, rank: int) -> list[tuple[tuple[int, ...], 
     if isinstance(value, ShardedTensor):
         return [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)) for s in value.local_shards()]
     if isinstance(value, DTensor):
-        local = value._local_tensor
+        local: Any = value._local_tensor
         if callable(getattr(local, "local_offsets", None)):
             return [(tuple(o), tuple(s.shape)) for o, s in zip(local.local_offsets(), local.local_shards())]
         return [(s.offsets, s.sizes) for s in layout_of(value).shards_on(dist.get_rank())]

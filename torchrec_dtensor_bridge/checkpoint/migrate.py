@@ -182,7 +182,7 @@ def _migrate_rank_files(files: list[Path], dst: Path, progress: bool) -> dict[st
     ]
     for p in procs:
         p.start()
-    results = []
+    results: list[tuple[int, str, Any]] = []
     while len(results) < len(procs):
         try:
             results.append(out.get(timeout=2))

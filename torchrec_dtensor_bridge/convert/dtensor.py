@@ -171,7 +171,7 @@ def local_shards_of(t: DTensor | ShardedTensor) -> list[torch.Tensor]:
     """This rank's shard tensors (real storage), in the layout's order for this rank."""
     if isinstance(t, ShardedTensor):
         return _in_layout_order(t, layout_from_sharded_tensor(t).shards_on(_rank()))
-    local = t._local_tensor
+    local: Any = t._local_tensor
     if _is_shards_wrapper(local):
         return list(local.local_shards())
     if t.device_mesh.get_coordinate() is None:
@@ -213,9 +213,10 @@ def _map_state(sd: Any, fn: Any, prefix: str = "") -> Any:
         out = {k: _map_state(v, fn, f"{prefix}{k}.") for k, v in sd.items()}
         if type(sd) is dict:
             return out
-        res = type(sd)(out)  # OrderedDict stays OrderedDict, with a module's _metadata
+        container: Any = type(sd)
+        res = container(out)  # OrderedDict stays OrderedDict, with a module's _metadata
         if hasattr(sd, "_metadata"):
-            res._metadata = sd._metadata  # type: ignore[attr-defined]
+            res._metadata = sd._metadata
         return res
     if isinstance(sd, list):
         return [_map_state(v, fn, f"{prefix}{i}.") for i, v in enumerate(sd)]

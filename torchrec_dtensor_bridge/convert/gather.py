@@ -58,7 +58,7 @@ def full_tensor(t: DTensor | ShardedTensor, *, process_group: dist.ProcessGroup 
     stray = [s for s in sources if s.rank not in per_rank]
     if stray:
         raise ValueError(
-            f"table {layout.name!r}: shards on ranks {sorted({s.rank for s in stray})} are outside the process group"
+            f"table {layout.name!r}: shards on ranks {sorted({s.rank for s in stray}, key=str)} are outside the process group"
         )
     width = max(counts.values(), default=0)
     send = torch.zeros(width, dtype=dtype, device=device)

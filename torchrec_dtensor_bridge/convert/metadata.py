@@ -50,7 +50,8 @@ def layout_from_sharded_tensor_metadata(
     shards = []
     for sm in md.shards_metadata:
         placement = sm.placement
-        rank = None if placement is None else _global_rank(process_group, placement.rank())
+        group_rank = None if placement is None else placement.rank()
+        rank = None if group_rank is None else _global_rank(process_group, group_rank)
         device = None if placement is None else str(placement.device())
         shards.append(ShardSpec(rank, tuple(sm.shard_offsets), tuple(sm.shard_sizes), device))
     dtype = md.tensor_properties.dtype if md.tensor_properties is not None else None

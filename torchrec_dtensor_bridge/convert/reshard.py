@@ -77,6 +77,7 @@ def copy_into(
                 pending.append(dist.irecv(buf, src=s.rank))
                 received.append((_view(dst_local[d], d, box), buf))
     for work in pending:
+        assert work is not None, "isend/irecv returned no work handle"
         work.wait()
     for view, buf in received:
         view.copy_(buf)

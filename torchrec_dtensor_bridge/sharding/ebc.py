@@ -20,7 +20,7 @@ values concatenated along dim 1. Two differences, both for the sharded case:
 from __future__ import annotations
 
 import collections
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ def ebc_owners(module: nn.Module) -> dict[int, nn.Module]:
         id(bag): m
         for m in module.modules()
         if isinstance(m, ebc_type)
-        for bag in m.embedding_bags.values()
+        for bag in cast(Any, m).embedding_bags.values()
     }
 
 

@@ -39,7 +39,7 @@ class _GatherRows(torch.autograd.Function):
     """All ranks' rows in rank order; backward sums every rank's gradient of this rank's rows."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor) -> torch.Tensor:
         n = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
         counts_t = [torch.empty_like(n) for _ in range(dist.get_world_size())]
         dist.all_gather(counts_t, n)
@@ -48,7 +48,7 @@ class _GatherRows(torch.autograd.Function):
         return gather_rows(local.contiguous(), counts, None)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return reduce_scatter_rows(grad.contiguous(), ctx.counts, None, dist.ReduceOp.SUM)
 
 

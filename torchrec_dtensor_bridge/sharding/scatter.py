@@ -46,7 +46,7 @@ def scatter_blocks(table: torch.Tensor, layout: ShardLayout, src_rank: int) -> l
         own = [table[s.slices()].clone(memory_format=torch.contiguous_format) for s in mine]
         ops = []
         for q in range(dist.get_world_size()):
-            if q != src_rank and sum(s.numel for s in layout.shards_on(q)):
+            if q != src_rank and any(s.numel for s in layout.shards_on(q)):
                 ops.append(dist.P2POp(dist.isend, _pack(table.detach(), layout, q), q))
         _wait(ops)
         return own

@@ -153,10 +153,11 @@ class LocalShardsWrapper(torch.Tensor):
     def is_pinned(self) -> bool:  # type: ignore[override]
         return bool(self._local_shards) and all(s.is_pinned() for s in self._local_shards)
 
-    def requires_grad_(self, requires_grad: bool = True) -> LocalShardsWrapper:  # type: ignore[override]
+    def requires_grad_(self, requires_grad: bool = True) -> LocalShardsWrapper:
         for s in self._local_shards:
             s.requires_grad_(requires_grad)
-        return super().requires_grad_(requires_grad)
+        super().requires_grad_(requires_grad)
+        return self
 
     def _properties(self) -> TensorProperties:
         return TensorProperties(dtype=self.dtype, requires_grad=self.requires_grad, pin_memory=False)
@@ -206,12 +207,12 @@ class LocalShardsWrapper(torch.Tensor):
 
     # ------------------------------------------------------------ dispatch
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from .ops import dispatch
 
         return dispatch(func, args, kwargs or {})
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     # --------------------------------------------------- DCP (_Checkpointable)
     def __create_write_items__(self, fqn: str, object: Any) -> list[WriteItem]:
@@ -276,7 +277,7 @@ class LocalShardsWrapper(torch.Tensor):
             f"dtype={self.dtype}, device={self.device}, shards=[{shards}])"
         )
 
-    __str__ = __repr__  # type: ignore[assignment]
+    __str__ = __repr__
 
     def __hash__(self) -> int:
         return id(self)
