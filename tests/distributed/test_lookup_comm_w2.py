@@ -23,9 +23,9 @@ replicated, ONE ``all_gather`` of all ranks' ids (a second one only for
 
 What SPEC §4 / issue 5 ask beyond this - zero collectives for column-wise
 with a REPLICATED input, and a row-wise output that stays ``Partial`` and is
-completed by one ``all_reduce`` - needs DTensor inputs, which the library
-does not accept yet: ``test_spec_replicated_dtensor_input`` checks them and
-xfails (naming what is missing) while the library raises ``NotImplementedError``.
+completed by one ``all_reduce`` - needs a ``Replicate`` DTensor input:
+``test_spec_replicated_dtensor_input`` checks it (no agreement step either:
+the input is the same on every rank, so validation raises alike everywhere).
 A plain tensor is always "this rank's own batch": identical batches on every
 rank are NOT recognised as replicated (``column_wise_same_batch`` below).
 """
@@ -225,14 +225,10 @@ def test_counter_sees_c10d_calls(pool):
 
 
 # ------------------------------------------------------------ SPEC: replicated DTensor input
-MISSING = "NotImplementedError"
-
-
 def spec_replicated_input(rank: int, world_size: int) -> dict:
     """SPEC §4 with a ``Replicate`` DTensor input: column-wise lookups communicate nothing in forward or
     backward (the output stays sharded on the embedding dim until gathered); a row-wise output stays
-    ``Partial`` and one all_reduce completes it. Returns the counts, or ``MISSING`` while DTensor
-    inputs are refused."""
+    ``Partial`` and one all_reduce completes it. Returns the counts."""
     from torch.distributed.tensor import DTensor, Replicate
 
     import torchrec_dtensor_bridge as tdb
@@ -247,11 +243,8 @@ def spec_replicated_input(rank: int, world_size: int) -> dict:
         mesh = weight.device_mesh
         d_ids = DTensor.from_local(ids, mesh, [Replicate()], run_check=False)
         d_off = DTensor.from_local(offsets, mesh, [Replicate()], run_check=False)
-        try:
-            with CommCounter() as fwd:
-                out = sharded_embedding_bag(d_ids, weight, d_off, mode="sum")
-        except NotImplementedError as e:
-            return {"missing": f"{MISSING}: {e}"}
+        with CommCounter() as fwd:
+            out = sharded_embedding_bag(d_ids, weight, d_off, mode="sum")
         assert isinstance(out, DTensor), f"{name}: a DTensor input must give a DTensor output, got {type(out)}"
         with CommCounter() as bwd:
             out.to_local().sum().backward()  # local grads only: no collective may be needed
@@ -266,18 +259,12 @@ def spec_replicated_input(rank: int, world_size: int) -> dict:
 
 def test_spec_replicated_dtensor_input(pool):
     results = pool.run(spec_replicated_input)
-    missing = [r["missing"] for r in results if "missing" in r]
-    if missing:
-        pytest.xfail(
-            "SPEC §4 / issue 5 not implemented: sharded_embedding_bag refuses DTensor inputs "
-            f"({missing[0]}), so a replicated input cannot be expressed; plain identical batches are treated as "
-            "each rank's own batch and cost an agreement all_gather, an id all_gather and an all_to_all "
-            "(column_wise_same_batch)"
-        )
     for rank, got in enumerate(results):
         cw, rw = got["column_wise"], got["row_wise"]
         assert cw["fwd"] == {} and cw["bwd"] == {}, f"rank {rank}: column-wise with replicated input communicated: {cw}"
         assert rw["complete"] == {"all_reduce": 1}, f"rank {rank}: row-wise partial output completed by {rw}"
+        assert cw["placements"] == ["S(1)"], cw
+        assert rw["placements"] == ["P(sum)"], rw
         assert not {"reduce_scatter", "all_reduce", "all_to_all"} & set(rw["fwd"]), (
             f"rank {rank}: row-wise lookup with replicated input reduced before the output was asked for: {rw}"
         )

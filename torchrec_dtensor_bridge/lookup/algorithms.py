@@ -84,6 +84,15 @@ class LookupPlan:
             un-pooled lookup (the padding row is returned but gets no gradient).
         track: record what backward needs (the weight requires grad and grad mode is on).
         group: the process group.
+        local_only: the batch is REPLICATED (the same on every rank, from a
+            ``Replicate`` DTensor input): no exchange at all. ``LOCAL`` returns the
+            rank's lookup and backward does not all-reduce (every rank already has
+            the gradient of the whole batch); ``COLUMNS`` returns this rank's blocks
+            side by side (``(num_bags, width of its blocks)``, to be carried as a
+            ``Shard(1)`` output); ``REDUCE`` returns this rank's un-reduced partial
+            ``(num_bags, dim)`` (a ``Partial()`` output). Backward uses the output
+            gradient as is. Only replicated blocks (several copies of one box)
+            still all-reduce their gradient.
     """
 
     layout: ShardLayout
@@ -95,6 +104,7 @@ class LookupPlan:
     skip_padding: bool
     track: bool = False
     group: dist.ProcessGroup | None = None
+    local_only: bool = False
     rank: int = field(init=False)
     world: int = field(init=False)
     strategy: Strategy = field(init=False)
@@ -194,6 +204,7 @@ def _winners(plan: LookupPlan, blocks: list[_Block], partial: torch.Tensor, best
 
 def _combine_columns(plan: LookupPlan, blocks: list[_Block]) -> torch.Tensor:
     dim, dtype, dev = plan.layout.global_shape[1], plan.layout.dtype, plan.batch.ids.device
+    assert dtype is not None, "layout_of(DTensor) always records the dtype"
     mine = torch.cat([b.out for b in blocks], dim=1) if blocks else torch.empty(
         sum(plan.num_bags), 0, dtype=dtype, device=dev
     )
@@ -212,13 +223,16 @@ def _combine_columns(plan: LookupPlan, blocks: list[_Block]) -> torch.Tensor:
 
 class _PooledLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, plan: LookupPlan, weight: DTensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, plan: LookupPlan, weight: DTensor) -> torch.Tensor:
         track = plan.track
         bag_of_id = plan.batch.bag_of_id()
         blocks = [_compute_block(plan, i, bag_of_id) for i, c in enumerate(plan.computes) if c]
         if plan.strategy is Strategy.LOCAL:
             out = blocks[0].out
             ctx.win = [blocks[0].counts.unsqueeze(1) > 0] if plan.max_mode else None
+        elif plan.local_only:
+            ctx.win = [b.counts.unsqueeze(1) > 0 for b in blocks] if plan.max_mode else None
+            out = _local_output(plan, blocks)
         elif plan.strategy is Strategy.COLUMNS:
             out = _combine_columns(plan, blocks)
             ctx.win = [b.counts.unsqueeze(1) > 0 for b in blocks] if plan.max_mode else None
@@ -230,12 +244,16 @@ class _PooledLookup(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, DTensor]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, DTensor]:
         plan: LookupPlan = ctx.plan
         blocks: list[_Block] = ctx.blocks
         grad_out = grad_out.contiguous()
         if plan.strategy is Strategy.LOCAL:
             pieces = [grad_out]
+        elif plan.local_only and plan.strategy is Strategy.COLUMNS:
+            pieces = list(grad_out.split([b.cols[1] for b in blocks], dim=1))
+        elif plan.local_only:
+            pieces = [grad_out[:, b.cols[0] : b.cols[0] + b.cols[1]] for b in blocks]
         elif plan.strategy is Strategy.COLUMNS:
             pieces = _columns_backward(plan, blocks, grad_out)
         else:
@@ -249,6 +267,18 @@ class _PooledLookup(torch.autograd.Function):
         _mask_padding(plan, grads)
         _sync_replicas(plan, grads)
         return None, _grad_dtensor(ctx.weight_meta, plan, grads)
+
+
+def _local_output(plan: LookupPlan, blocks: list[_Block]) -> torch.Tensor:
+    """``local_only``: this rank's blocks side by side (COLUMNS) or summed into a partial (REDUCE)."""
+    n, dtype, dev = plan.batch.num_bags, plan.layout.dtype, plan.batch.ids.device
+    if plan.strategy is Strategy.COLUMNS:
+        return torch.cat([b.out for b in blocks], dim=1) if blocks else torch.empty(n, 0, dtype=dtype, device=dev)
+    partial = torch.zeros(n, plan.layout.global_shape[1], dtype=dtype, device=dev)
+    for b in blocks:
+        c0, w = b.cols
+        partial[:, c0 : c0 + w] += b.out
+    return partial
 
 
 def _columns_backward(plan: LookupPlan, blocks: list[_Block], grad_out: torch.Tensor) -> list[torch.Tensor]:
@@ -279,7 +309,8 @@ def _sync_replicas(plan: LookupPlan, grads: list[torch.Tensor]) -> None:
     """Give every replica of a block the gradient its computing copy received."""
     if plan.strategy is Strategy.LOCAL:
         whole = next(i for i, c in enumerate(plan.computes) if c)
-        dist.all_reduce(grads[whole], group=plan.group)
+        if not plan.local_only:
+            dist.all_reduce(grads[whole], group=plan.group)
         for i, s in enumerate(plan.mine):
             if i != whole and s.sizes == plan.layout.global_shape:
                 grads[i].copy_(grads[whole])
