@@ -70,13 +70,19 @@ def _per_shard_operand(w: LocalShardsWrapper, other: Any, op: Any) -> list[Any]:
     return [other] * n
 
 
+def _empty_like(w: LocalShardsWrapper, dtype: torch.dtype | None, device: torch.device | None) -> LocalShardsWrapper:
+    """A wrapper of the same table holding no shard (a rank outside the table)."""
+    return LocalShardsWrapper(
+        [], [], w._global_shape, layout=w.layout_of_table, dtype=dtype or w.dtype, device=device or w.device
+    )
+
+
 @implements(aten._to_copy.default)
 def _to_copy(func, args, kwargs):
     w = args[0]
-    return _like(w, [func(s, *args[1:], **kwargs) for s in w.local_shards()]) if w.local_shards() else (
-        LocalShardsWrapper([], [], w._global_shape, layout=w.layout_of_table,
-                           dtype=kwargs.get("dtype") or w.dtype, device=kwargs.get("device") or w.device)
-    )
+    if not w.local_shards():
+        return _empty_like(w, kwargs.get("dtype"), kwargs.get("device"))
+    return _like(w, [func(s, *args[1:], **kwargs) for s in w.local_shards()])
 
 
 @implements(aten.detach.default, aten.alias.default)
@@ -107,8 +113,7 @@ def _new(func, args, kwargs):
         return _like(w, [fill(s, dtype=kwargs.get("dtype")) for s in w.local_shards()])
     if size.numel() == 0:
         # DTensor asks for an empty local tensor on ranks outside the mesh: no shards.
-        return LocalShardsWrapper([], [], w._global_shape, layout=w.layout_of_table,
-                                  dtype=kwargs.get("dtype") or w.dtype, device=w.device)
+        return _empty_like(w, kwargs.get("dtype"), None)
     raise NotImplementedError(
         f"{func}: size {list(size)} is neither the wrapper's shape {list(w.shape)} nor empty"
     )
