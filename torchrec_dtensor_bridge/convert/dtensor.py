@@ -188,7 +188,13 @@ def to_sharded_tensor(dtensor: DTensor, process_group: dist.ProcessGroup | None 
     """
     if not isinstance(dtensor, DTensor):
         raise TypeError(f"to_sharded_tensor expects a DTensor, got {type(dtensor).__name__}")
-    layout = layout_of(dtensor)
+    return _sharded_from_layout(dtensor, layout_of(dtensor), process_group)
+
+
+def _sharded_from_layout(
+    dtensor: DTensor, layout: ShardLayout, process_group: dist.ProcessGroup | None
+) -> ShardedTensor:
+    """:func:`to_sharded_tensor` once ``layout_of(dtensor)`` is known (it may be collective)."""
     if layout.kind is LayoutKind.REPLICATED or len(layout.unique_shards()) != len(layout.shards):
         raise ValueError(
             f"a replicated DTensor (placements {dtensor.placements}) has no ShardedTensor form; "
@@ -235,8 +241,8 @@ def state_dict_to_dtensor(sd: Mapping[str, Any]) -> dict[str, Any]:
 def _dtensor_to_sharded(key: str, v: Any) -> Any:
     if not isinstance(v, DTensor):
         return v
-    lay = layout_of(v, name=key)
-    return v.to_local() if lay.kind is LayoutKind.REPLICATED else to_sharded_tensor(v)
+    lay = layout_of(v, name=key)  # gathered once even for TorchRec's layout-less wrapper
+    return v.to_local() if lay.kind is LayoutKind.REPLICATED else _sharded_from_layout(v, lay, None)
 
 
 def state_dict_to_sharded_tensor(sd: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..convert.dtensor import dtensor_from_local_shards
 from ..layout import LayoutKind, ShardLayout
-from .checks import PlanEntry, RefusedCall, agree, resolve_plan
+from ..lookup.validate import RejectedArguments
+from .checks import PlanEntry, agree, resolve_plan
 from .ebc import ebc_forward, ebc_owners
 from .modules import GATHER_OUTPUT_ATTR, forward_for, install_forward
 from .scatter import scatter_blocks
@@ -111,9 +112,9 @@ def shard_module(
     error, entries = None, None
     try:
         if not isinstance(gather_output, bool):
-            raise RefusedCall(TypeError, f"shard_module: gather_output must be a bool, got {gather_output!r}")
+            raise RejectedArguments(TypeError, f"shard_module: gather_output must be a bool, got {gather_output!r}")
         entries = resolve_plan(module, plan, device_mesh, src_rank)
-    except RefusedCall as e:
+    except RejectedArguments as e:
         error = e
     agree(plan, src_rank, entries, error)
     assert entries is not None

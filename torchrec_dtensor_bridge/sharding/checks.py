@@ -4,7 +4,7 @@ Order of work (every rank, the same steps, so no rank can be left waiting):
 
 1. :func:`resolve_plan` checks this rank's arguments locally - the mesh, the
    source rank, each plan entry against the module - and stops at the first
-   failure with a :class:`RefusedCall`, which the caller holds for step 2;
+   failure with a :class:`RejectedArguments`, which the caller holds for step 2;
 2. :func:`agree` runs ONE ``all_gather_object`` carrying every rank's verdict,
    a digest of its plan (one per entry), its ``src_rank`` and the dtype of
    each named parameter; any failure or disagreement raises on every rank.
@@ -23,20 +23,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from ..layout import ShardLayout
+from ..lookup.validate import RejectedArguments
 
-__all__ = ["PlanEntry", "RefusedCall", "agree", "resolve_plan"]
+__all__ = ["PlanEntry", "agree", "resolve_plan"]
 
 # Exception kinds travel between ranks by name.
 _KINDS: dict[str, type[Exception]] = {k.__name__: k for k in (TypeError, ValueError, NotImplementedError)}
-
-
-class RefusedCall(Exception):
-    """A check that failed on this rank; raised on every rank by :func:`agree`."""
-
-    def __init__(self, kind: type[Exception], message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -56,8 +48,8 @@ class PlanEntry:
     layout: ShardLayout
 
 
-def _fail(kind: type[Exception], message: str) -> RefusedCall:
-    return RefusedCall(kind, f"shard_module: {message}")
+def _fail(kind: type[Exception], message: str) -> RejectedArguments:
+    return RejectedArguments(kind, f"shard_module: {message}")
 
 
 def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
@@ -186,7 +178,7 @@ def resolve_plan(
     """Step 1: this rank's local checks; returns the entries in plan order.
 
     Raises:
-        RefusedCall: the first failed check (kind and message to raise on every rank).
+        RejectedArguments: the first failed check (kind and message to raise on every rank).
     """
     if not isinstance(module, nn.Module):
         raise _fail(TypeError, f"module must be an nn.Module, got {type(module).__name__}")
@@ -221,7 +213,7 @@ def _plan_digests(plan: object) -> dict[str, str] | None:
     return {str(k): _entry_digest(k, v) for k, v in plan.items()}
 
 
-def agree(plan: object, src_rank: object, entries: list[PlanEntry] | None, error: RefusedCall | None) -> None:
+def agree(plan: object, src_rank: object, entries: list[PlanEntry] | None, error: RejectedArguments | None) -> None:
     """Step 2: every rank's verdict and plan digest in one ``all_gather_object``; *collective*.
 
     Raises:
