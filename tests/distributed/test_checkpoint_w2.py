@@ -194,3 +194,154 @@ def test_uncommitted_generation_is_never_loaded(pool, tmp_path):
     (tmp_path / ".ck.tdb-deadbeef").mkdir()  # what an interrupted first save leaves
     for m in pool.run(_check_no_checkpoint, str(path)):
         assert "no committed checkpoint" in m and ".ck.tdb-deadbeef" in m
+
+
+# ----------------------------------------------------------- ranged, verified loads
+# "big" is saved row-wise in two even chunks and loaded in an uneven row cut, so rank 0
+# needs the first 20000 rows of chunk 0 and rank 1 the rest of chunk 0 and all of chunk 1.
+BIG = (65536, 128)
+SAVE_CUTS = {"big": [32768, 32768], "other": [2048, 2048]}
+LOAD_CUTS = {"big": [20000, 45536], "other": [1000, 3096]}
+
+
+def _rchar():
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError("no rchar in /proc/self/io")
+
+
+def _rows_state(rank, cuts, keys=("big", "other"), fill=None):
+    sd, tables = {}, {}
+    for key in keys:
+        shape = BIG if key == "big" else (4096, 128)
+        table = reference_table(shape, seed=10 if key == "big" else 11)
+        lay = ShardLayout.row_wise(shape, cuts[key], name=key)
+        local = [(table[s.slices()] if fill is None else torch.full(s.sizes, fill)).clone() for s in lay.shards_on(rank)]
+        sd[key] = tdb.convert.dtensor_from_local_shards(lay, local)
+        tables[key] = table
+    return sd, tables
+
+
+def _save_rows(rank, world_size, path):
+    sd, _ = _rows_state(rank, SAVE_CUTS)
+    tdb.checkpoint.save(sd, path)
+
+
+def _load_rows(rank, world_size, path, keys=("big", "other"), staging_bytes=4 << 30, verify=True):
+    """Load into the uneven cut; returns (bytes read, bytes needed, error or None, destination unchanged, equal)."""
+    dest, tables = _rows_state(rank, LOAD_CUTS, keys, fill=-1.0)
+    needed = sum(t.numel() * t.element_size() for v in dest.values() for t in tdb.convert.local_shards_of(v))
+    before = _digest(dest)
+    dist.barrier()
+    r0 = _rchar()
+    try:
+        tdb.checkpoint.load(dest, path, strict=False, staging_bytes=staging_bytes, verify=verify)
+        error = None
+    except (ValueError, RuntimeError) as e:
+        error = str(e)
+    read = _rchar() - r0
+    equal = all(torch.equal(tdb.full_tensor(dest[k]), tables[k]) for k in keys)
+    return read, needed, error, _digest(dest) == before, equal
+
+
+def _flip(path, key, chunk_row, at):
+    """Flip one byte of the saved chunk of ``key`` starting at row ``chunk_row``: ``at`` bytes into its item."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    root = Path(path).resolve()
+    info = dcp.FileSystemReader(root).read_metadata().storage_data[MetadataIndex(key, [chunk_row, 0])]
+    f = root / info.relative_path
+    raw = bytearray(f.read_bytes())
+    raw[info.offset + at] ^= 0x5A
+    f.write_bytes(bytes(raw))
+    return info.relative_path
+
+
+@pytest.mark.parametrize("staging_bytes", [4 << 30, 0])
+def test_resharded_load_reads_only_needed_rows(pool, tmp_path, staging_bytes):
+    path = str(tmp_path / "ck")
+    pool.run(_save_rows, path)
+    for rank, (read, needed, error, _, equal) in enumerate(pool.run(_load_rows, path, staging_bytes=staging_bytes)):
+        assert error is None and equal, (rank, error)
+        if staging_bytes:
+            assert read <= 1.1 * needed, f"rank {rank} read {read / needed:.3f}x the bytes it needs"
+        else:  # verified first, read again to copy
+            assert 1.9 * needed <= read <= 2.2 * needed, f"rank {rank} read {read / needed:.3f}x"
+
+
+@pytest.mark.parametrize("staging_bytes", [4 << 30, 0])
+@pytest.mark.parametrize("where", ["rows", "zip_head"])
+def test_flipped_byte_in_read_block_refuses_on_every_rank(pool, tmp_path, where, staging_bytes):
+    path = str(tmp_path / "ck")
+    pool.run(_save_rows, path)
+    # rows 10000.. of chunk 0 are read by rank 0 only; the zip head (data.pkl) by both ranks
+    at = 100 if where == "zip_head" else 10000 * 128 * 4 + 4096
+    rel = _flip(path, "big", 0, at)
+    for rank, (_, _, error, unchanged, _) in enumerate(pool.run(_load_rows, path, staging_bytes=staging_bytes)):
+        assert error is not None, f"rank {rank} loaded a corrupt checkpoint"
+        assert "nothing was modified" in error and "is corrupt or from another save" in error, error
+        assert f"data file {rel}" in error and "key 'big'" in error, error
+        assert unchanged, f"rank {rank}'s destination was modified by a refused load"
+
+
+def test_flipped_byte_in_unread_block_does_not_stop_a_load(pool, tmp_path):
+    """Verification covers exactly the bytes read: corruption in rows no rank loads goes unnoticed."""
+    path = str(tmp_path / "ck")
+    pool.run(_save_rows, path)
+    _flip(path, "big", 32768, 8 << 20)  # middle of chunk 1 of "big", which this load does not ask for
+    for rank, (_, _, error, _, equal) in enumerate(pool.run(_load_rows, path, keys=("other",))):
+        assert error is None and equal, (rank, error)
+    results = pool.run(_load_rows, path)  # loading "big" too reads that block and refuses
+    assert all(r[2] is not None and "is corrupt" in r[2] and r[3] for r in results), results
+
+
+def test_format1_manifest_still_loads(pool, tmp_path):
+    """A checkpoint with a format-1 manifest (one checksum per item) loads, whole items verified."""
+    import torch.distributed.checkpoint as dcp
+
+    from torchrec_dtensor_bridge.checkpoint import manifest
+
+    path = str(tmp_path / "ck")
+    pool.run(_save_rows, path)
+    root = Path(path).resolve()
+    md = dcp.FileSystemReader(root).read_metadata()
+    body = manifest.read_manifest(root)
+    assert body["format"] == 2
+    manifest.write_manifest_v1(root, body["save_id"], manifest.checksum_items(root, md, list(md.storage_data)),
+                               {"world_size": 2, "dcp_save_id": body["dcp_save_id"]})
+    assert manifest.read_manifest(root)["format"] == 1
+    for rank, (read, needed, error, _, equal) in enumerate(pool.run(_load_rows, path)):
+        assert error is None and equal, (rank, error)
+    _flip(path, "big", 32768, 8 << 20)
+    for rank, (_, _, error, unchanged, _) in enumerate(pool.run(_load_rows, path)):
+        assert error is not None and "is corrupt or from another save" in error and unchanged, (rank, error)
+
+
+def test_plain_dcp_directory_loads_ranged_without_verification(pool, tmp_path):
+    path = str(tmp_path / "ck")
+    pool.run(_save_rows, path)
+    root = Path(path).resolve()
+    (root / "tdb_manifest.json").unlink()
+    for rank, (_, _, error, unchanged, _) in enumerate(pool.run(_load_rows, str(root))):
+        assert error is not None and "no checksum manifest" in error and unchanged, (rank, error)
+    for rank, (read, needed, error, _, equal) in enumerate(pool.run(_load_rows, str(root), verify=False)):
+        assert error is None and equal, (rank, error)
+        assert read <= 1.1 * needed, f"rank {rank} read {read / needed:.3f}x the bytes it needs"
+
+
+def _bad_staging(rank, world_size, path):
+    dest, _ = _rows_state(rank, LOAD_CUTS, fill=-1.0)
+    try:
+        tdb.checkpoint.load(dest, path, staging_bytes=-1 if rank == 1 else None)
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("load accepted staging_bytes=-1")
+
+
+def test_bad_staging_bytes_refused_on_every_rank(pool, tmp_path):
+    path = str(tmp_path / "ck")
+    pool.run(_save_rows, path)
+    for m in pool.run(_bad_staging, path):
+        assert "staging_bytes must be a non-negative int or None, got -1 (rank 1)" in m, m

@@ -3,8 +3,9 @@
 Save, on every rank (*collective*):
 
 1. agree on a save id (rank 0 draws it, everyone receives it);
-2. ``dcp.save`` into a fresh generation directory beside ``path``;
-3. checksum every storage item (files spread over ranks), gather to rank 0;
+2. ``dcp.save`` into a fresh generation directory beside ``path``, hashing
+   each data file's blocks as it is written (:mod:`.writer`: no read back);
+3. gather every rank's block checksums on every rank;
 4. rank 0 writes the manifest durably and swaps ``path`` to the new generation
    (one atomic rename), then removes older and interrupted generations;
 5. every rank learns the outcome; a failure anywhere raises everywhere.
@@ -19,10 +20,12 @@ Load, on every rank (*collective*):
 
 1. resolve ``path`` to its committed generation (never an uncommitted one);
 2. check every key, shape and dtype of the destination against the metadata,
-   and the checksums of exactly the items this rank will read;
+   and that the manifest describes exactly the files and items this rank
+   will read (no data is read yet);
 3. agree: if any rank found a problem, every rank raises — nothing was written;
-4. ``dcp.load`` in place (DCP reads on each rank only the chunks overlapping
-   that rank's shards, which is what makes loads across plans and world sizes work).
+4. ``dcp.load`` through :class:`.reader.VerifiedReader`: each rank reads only
+   the rows of the saved chunks that overlap its shards, verifies their
+   checksum blocks, agrees with every rank, and only then copies into place.
 """
 
 from __future__ import annotations
@@ -52,7 +55,13 @@ from .commit import (
     resolve,
     sweep,
 )
-from .manifest import checksum_items, read_manifest, verify_items, write_manifest
+from .agree import dist_info as _dist
+from .agree import from_rank0 as _from_rank0
+from .agree import gather as _gather
+from .agree import raise_if_any as _raise_if_any
+from .manifest import Checksums, item_key, read_manifest, write_manifest
+from .reader import VerifiedReader
+from .writer import ChecksummingWriter
 
 __all__ = ["load", "save"]
 
@@ -65,52 +74,19 @@ def _stage(name: str) -> None:
         _fault_hook(name)
 
 
-# ----------------------------------------------------------------- collectives
-def _dist(group: dist.ProcessGroup | None) -> tuple[int, int, bool]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group), True
-    return 0, 1, False
-
-
-def _gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    _, world, on = _dist(group)
-    if not on:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _from_rank0(obj: Any, group: dist.ProcessGroup | None) -> Any:
-    _, _, on = _dist(group)
-    if not on:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
-    return box[0]
-
-
-def _raise_if_any(problems: list[tuple[str, str]], group: dist.ProcessGroup | None, what: str) -> None:
-    """Every rank raises if any rank reported a problem (kind, message)."""
-    everyone = _gather(problems, group)
-    flat = [(r, kind, msg) for r, probs in enumerate(everyone) for kind, msg in probs]
-    if not flat:
-        return
-    seen: dict[str, list[int]] = {}
-    for r, _, msg in flat:
-        seen.setdefault(msg, []).append(r)
-    text = "\n  ".join(f"{msg} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for msg, rs in seen.items())
-    kinds = {k for _, k, _ in flat}
-    exc: type[Exception] = {"value": ValueError, "incomplete": IncompleteCheckpointError}.get(
-        kinds.pop() if len(kinds) == 1 else "", CheckpointError
-    )
-    raise exc(f"{what}:\n  {text}")
-
-
 def _run_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call a DCP entry point; its ``CheckpointException`` (a ``BaseException``) becomes a ``CheckpointError``.
+
+    An error our own storage reader raised on every rank (a refused load) comes
+    out as itself, not wrapped in DCP's per-rank report.
+    """
     try:
         return fn(*args, **kwargs)
-    except CheckpointException as e:  # a BaseException upstream; ours is an Exception
+    except CheckpointException as e:
+        ours = [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+        if ours and all(isinstance(x, CheckpointError) for x in ours):
+            first = ours[0]
+            raise type(first)(*first.args) from e
         raise CheckpointError(f"{fn.__module__}.{fn.__name__} failed: {e}") from e
 
 
@@ -159,22 +135,21 @@ def save(
             problems.append(("io", f"cannot prepare {gen}: {e}"))
     _raise_if_any(problems, process_group, f"checkpoint.save({path})")
     _stage("prepared")
-    writer = dcp.FileSystemWriter(gen, sync_files=True)
+    writer = ChecksummingWriter(gen, sync_files=True)
     _run_dcp(dcp.save, state_dict, storage_writer=writer, process_group=process_group)
 
     _stage("dcp_saved")
-    md = dcp.FileSystemReader(gen).read_metadata()
-    files = sorted({info.relative_path for info in md.storage_data.values()})
-    mine = [idx for idx, info in md.storage_data.items() if files.index(info.relative_path) % world == rank]
-    sums = _gather(checksum_items(gen, md, mine), process_group)
+    sums = _gather(writer.file_sums, process_group)
     _stage("checksummed")
     outcome = None
     if rank == 0:
         try:
+            md = dcp.FileSystemReader(gen).read_metadata()
+            files = sorted({info.relative_path for info in md.storage_data.values()})
             prune(gen, {".metadata", *files})  # leftovers of a reused generation (e.g. more ranks)
-            merged = {k: v for part in sums for k, v in part.items()}
+            merged = {rel: fs for part in sums for rel, fs in part.items() if rel in files}
             dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
-            write_manifest(gen, save_id, merged, {"world_size": world, "files": files, "dcp_save_id": dcp_id})
+            write_manifest(gen, save_id, md, merged, {"world_size": world, "dcp_save_id": dcp_id})
             _stage("manifest_written")
             previous = commit(path, gen)
             _stage("committed")
@@ -256,26 +231,60 @@ def _needed_items(leaves: list[tuple[str, Any]], md: Metadata, rank: int) -> lis
     return out
 
 
+def _check_items(root: Path, manifest: dict[str, Any], md: Metadata, needed: list[MetadataIndex]) -> list[str]:
+    """What the manifest and the files' sizes say about the items this rank will read (no data is read)."""
+    problems = []
+    want = manifest["items"]
+    by_file: dict[str, list[MetadataIndex]] = {}
+    for idx in needed:
+        by_file.setdefault(md.storage_data[idx].relative_path, []).append(idx)
+    for rel, idxs in sorted(by_file.items()):
+        p = root / rel
+        if not p.is_file():
+            problems.append(f"data file {rel} is missing (needed for {sorted({i.fqn for i in idxs})})")
+            continue
+        size = p.stat().st_size
+        for idx in idxs:
+            key, info = item_key(idx), md.storage_data[idx]
+            rec = want.get(key)
+            if rec is None:
+                problems.append(f"{key}: not in the checkpoint's manifest")
+            elif (rec["file"], rec["offset"], rec["length"]) != (rel, info.offset, info.length):
+                problems.append(f"{key}: metadata and manifest disagree on where its bytes are in {rel}")
+            elif info.offset + info.length > size:
+                problems.append(f"data file {rel} is truncated: {size} bytes, key {idx.fqn!r} needs bytes up to "
+                                f"{info.offset + info.length}")
+    return problems
+
+
 def load(
     state_dict: Mapping[str, Any],
     path: str | Path,
     *,
     strict: bool = True,
     verify: bool = True,
+    staging_bytes: int | None = 4 << 30,
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Load the checkpoint at ``path`` in place into ``state_dict``; *collective*.
 
     Destinations may be DTensors, ShardedTensors or plain tensors of any layout
-    and world size: each rank reads only the chunks overlapping its shards.
-    Every key, shape and dtype, and the checksum of every item this rank reads,
-    is checked first; on any problem every rank raises and nothing is written.
+    and world size: each rank reads only the rows of the saved chunks that
+    overlap its shards. Every key, shape and dtype is checked first, then every
+    checksum block a rank reads; on any problem every rank raises and nothing is
+    written. Verification covers exactly the bytes read: a corrupt block that
+    no rank needs does not stop a load.
 
     Args:
         state_dict: the destination, as returned by ``state_dict()`` (nested dicts allowed).
         path: a checkpoint written by :func:`save` (or, with ``verify=False``, any DCP directory).
         strict: report keys present in the checkpoint but absent from ``state_dict``.
-        verify: check item checksums (requires a checkpoint written by :func:`save`).
+        verify: check checksums (requires a checkpoint written by :func:`save`).
+        staging_bytes: the most memory a rank spends holding verified bytes until every
+            rank has verified its own (about the bytes it reads). A rank that would
+            read more verifies first and reads again to copy: twice the reads, and
+            all-or-nothing unless a file changes between the two passes.
+            ``None``: no limit.
         process_group: the group to load over (default: every rank).
 
     Example::
@@ -287,8 +296,11 @@ def load(
     rank, _, _ = _dist(process_group)
     path = Path(path).absolute()
     problems: list[tuple[str, str]] = []
+    if staging_bytes is not None and (not isinstance(staging_bytes, int) or staging_bytes < 0):
+        problems.append(("value", f"staging_bytes must be a non-negative int or None, got {staging_bytes!r}"))
     root: Path | None = None
     md: Metadata | None = None
+    manifest: dict[str, Any] | None = None
     try:
         root = resolve(path)
         md = dcp.FileSystemReader(root).read_metadata()
@@ -310,8 +322,11 @@ def load(
                     problems.append(
                         ("io", f"{root}: .metadata is from save {saved_id}, the manifest from {manifest.get('dcp_save_id')}")
                     )
-                needed = _needed_items(leaves, md, rank)
-                problems += [("io", p) for p in verify_items(root, manifest, md, needed)]
-    _raise_if_any(problems, process_group, f"checkpoint.load({path}) refused, nothing was modified")
+                problems += [("io", p) for p in _check_items(root, manifest, md, _needed_items(leaves, md, rank))]
+    what = f"checkpoint.load({path})"
+    _raise_if_any(problems, process_group, f"{what} refused, nothing was modified")
     assert root is not None
-    _run_dcp(dcp.load, state_dict, storage_reader=dcp.FileSystemReader(root), process_group=process_group)
+    checksums = Checksums(manifest) if verify and manifest is not None else None
+    reader = VerifiedReader(root, checksums=checksums, process_group=process_group, staging_bytes=staging_bytes,
+                            what=what)
+    _run_dcp(dcp.load, state_dict, storage_reader=reader, process_group=process_group)

@@ -4,7 +4,8 @@ Two kinds of source are accepted:
 
 * a DCP directory (``dcp.save`` of ShardedTensor state_dicts, or any DCP
   checkpoint): every tensor's chunks are checked to cover it exactly, the
-  data files are streamed into a new generation, checksummed and committed.
+  data files are streamed into a new generation, checksummed as they are
+  copied, and committed.
   DCP stores ShardedTensor and DTensor chunks identically, so no tensor is
   ever materialised: memory stays flat whatever the table sizes.
 * per-rank ``torch.save`` files of state_dicts holding ShardedTensors (one
@@ -32,7 +33,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..convert.metadata import layout_from_storage_metadata
 from .commit import CheckpointError, commit, generation_dir, resolve, sweep
-from .manifest import checksum_items, write_manifest
+from .manifest import BlockHasher, FileSums, write_manifest
 
 __all__ = ["migrate", "rank_files"]
 
@@ -99,15 +100,14 @@ def _migrate_dcp(root: Path, dst: Path, progress: bool) -> dict[str, Any]:
     gen.mkdir()
     try:
         total = sum((root / rel).stat().st_size for rel in files)
+        sums: dict[str, FileSums] = {}
         with _bar(total, "copy", progress) as bar:
-            for rel in [".metadata", *files]:
-                _copy_durably(root / rel, gen / rel, bar)
-        with _bar(len(md.storage_data), "checksum", progress, unit="item") as bar:
-            sums = checksum_items(gen, md, list(md.storage_data))
-            bar.update(len(md.storage_data))
+            _copy_durably(root / ".metadata", gen / ".metadata", bar)
+            for rel in files:
+                sums[rel] = _copy_durably(root / rel, gen / rel, bar)
         dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
-        write_manifest(gen, save_id, sums, {"world_size": None, "files": files, "dcp_save_id": dcp_id,
-                                           "migrated_from": str(root)})
+        write_manifest(gen, save_id, md, sums, {"world_size": None, "dcp_save_id": dcp_id,
+                                                "migrated_from": str(root)})
         commit(dst, gen)
     except BaseException:
         shutil.rmtree(gen, ignore_errors=True)
@@ -116,14 +116,18 @@ def _migrate_dcp(root: Path, dst: Path, progress: bool) -> dict[str, Any]:
     return {"source": "dcp", "keys": len(md.state_dict_metadata), "bytes": total, "save_id": save_id}
 
 
-def _copy_durably(a: Path, b: Path, bar: Any) -> None:
+def _copy_durably(a: Path, b: Path, bar: Any) -> FileSums:
+    """Copy ``a`` to ``b`` with fsync; the block checksums of the bytes written (no read back)."""
+    hasher = BlockHasher()
     with open(a, "rb") as fa, open(b, "wb") as fb:
         while block := fa.read(_COPY_BLOCK):
             fb.write(block)
+            hasher.update(block)
             if a.name != ".metadata":
                 bar.update(len(block))
         fb.flush()
         os.fsync(fb.fileno())
+    return hasher.finish()
 
 
 def _free_port() -> int:
