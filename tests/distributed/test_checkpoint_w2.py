@@ -345,3 +345,25 @@ def test_bad_staging_bytes_refused_on_every_rank(pool, tmp_path):
     pool.run(_save_rows, path)
     for m in pool.run(_bad_staging, path):
         assert "staging_bytes must be a non-negative int or None, got -1 (rank 1)" in m, m
+
+
+def test_spare_rewritten_in_place_is_cut_to_the_new_size(tmp_path):
+    """A spare generation's files are overwritten in place; a smaller save must not leave stale bytes counted."""
+    import json
+
+    path = tmp_path / "ck"
+    big, small = reference_table((4096, 64), seed=1), reference_table((100, 64), seed=2)
+    tdb.checkpoint.save({"t": big}, path)
+    tdb.checkpoint.save({"t": big}, path)  # the first generation is now the spare
+    (spare,) = [p for p in tmp_path.iterdir() if ".tdb-" in p.name and not p.is_symlink() and p != path.resolve()]
+    inode, old_size = spare.stat().st_ino, (spare / "__0_0.distcp").stat().st_size
+    tdb.checkpoint.save({"t": small}, path)  # rewrites the spare, smaller
+    root = path.resolve()
+    assert root.stat().st_ino == inode, "the spare generation was not reused"
+    assert (root / "__0_0.distcp").stat().st_size < old_size
+    body = json.loads((root / "tdb_manifest.json").read_text())
+    for rel, rec in body["files"].items():
+        assert (root / rel).stat().st_size == rec["size"], rel
+    dest = {"t": torch.zeros(100, 64)}
+    tdb.checkpoint.load(dest, path)
+    assert torch.equal(dest["t"], small)
