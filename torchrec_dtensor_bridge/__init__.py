@@ -20,7 +20,7 @@ from .convert import (
     to_sharded_tensor,
 )
 from .layout import LayoutKind, ShardLayout, ShardSpec
-from .lookup import sharded_embedding, sharded_embedding_bag
+from .lookup import sharded_embedding, sharded_embedding_bag, sharded_embedding_bags
 from .sharding import shard_module
 from .state_dict import enable_dtensor_state_dict
 from .visualize import visualize_sharding
@@ -36,6 +36,7 @@ __all__ = [
     "full_tensor",
     "sharded_embedding",
     "sharded_embedding_bag",
+    "sharded_embedding_bags",
     "layout_of",
     "shard_module",
     "state_dict_to_dtensor",

@@ -12,8 +12,8 @@ mode sees it too).
 The expected counts are the design documented in ``lookup/algorithms.py`` and
 ``lookup/functional.py``. Every plain-tensor call starts with ONE agreement
 ``all_gather`` (verdicts, batch sizes, options); then, unless the weight is
-replicated, ONE ``all_gather`` of all ranks' ids (a second one only for
-``per_sample_weights``); then per strategy:
+replicated, ONE ``all_to_all`` of all ranks' ids to the ranks that compute
+for the table (a second one only for ``per_sample_weights``); then per strategy:
 
 * LOCAL (replicated weight): nothing in forward; backward one ``all_reduce`` of the gradient;
 * REDUCE (row-wise, grid): forward one ``reduce_scatter`` (max: one ``all_reduce(MAX)``, plus one
@@ -106,7 +106,7 @@ LAYOUTS = {
 }
 
 AGREE = {"all_gather": 1}  # the agreement step of every call
-GATHER_IDS = {"all_gather": 1}  # all ranks' ids, for every strategy but LOCAL
+GATHER_IDS = {"all_to_all": 1}  # all ranks' ids to the computing ranks, for every strategy but LOCAL
 
 
 def _plus(*parts: dict[str, int]) -> dict[str, int]:
@@ -137,9 +137,9 @@ CASES: dict[str, tuple[str, str, dict, bool, tuple[dict, dict]]] = {
     "row_wise_max": ("row_wise", "bag", {"mode": "max"}, False,
                      (_plus(AGREE, GATHER_IDS, {"all_reduce": 2}), {"all_gather": 1})),
     "column_wise_max": ("column_wise", "bag", {"mode": "max"}, False, COLUMNS),
-    # per_sample_weights travel in a second all_gather
+    # per_sample_weights travel in a second all_to_all
     "row_wise_psw": ("row_wise", "bag", {"mode": "sum", "psw": True}, False,
-                     (_plus(AGREE, GATHER_IDS, {"all_gather": 1, "reduce_scatter": 1}), {"all_gather": 1})),
+                     (_plus(AGREE, GATHER_IDS, GATHER_IDS, {"reduce_scatter": 1}), {"all_gather": 1})),
     # max_norm: whole rows local -> no collective; column-cut rows -> one all_reduce of partial norms;
     # a replicated weight gathers the ids so every replica renormalises the same rows
     "row_wise_max_norm": ("row_wise", "bag", {"max_norm": 1.0}, False, REDUCE),
@@ -268,3 +268,45 @@ def test_spec_replicated_dtensor_input(pool):
         assert not {"reduce_scatter", "all_reduce", "all_to_all"} & set(rw["fwd"]), (
             f"rank {rank}: row-wise lookup with replicated input reduced before the output was asked for: {rw}"
         )
+
+
+# ------------------------------------------------------------ several tables in one call
+_TW = [ShardLayout.table_wise(SHAPE, t % 2).with_name(f"tw{t}") for t in range(6)]
+
+# name: (layouts, forward counts, backward counts) - independent of the number of tables
+MULTI: dict[str, tuple[list[ShardLayout], dict, dict]] = {
+    # one table: exactly the single-table call (one agreement all_gather, ids, one all_to_all)
+    "table_wise_x1": (_TW[:1], COLUMNS[0], COLUMNS[1]),
+    # agreement: one all_gather for the first table + one for the others; then ONE ids gather and
+    # ONE all_to_all for all tables, however many
+    "table_wise_x2": (_TW[:2], _plus(COLUMNS[0], AGREE), COLUMNS[1]),
+    "table_wise_x6": (_TW, _plus(COLUMNS[0], AGREE), COLUMNS[1]),
+    # every strategy at once: one all_to_all (table/column-wise), one reduce_scatter (row-wise, grid);
+    # the replicated table needs no ids and, in backward, all-reduces its gradient
+    "mixed": ([_TW[0], LAYOUTS["column_wise_two_per_rank"], LAYOUTS["row_wise"], LAYOUTS["grid"],
+               LAYOUTS["replicated"], _TW[1]],
+              _plus(AGREE, AGREE, GATHER_IDS, {"all_to_all": 1, "reduce_scatter": 1}),
+              {"all_to_all": 1, "all_gather": 1, "all_reduce": 1}),
+}
+
+
+def count_multi(rank: int, world_size: int, name: str) -> tuple[dict, dict]:
+    import torchrec_dtensor_bridge as tdb
+
+    layouts = MULTI[name][0]
+    weights = [_weight(lay, _table(SHAPE), rank) for lay in layouts]
+    ids, offsets = _ids(rank, False)
+    with CommCounter() as fwd:
+        outs = tdb.sharded_embedding_bags([ids] * len(weights), weights, [offsets] * len(weights), mode="sum")
+    with CommCounter() as bwd:
+        torch.stack(outs).sum().backward()
+    assert all(w.grad is not None for w in weights)
+    return fwd.counts, bwd.counts
+
+
+@pytest.mark.parametrize("name", sorted(MULTI))
+def test_comm_counts_several_tables(pool, name):
+    _, want_fwd, want_bwd = MULTI[name]
+    for rank, (fwd, bwd) in enumerate(pool.run(count_multi, name)):
+        assert fwd == want_fwd, f"{name} forward on rank {rank}: {fwd}, design says {want_fwd}"
+        assert bwd == want_bwd, f"{name} backward on rank {rank}: {bwd}, design says {want_bwd}"

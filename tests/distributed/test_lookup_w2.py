@@ -185,6 +185,148 @@ def test_layouts_cover_every_kind():
     assert {lay.kind for lay in LAYOUTS_W2.values()} == set(LayoutKind)
 
 
+# ---------------------------------------------------------------- several tables in one call
+# per table: (mode, option) - every mode, per-table padding / per_sample_weights / max_norm
+TABLE_CASES = [("sum", "offsets"), ("mean", "padding"), ("max", "2d"), ("sum", "psw"),
+               ("mean", "max_norm"), ("max", "padding"), ("sum", "last_offset"), ("mean", "2d")]
+
+
+def check_bags_parity(rank: int, world_size: int, layouts: list[ShardLayout], seed: int = 0) -> int:
+    """``sharded_embedding_bags`` over tables of different layouts, shapes, modes and options at once:
+    every output equals ``F.embedding_bag`` on its full table and every ``weight.grad`` the gradient of
+    all ranks' batches; ``max_norm`` renormalises its table in place."""
+    import torchrec_dtensor_bridge as tdb
+
+    tables = [_table(lay.global_shape, seed + t) for t, lay in enumerate(layouts)]
+    weights = [_weight(lay, tab, rank) for lay, tab in zip(layouts, tables)]
+    cases = [TABLE_CASES[(t + seed) % len(TABLE_CASES)] for t in range(len(layouts))]
+    # every table's batch: different sizes per rank and per table; 2-D and 1-D inputs mixed
+    mine = [_batch(rank, lay.global_shape[0], opt, seed + 31 * t) for t, (lay, (_, opt)) in enumerate(zip(layouts, cases))]
+    for kw in mine:
+        if "offsets" in kw and not kw.get("include_last_offset"):
+            continue
+        if "offsets" in kw:  # one include_last_offset for all tables: give every 1-D table its last offset
+            kw["offsets"] = kw["offsets"][:-1]
+            kw.pop("include_last_offset")
+    options = {
+        "mode": [m for m, _ in cases],
+        "padding_idx": [kw.pop("padding_idx", None) for kw in mine],
+        "max_norm": [kw.pop("max_norm", None) for kw in mine],
+        "norm_type": [kw.pop("norm_type", 2.0) for kw in mine],
+    }
+    outs = tdb.sharded_embedding_bags(
+        [kw["input"] for kw in mine], weights, [kw.get("offsets") for kw in mine],
+        per_sample_weights=[kw.get("per_sample_weights") for kw in mine], **options,
+    )
+    assert len(outs) == len(layouts)
+    everyone = _everyone(mine)
+    for t, (lay, tab, w) in enumerate(zip(layouts, tables, weights)):
+        what = f"table {t} ({lay.name}, {cases[t]}) rank {rank}"
+        full = tab.clone().requires_grad_()
+        loss = 0.0
+        for q, theirs in enumerate(everyone):
+            kw = theirs[t]
+            ref = F.embedding_bag(kw["input"], full, kw.get("offsets"), mode=options["mode"][t],
+                                  per_sample_weights=kw.get("per_sample_weights"),
+                                  padding_idx=options["padding_idx"][t], max_norm=options["max_norm"][t],
+                                  norm_type=options["norm_type"][t])
+            g_out = torch.linspace(-1, 1, ref.numel()).view_as(ref) * (q + 1 + t)
+            loss = loss + (ref * g_out).sum()
+            if q == rank:
+                torch.testing.assert_close(outs[t], ref.detach(), **TOL, msg=lambda m: f"{what}: {m}")
+                outs[t].mul(g_out).sum().backward(retain_graph=True)
+        loss.backward()
+        _assert_grad(w.grad, full.grad, lay, rank, what)
+        if options["max_norm"][t] is not None:
+            torch.testing.assert_close(tdb.full_tensor(w.detach()), full.detach(), **TOL)
+    return len(layouts)
+
+
+def test_embedding_bags_every_layout_at_once(pool):
+    layouts = [lay.with_name(name) for name, lay in sorted(LAYOUTS_W2.items())]
+    assert pool.run(check_bags_parity, layouts) == [len(layouts)] * 2
+
+
+def test_embedding_bags_shifted_options(pool):
+    """The same tables with every table given another mode/option case than above."""
+    layouts = [lay.with_name(name) for name, lay in sorted(LAYOUTS_W2.items())]
+    assert pool.run(check_bags_parity, layouts, 3) == [len(layouts)] * 2
+
+
+def check_bags_bad_inputs(rank: int, world_size: int) -> int:
+    """A bad argument of one table on one rank, a mismatch of the table count: every rank raises."""
+    import torchrec_dtensor_bridge as tdb
+
+    layouts = [LAYOUTS_W2["table_wise"], LAYOUTS_W2["row_wise_even"], LAYOUTS_W2["column_wise"]]
+    weights = [_weight(lay, _table(lay.global_shape, t), rank) for t, lay in enumerate(layouts)]
+    good = [torch.tensor([[0, 1]])] * 3
+    last = rank == world_size - 1
+    n = 0
+    bad_ids = [good[0], good[1], torch.tensor([[0, 9]]) if last else good[2]]  # table 2 has 9 rows
+    want = "sharded_embedding_bags (table 2): input holds id 9" if last else f"rank {world_size - 1} rejected"
+    _expect(ValueError, want, lambda: tdb.sharded_embedding_bags(bad_ids, weights, mode="sum"))
+    n += 1
+    fewer = weights[:2] if last else weights
+    want = "different numbers of tables" if not last else "different numbers of tables"
+    _expect(ValueError, want, lambda: tdb.sharded_embedding_bags(good[: len(fewer)], fewer, mode="sum"))
+    n += 1
+    modes = ["sum", "mean", "max"] if not last else ["sum", "mean", "sum"]
+    _expect(ValueError, "ranks disagree on mode for table 2",
+            lambda: tdb.sharded_embedding_bags(good, weights, mode=modes))
+    n += 1
+    for exc, match, call in (
+        (ValueError, "need one input per weight", lambda: tdb.sharded_embedding_bags(good[:2], weights)),
+        (ValueError, "mode must be one value or one per table (3), got 2 values",
+         lambda: tdb.sharded_embedding_bags(good, weights, mode=["sum", "max"])),
+        (TypeError, "(table 1): weight must be a DTensor",
+         lambda: tdb.sharded_embedding_bags(good, [weights[0], torch.ones(3, 2), weights[2]])),
+        (TypeError, "inputs must be a list of Tensors", lambda: tdb.sharded_embedding_bags(good[0], weights)),
+    ):
+        _expect(exc, match, call)
+        n += 1
+    outs = tdb.sharded_embedding_bags(good, weights, mode="sum")  # the group is still in step
+    assert [tuple(o.shape) for o in outs] == [(1, lay.global_shape[1]) for lay in layouts]
+    return n
+
+
+def test_embedding_bags_bad_inputs_raise_on_every_rank(pool):
+    assert pool.run(check_bags_bad_inputs) == [7, 7]
+
+
+def check_gather_bags(rank: int, world_size: int) -> None:
+    """The id exchange: int32 on the wire when ids fit, int64 when a table has 2**31 rows or more; each
+    table's batch reaches exactly its readers; per-sample weights follow their ids."""
+    from torchrec_dtensor_bridge.lookup.exchange import gather_bags
+    from torchrec_dtensor_bridge.lookup.validate import Bags, RankInfo
+
+    g = torch.Generator().manual_seed(rank)
+    mine = []
+    for t in range(3):
+        lengths = torch.randint(0, 4, (2 + rank + t,), generator=g)
+        ids = torch.randint(0, 2**40 if t == 1 else 50, (int(lengths.sum()),), generator=g)
+        mine.append(Bags(ids, lengths, torch.rand(ids.shape, generator=g, dtype=torch.float64) if t == 2 else None))
+    everyone = _everyone(mine)
+    infos = [[RankInfo(b[t].num_bags, int(b[t].ids.numel()), b[t].weights is not None) for b in everyone]
+             for t in range(3)]
+    readers = [{0, 1}, {1}, {0}]
+    got = gather_bags(mine, infos, None, float_dtype=torch.float64, rows=2**40, readers=readers)
+    for t, bags in enumerate(got):
+        if rank in readers[t]:
+            assert torch.equal(bags.ids, torch.cat([b[t].ids for b in everyone])), f"table {t} ids"
+            assert torch.equal(bags.lengths, torch.cat([b[t].lengths for b in everyone])), f"table {t} lengths"
+            if t == 2:
+                assert torch.equal(bags.weights, torch.cat([b[t].weights for b in everyone]))
+        else:
+            assert bags.ids.numel() == 0 and int(bags.lengths.sum()) == 0
+            assert bags.num_bags == sum(b[t].num_bags for b in everyone)
+    narrow = gather_bags(mine[:1], infos[:1], None, float_dtype=torch.float32, rows=50)
+    assert narrow[0].ids.dtype == torch.int64 and torch.equal(narrow[0].ids, torch.cat([b[0].ids for b in everyone]))
+
+
+def test_gather_bags(pool):
+    pool.run(check_gather_bags)
+
+
 # ---------------------------------------------------------------- bad inputs
 def _bad_cases(rows: int) -> list[tuple[type[Exception], str, dict]]:
     ids, off = torch.tensor([0, 1, 2]), torch.tensor([0, 1])

@@ -1,11 +1,13 @@
 """Embedding lookups on DTensor-sharded tables: fbgemm TBE locally, torch.distributed between ranks.
 
-Modules: ``functional`` (the public functions), ``validate`` (argument checks
+Modules: ``functional`` (the public functions), ``tables`` (several tables in one call),
+``run`` (what every lookup shares after validation), ``validate`` (argument checks
 and the cross-rank agreement step), ``algorithms`` (per-layout strategies and
 the autograd Function), ``exchange`` (collectives for uneven batches),
 ``renorm`` (``max_norm``) and ``tbe`` (the only fbgemm_gpu import).
 """
 
 from .functional import sharded_embedding, sharded_embedding_bag
+from .tables import sharded_embedding_bags
 
-__all__ = ["sharded_embedding", "sharded_embedding_bag"]
+__all__ = ["sharded_embedding", "sharded_embedding_bag", "sharded_embedding_bags"]

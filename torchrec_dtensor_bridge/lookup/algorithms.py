@@ -1,5 +1,9 @@
 """Sharded pooled lookups for every layout, as one differentiable autograd Function.
 
+One call looks up one or several tables (each with its own :class:`LookupPlan`);
+the collectives of all tables that combine the same way are fused, so a
+lookup of many tables costs as many collectives as a lookup of one.
+
 Steps of a lookup (every rank, in this order):
 
 1. Every shard this rank computes for (the first replica of each distinct
@@ -15,13 +19,14 @@ Steps of a lookup (every rank, in this order):
      so every replica gets the gradient of all ranks' batches.
    * ``COLUMNS`` - every block spans all rows (column-wise, table-wise,
      table-column-wise): each (bag, column) is computed by exactly one rank, so
-     one ``all_to_all`` hands every rank the columns of its own bags.
-     Backward is the reverse ``all_to_all``.
+     one ``all_to_all`` (for all such tables together) hands every rank the
+     columns of its own bags. Backward is the reverse ``all_to_all``.
    * ``REDUCE`` - rows are cut (row-wise, table-row-wise, grid): the partial
-     bags of all ranks' batches are summed with one ``reduce_scatter`` back to
-     each rank's own bags (max: one ``all_reduce(MAX)``, which also tells every
-     rank where the winning rows are). Backward all-gathers the output
-     gradient (masked to the winning rows for max).
+     bags of all ranks' batches are summed with one ``reduce_scatter`` (for
+     all such tables together) back to each rank's own bags (max: one
+     ``all_reduce(MAX)`` per table, which also tells every rank where the
+     winning rows are). Backward all-gathers the output gradients of all such
+     tables at once (masked to the winning rows for max).
 3. ``mean`` (dividing by the true bag size) and max's "empty bag is 0" are
    applied by the caller after this Function, with plain autograd ops.
 
@@ -43,7 +48,7 @@ from torch.distributed.tensor import DTensor
 
 from ..layout import ShardLayout, ShardSpec
 from ..wrapper import LocalShardsWrapper
-from .exchange import all_to_all_rows, gather_rows, reduce_scatter_rows, row_starts
+from .exchange import all_to_all_flat, gather_flat, row_starts
 from .tbe import pool_rows, pool_rows_backward
 from .validate import Bags
 
@@ -143,42 +148,62 @@ class _Block:
     argmax: torch.Tensor | None
 
 
-def _compute_block(plan: LookupPlan, i: int, bag_of_id: torch.Tensor) -> _Block:
+def _compute_block(plan: LookupPlan, i: int, bag_of_id: Any) -> _Block:
+    """Pool, for every bag of ``plan.batch``, the ids shard ``i`` stores (``bag_of_id``: a thunk, built once)."""
     spec, shard = plan.mine[i], plan.shards[i]
     ids, batch = plan.batch.ids, plan.batch
     r0, h = spec.offsets[0], spec.sizes[0]
-    keep = (ids >= r0) & (ids < r0 + h)
-    if plan.skip_padding and plan.padding_idx is not None:
-        keep &= ids != plan.padding_idx
-    local = ids[keep] - r0
-    counts = torch.bincount(bag_of_id[keep], minlength=batch.num_bags)
+    every_id = r0 == 0 and h == plan.layout.global_shape[0] and not (plan.skip_padding and plan.padding_idx is not None)
+    if every_id:  # the shard holds all rows: no filtering, the batch's own bag boundaries
+        local, counts, psw = ids, batch.lengths, batch.weights
+    else:
+        keep = (ids >= r0) & (ids < r0 + h)
+        if plan.skip_padding and plan.padding_idx is not None:
+            keep &= ids != plan.padding_idx
+        local = ids[keep] - r0
+        counts = torch.bincount(bag_of_id()[keep], minlength=batch.num_bags)
+        psw = None if batch.weights is None else batch.weights[keep]
     offsets = torch.zeros(batch.num_bags + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
-    psw = None if batch.weights is None else batch.weights[keep]
     out, argmax = pool_rows(shard.detach(), local, offsets, psw, max_mode=plan.max_mode)
     return _Block(i, out, counts, (spec.offsets[1], spec.sizes[1]), local, offsets, psw, argmax)
 
 
-def _combine_reduce(plan: LookupPlan, blocks: list[_Block], ctx: Any, track: bool) -> torch.Tensor:
-    total, dim = sum(plan.num_bags), plan.layout.global_shape[1]
-    fill = float("-inf") if plan.max_mode else 0.0
+def _compute_blocks(plan: LookupPlan) -> list[_Block]:
+    cache: list[torch.Tensor] = []
+
+    def bag_of_id() -> torch.Tensor:
+        if not cache:
+            cache.append(plan.batch.bag_of_id())
+        return cache[0]
+
+    return [_compute_block(plan, i, bag_of_id) for i, c in enumerate(plan.computes) if c]
+
+
+def _partial(plan: LookupPlan, blocks: list[_Block], fill: float) -> torch.Tensor:
+    """All bags' partial output at full width: this rank's blocks placed at their columns (``fill`` elsewhere)."""
+    total, dim = plan.batch.num_bags, plan.layout.global_shape[1]
+    if len(blocks) == 1 and blocks[0].cols == (0, dim) and not plan.max_mode:
+        return blocks[0].out
     partial = torch.full((total, dim), fill, dtype=plan.layout.dtype, device=plan.batch.ids.device)
     for b in blocks:
         c0, w = b.cols
-        val = b.out
         if plan.max_mode:
-            val = val.masked_fill(b.counts.unsqueeze(1) == 0, fill)
+            val = b.out.masked_fill(b.counts.unsqueeze(1) == 0, fill)
             partial[:, c0 : c0 + w] = torch.maximum(partial[:, c0 : c0 + w], val)
         else:
-            partial[:, c0 : c0 + w] += val
-    if not plan.max_mode:
-        return reduce_scatter_rows(partial, plan.num_bags, plan.group, dist.ReduceOp.SUM)
+            partial[:, c0 : c0 + w] += b.out
+    return partial
+
+
+def _reduce_max(plan: LookupPlan, blocks: list[_Block], track: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """REDUCE with max, one table: the all-reduced max, and (``track``) where this rank's blocks win."""
+    partial = _partial(plan, blocks, float("-inf"))
     best = partial.clone()
     dist.all_reduce(best, op=dist.ReduceOp.MAX, group=plan.group)
-    if track:
-        ctx.win = _winners(plan, blocks, partial, best)
+    win = _winners(plan, blocks, partial, best) if track else None
     start = row_starts(plan.num_bags)[plan.rank]
-    return best[start : start + plan.num_bags[plan.rank]].clone()
+    return best[start : start + plan.num_bags[plan.rank]].clone(), win
 
 
 def _winners(plan: LookupPlan, blocks: list[_Block], partial: torch.Tensor, best: torch.Tensor) -> list[torch.Tensor]:
@@ -202,97 +227,186 @@ def _winners(plan: LookupPlan, blocks: list[_Block], partial: torch.Tensor, best
     return out
 
 
-def _combine_columns(plan: LookupPlan, blocks: list[_Block]) -> torch.Tensor:
-    dim, dtype, dev = plan.layout.global_shape[1], plan.layout.dtype, plan.batch.ids.device
-    assert dtype is not None, "layout_of(DTensor) always records the dtype"
-    mine = torch.cat([b.out for b in blocks], dim=1) if blocks else torch.empty(
-        sum(plan.num_bags), 0, dtype=dtype, device=dev
-    )
-    send = list(mine.split(plan.num_bags))
-    own = plan.num_bags[plan.rank]
-    widths = [sum(w for _, w in plan.columns_of(p)) for p in range(plan.world)]
-    recv = all_to_all_rows(send, [(own, w) for w in widths], plan.group, dtype=dtype, device=dev)
-    out = torch.zeros(own, dim, dtype=dtype, device=dev)
-    for p, piece in enumerate(recv):
+def _reduce_sum(plans: list[LookupPlan], blocks: list[list[_Block]], tables: list[int]) -> list[torch.Tensor]:
+    """REDUCE with sum, for ``tables`` together: ONE ``reduce_scatter`` of all their partial outputs."""
+    if not tables:
+        return []
+    p0 = plans[tables[0]]
+    partials = [_partial(plans[t], blocks[t], 0.0) for t in tables]
+    starts = [row_starts(plans[t].num_bags) for t in tables]
+    send = [
+        torch.cat([part[s[q] : s[q] + plans[t].num_bags[q]].reshape(-1) for t, part, s in zip(tables, partials, starts)])
+        for q in range(p0.world)
+    ]
+    mine = torch.empty_like(send[p0.rank])
+    dist.reduce_scatter(mine, send, op=dist.ReduceOp.SUM, group=p0.group)
+    return _split_flat(mine, [(plans[t].num_bags[p0.rank], plans[t].layout.global_shape[1]) for t in tables])
+
+
+def _split_flat(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    return [piece.view(shape) for piece, shape in zip(flat.split([a * b for a, b in shapes]), shapes)]
+
+
+def _exchange_columns(plans: list[LookupPlan], blocks: list[list[_Block]], tables: list[int]) -> list[torch.Tensor]:
+    """COLUMNS, for ``tables`` together: ONE ``all_to_all`` hands every rank its bags' columns of every table."""
+    if not tables:
+        return []
+    p0 = plans[tables[0]]
+    rank, world, dev = p0.rank, p0.world, p0.batch.ids.device
+    dtype = _common_dtype([plans[t] for t in tables])
+    send = []
+    for q in range(world):
+        parts = []
+        for t in tables:
+            s, n = row_starts(plans[t].num_bags)[q], plans[t].num_bags[q]
+            parts += [b.out[s : s + n].reshape(-1).to(dtype) for b in blocks[t]]
+        send.append(torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=dev))
+    own = {t: plans[t].num_bags[rank] for t in tables}
+    sizes = [sum(own[t] * w for t in tables for _, w in plans[t].columns_of(p)) for p in range(world)]
+    recv = all_to_all_flat(send, sizes, p0.group, dtype=dtype, device=dev)
+    outs = {t: torch.zeros(own[t], plans[t].layout.global_shape[1], dtype=plans[t].layout.dtype, device=dev)
+            for t in tables}
+    for p, flat in enumerate(recv):
         at = 0
-        for c0, w in plan.columns_of(p):
-            out[:, c0 : c0 + w] = piece[:, at : at + w]
-            at += w
-    return out
+        for t in tables:
+            for c0, w in plans[t].columns_of(p):
+                outs[t][:, c0 : c0 + w] = flat[at : at + own[t] * w].view(own[t], w)
+                at += own[t] * w
+    return [outs[t] for t in tables]
 
 
-class _PooledLookup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, plan: LookupPlan, weight: DTensor) -> torch.Tensor:
-        track = plan.track
-        bag_of_id = plan.batch.bag_of_id()
-        blocks = [_compute_block(plan, i, bag_of_id) for i, c in enumerate(plan.computes) if c]
-        if plan.strategy is Strategy.LOCAL:
-            out = blocks[0].out
-            ctx.win = [blocks[0].counts.unsqueeze(1) > 0] if plan.max_mode else None
-        elif plan.local_only:
-            ctx.win = [b.counts.unsqueeze(1) > 0 for b in blocks] if plan.max_mode else None
-            out = _local_output(plan, blocks)
-        elif plan.strategy is Strategy.COLUMNS:
-            out = _combine_columns(plan, blocks)
-            ctx.win = [b.counts.unsqueeze(1) > 0 for b in blocks] if plan.max_mode else None
-        else:
-            ctx.win = None
-            out = _combine_reduce(plan, blocks, ctx, track)
-        ctx.plan, ctx.blocks, ctx.weight_meta = plan, blocks, (weight.to_local(), weight.device_mesh,
-                                                               weight.placements, weight.shape, weight.stride())
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, DTensor]:
-        plan: LookupPlan = ctx.plan
-        blocks: list[_Block] = ctx.blocks
-        grad_out = grad_out.contiguous()
-        if plan.strategy is Strategy.LOCAL:
-            pieces = [grad_out]
-        elif plan.local_only and plan.strategy is Strategy.COLUMNS:
-            pieces = list(grad_out.split([b.cols[1] for b in blocks], dim=1))
-        elif plan.local_only:
-            pieces = [grad_out[:, b.cols[0] : b.cols[0] + b.cols[1]] for b in blocks]
-        elif plan.strategy is Strategy.COLUMNS:
-            pieces = _columns_backward(plan, blocks, grad_out)
-        else:
-            full = gather_rows(grad_out, plan.num_bags, plan.group)
-            pieces = [full[:, b.cols[0] : b.cols[0] + b.cols[1]] for b in blocks]
-        grads = [torch.zeros_like(s) for s in plan.shards]
-        for k, (b, g) in enumerate(zip(blocks, pieces)):
-            if ctx.win is not None:
-                g = g * ctx.win[k]
-            grads[b.index] = pool_rows_backward(g, plan.shards[b.index].detach(), b.ids, b.offsets, b.weights, b.argmax)
-        _mask_padding(plan, grads)
-        _sync_replicas(plan, grads)
-        return None, _grad_dtensor(ctx.weight_meta, plan, grads)
+def _common_dtype(plans: list[LookupPlan]) -> torch.dtype:
+    """One dtype the fused messages of these tables travel in (exact for each table's own dtype)."""
+    dtypes = {p.layout.dtype for p in plans}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
+    assert dtype is not None, "layout_of(DTensor) always records the dtype"
+    return dtype
 
 
 def _local_output(plan: LookupPlan, blocks: list[_Block]) -> torch.Tensor:
     """``local_only``: this rank's blocks side by side (COLUMNS) or summed into a partial (REDUCE)."""
-    n, dtype, dev = plan.batch.num_bags, plan.layout.dtype, plan.batch.ids.device
     if plan.strategy is Strategy.COLUMNS:
+        n, dtype, dev = plan.batch.num_bags, plan.layout.dtype, plan.batch.ids.device
         return torch.cat([b.out for b in blocks], dim=1) if blocks else torch.empty(n, 0, dtype=dtype, device=dev)
-    partial = torch.zeros(n, plan.layout.global_shape[1], dtype=dtype, device=dev)
-    for b in blocks:
-        c0, w = b.cols
-        partial[:, c0 : c0 + w] += b.out
-    return partial
+    return _partial(plan, blocks, 0.0)
 
 
-def _columns_backward(plan: LookupPlan, blocks: list[_Block], grad_out: torch.Tensor) -> list[torch.Tensor]:
-    send = [
-        torch.cat([grad_out[:, c0 : c0 + w] for c0, w in plan.columns_of(p)], dim=1)
-        if plan.columns_of(p) else grad_out.new_zeros(grad_out.shape[0], 0)
-        for p in range(plan.world)
+def _has_win(plan: LookupPlan, blocks: list[_Block]) -> list[torch.Tensor] | None:
+    """For max: which bags each block saw an id of (a block with none must not receive gradient)."""
+    return [b.counts.unsqueeze(1) > 0 for b in blocks] if plan.max_mode else None
+
+
+class _PooledLookup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plans: list[LookupPlan], *weights: DTensor) -> tuple[torch.Tensor, ...]:
+        blocks = [_compute_blocks(p) for p in plans]
+        outs: list[torch.Tensor | None] = [None] * len(plans)
+        wins: list[list[torch.Tensor] | None] = [None] * len(plans)
+        columns, reduce = [], []
+        for t, (p, bl) in enumerate(zip(plans, blocks)):
+            if p.strategy is Strategy.LOCAL:
+                outs[t], wins[t] = bl[0].out, _has_win(p, bl[:1])
+            elif p.local_only:
+                outs[t], wins[t] = _local_output(p, bl), _has_win(p, bl)
+            elif p.strategy is Strategy.COLUMNS:
+                columns.append(t)
+                wins[t] = _has_win(p, bl)
+            elif p.max_mode:
+                outs[t], wins[t] = _reduce_max(p, bl, p.track)
+            else:
+                reduce.append(t)
+        for t, out in zip(columns, _exchange_columns(plans, blocks, columns)):
+            outs[t] = out
+        for t, out in zip(reduce, _reduce_sum(plans, blocks, reduce)):
+            outs[t] = out
+        ctx.plans, ctx.blocks, ctx.wins = plans, blocks, wins
+        ctx.weight_meta = [(w.to_local(), w.device_mesh, w.placements, w.shape, w.stride()) for w in weights]
+        done = [o for o in outs if o is not None]
+        assert len(done) == len(plans), "every strategy gives every table an output"
+        return tuple(done)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outs: torch.Tensor) -> tuple[DTensor | None, ...]:
+        plans: list[LookupPlan] = ctx.plans
+        blocks: list[list[_Block]] = ctx.blocks
+        grad_outs = tuple(g.contiguous() for g in grad_outs)
+        pieces: list[list[torch.Tensor]] = [[] for _ in plans]
+        columns, reduce = [], []
+        for t, (p, bl, g) in enumerate(zip(plans, blocks, grad_outs)):
+            if p.strategy is Strategy.LOCAL:
+                pieces[t] = [g]
+            elif p.local_only and p.strategy is Strategy.COLUMNS:
+                pieces[t] = list(g.split([b.cols[1] for b in bl], dim=1))
+            elif p.local_only:
+                pieces[t] = [g[:, b.cols[0] : b.cols[0] + b.cols[1]] for b in bl]
+            elif p.strategy is Strategy.COLUMNS:
+                columns.append(t)
+            else:
+                reduce.append(t)
+        for t, got in zip(columns, _columns_backward(plans, blocks, grad_outs, columns)):
+            pieces[t] = got
+        for t, full in zip(reduce, _gather_grads(plans, grad_outs, reduce)):
+            pieces[t] = [full[:, b.cols[0] : b.cols[0] + b.cols[1]] for b in blocks[t]]
+        grads = [_table_grads(p, bl, pc, win) for p, bl, pc, win in zip(plans, blocks, pieces, ctx.wins)]
+        return (None, *(_grad_dtensor(m, p, g) for m, p, g in zip(ctx.weight_meta, plans, grads)))
+
+
+def _table_grads(
+    plan: LookupPlan, blocks: list[_Block], pieces: list[torch.Tensor], win: list[torch.Tensor] | None
+) -> list[torch.Tensor]:
+    """One table's per-shard weight gradients from its blocks' output gradients."""
+    grads = [torch.zeros_like(s) for s in plan.shards]
+    for k, (b, g) in enumerate(zip(blocks, pieces)):
+        if win is not None:
+            g = g * win[k]
+        grads[b.index] = pool_rows_backward(g, plan.shards[b.index].detach(), b.ids, b.offsets, b.weights, b.argmax)
+    _mask_padding(plan, grads)
+    _sync_replicas(plan, grads)
+    return grads
+
+
+def _columns_backward(
+    plans: list[LookupPlan], blocks: list[list[_Block]], grad_outs: tuple[torch.Tensor, ...], tables: list[int]
+) -> list[list[torch.Tensor]]:
+    """COLUMNS backward for ``tables`` together: ONE reverse ``all_to_all``; per table, each block's gradient."""
+    if not tables:
+        return []
+    p0 = plans[tables[0]]
+    rank, world, dev = p0.rank, p0.world, p0.batch.ids.device
+    dtype = _common_dtype([plans[t] for t in tables])
+    send = []
+    for p in range(world):
+        parts = [grad_outs[t][:, c0 : c0 + w].reshape(-1).to(dtype) for t in tables for c0, w in plans[t].columns_of(p)]
+        send.append(torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=dev))
+    sizes = [sum(plans[t].num_bags[p] * b.cols[1] for t in tables for b in blocks[t]) for p in range(world)]
+    recv = all_to_all_flat(send, sizes, p0.group, dtype=dtype, device=dev)
+    got: dict[int, list[list[torch.Tensor]]] = {t: [[] for _ in blocks[t]] for t in tables}
+    for p, flat in enumerate(recv):
+        at = 0
+        for t in tables:
+            n = plans[t].num_bags[p]
+            for k, b in enumerate(blocks[t]):
+                got[t][k].append(flat[at : at + n * b.cols[1]].view(n, b.cols[1]))
+                at += n * b.cols[1]
+    return [[torch.cat(parts).to(plans[t].layout.dtype) for parts in got[t]] for t in tables]
+
+
+def _gather_grads(
+    plans: list[LookupPlan], grad_outs: tuple[torch.Tensor, ...], tables: list[int]
+) -> list[torch.Tensor]:
+    """REDUCE backward for ``tables`` together: ONE all-gather of the output gradients; per table all ranks' rows."""
+    if not tables:
+        return []
+    p0 = plans[tables[0]]
+    dtype = _common_dtype([plans[t] for t in tables])
+    mine = torch.cat([grad_outs[t].reshape(-1).to(dtype) for t in tables])
+    dims = [plans[t].layout.global_shape[1] for t in tables]
+    counts = [sum(plans[t].num_bags[r] * d for t, d in zip(tables, dims)) for r in range(p0.world)]
+    per_rank = [
+        _split_flat(flat, [(plans[t].num_bags[r], d) for t, d in zip(tables, dims)])
+        for r, flat in enumerate(gather_flat(mine, counts, p0.group))
     ]
-    width = sum(b.cols[1] for b in blocks)
-    recv = all_to_all_rows(
-        send, [(n, width) for n in plan.num_bags], plan.group, dtype=grad_out.dtype, device=grad_out.device
-    )
-    full = torch.cat(recv)
-    return list(full.split([b.cols[1] for b in blocks], dim=1))
+    return [torch.cat([rows[k] for rows in per_rank]).to(plans[t].layout.dtype) for k, t in enumerate(tables)]
 
 
 def _mask_padding(plan: LookupPlan, grads: list[torch.Tensor]) -> None:
@@ -345,6 +459,9 @@ def _grad_dtensor(meta: tuple, plan: LookupPlan, grads: list[torch.Tensor]) -> D
     return DTensor.from_local(g_local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def pooled_lookup(plan: LookupPlan, weight: DTensor) -> torch.Tensor:
-    """Sum (or max) pooled rows of this rank's own bags; differentiable w.r.t. ``weight``."""
-    return _PooledLookup.apply(plan, weight)
+def pooled_lookup(plans: list[LookupPlan], weights: list[DTensor]) -> list[torch.Tensor]:
+    """Sum (or max) pooled rows of this rank's own bags, for each table; differentiable w.r.t. ``weights``.
+
+    ``plans[t]`` describes the lookup of ``weights[t]``; the tables' collectives are fused.
+    """
+    return list(_PooledLookup.apply(plans, *weights))

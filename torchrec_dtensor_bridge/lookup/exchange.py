@@ -2,21 +2,25 @@
 
 Ranks pass batches of different sizes (as in TorchRec), while ``all_gather``
 on gloo needs equal sizes: every gather here pads to the largest rank's size
-(known to all ranks from the agreement step) and strips the padding after.
+(known to all ranks from the agreement step) and strips the padding after;
+``all_to_all`` takes uneven pieces as they are.
 Bags of all ranks are concatenated in rank order: rank ``r``'s bags occupy
 rows ``starts[r] : starts[r] + num_bags[r]`` of a gathered batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.distributed as dist
 
 from .validate import Bags, RankInfo
 
-__all__ = ["all_to_all_rows", "gather_bags", "gather_rows", "reduce_scatter_rows", "row_starts"]
+__all__ = [
+    "all_to_all_flat", "all_to_all_rows", "gather_bags", "gather_flat", "gather_rows", "reduce_scatter_rows",
+    "row_starts",
+]
 
 
 def row_starts(counts: Sequence[int]) -> list[int]:
@@ -38,29 +42,75 @@ def _gather_padded(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGr
 
 
 def gather_bags(
-    bags: Bags, infos: Sequence[RankInfo], group: dist.ProcessGroup | None, *, float_dtype: torch.dtype
-) -> Bags:
-    """Every rank's batch, concatenated in rank order; *collective*.
+    bags: Sequence[Bags],
+    infos: Sequence[Sequence[RankInfo]],
+    group: dist.ProcessGroup | None,
+    *,
+    float_dtype: torch.dtype,
+    rows: int,
+    readers: Sequence[Collection[int]] | None = None,
+) -> list[Bags]:
+    """Every rank's batch of each table, concatenated in rank order, on the ranks that read it; *collective*.
 
-    Ids and bag lengths travel in one int64 gather; per-sample weights in a
-    second one only when some rank passed them (ranks that did not send ones).
+    ``bags[t]`` is this rank's batch of table ``t``, ``infos[t][r]`` rank
+    ``r``'s sizes for it and ``readers[t]`` the ranks that need table ``t``'s
+    ids (default: all); ``rows`` bounds every id (the largest table's
+    ``num_embeddings``, agreed by all ranks). The ids and bag lengths of ALL tables travel in one
+    ``all_to_all``, each table's only to its readers; per-sample weights (as
+    ``float_dtype``) in a second one only when some rank passed them for some
+    table (ranks and tables without them send ones). A rank that does not
+    read a table gets all bags of it with no ids (every bag empty).
     """
-    n_ids = [i.num_ids for i in infos]
-    n_bags = [i.num_bags for i in infos]
-    wid, wbag = max(n_ids, default=0), max(n_bags, default=0)
-    packed = bags.ids.new_zeros(wid + wbag)
-    packed[: bags.ids.numel()] = bags.ids
-    packed[wid : wid + bags.num_bags] = bags.lengths
-    parts = _gather_padded(packed.unsqueeze(1), [wid + wbag] * len(infos), group)
-    ids = torch.cat([p[:n, 0] for p, n in zip(parts, n_ids)])
-    lengths = torch.cat([p[wid : wid + b, 0] for p, b in zip(parts, n_bags)])
-    weights = None
-    if any(i.has_weights for i in infos):
-        mine = bags.weights if bags.weights is not None else torch.ones(
-            bags.ids.numel(), dtype=float_dtype, device=bags.ids.device
-        )
-        weights = torch.cat(_gather_padded(mine, n_ids, group))
-    return Bags(ids, lengths, weights)
+    if not bags:
+        return []
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    every = range(world)
+    reads = [set(every) if readers is None else set(readers[t]) for t in range(len(bags))]
+    mine = [t for t in range(len(bags)) if rank in reads[t]]
+    # ids and lengths travel as int32 when every value fits (half the bytes), known alike on every rank
+    wide = max(rows, max(i.num_ids for info in infos for i in info)) >= 2**31
+    dtype = torch.int64 if wide else torch.int32
+    send = [torch.cat([x.to(dtype) for t, b in enumerate(bags) if q in reads[t] for x in (b.ids, b.lengths)]
+                      + [bags[0].ids.new_empty(0, dtype=dtype)]) for q in every]
+    sizes = [sum(infos[t][p].num_ids + infos[t][p].num_bags for t in mine) for p in every]
+    parts = [p.to(torch.int64) for p in all_to_all_flat(send, sizes, group, dtype=dtype, device=bags[0].ids.device)]
+    ids: dict[int, list[torch.Tensor]] = {t: [] for t in mine}
+    lengths: dict[int, list[torch.Tensor]] = {t: [] for t in mine}
+    for p, part in enumerate(parts):
+        at = 0
+        for t in mine:
+            n, nb = infos[t][p].num_ids, infos[t][p].num_bags
+            ids[t].append(part[at : at + n])
+            lengths[t].append(part[at + n : at + n + nb])
+            at += n + nb
+    weighted = [any(x.has_weights for x in i) for i in infos]
+    weights: dict[int, torch.Tensor] = {}
+    if any(weighted):
+        wsend = [torch.cat([
+            (b.weights if b.weights is not None else torch.ones(b.ids.numel(), device=b.ids.device)).to(float_dtype)
+            for t, b in enumerate(bags) if weighted[t] and q in reads[t]
+        ] + [torch.empty(0, dtype=float_dtype, device=bags[0].ids.device)]) for q in every]
+        wsizes = [sum(infos[t][p].num_ids for t in mine if weighted[t]) for p in every]
+        wparts: dict[int, list[torch.Tensor]] = {t: [] for t in mine if weighted[t]}
+        for p, part in enumerate(all_to_all_flat(wsend, wsizes, group, dtype=float_dtype, device=bags[0].ids.device)):
+            at = 0
+            for t in wparts:
+                wparts[t].append(part[at : at + infos[t][p].num_ids])
+                at += infos[t][p].num_ids
+        weights = {t: torch.cat(w) for t, w in wparts.items()}
+    out = []
+    for t, b in enumerate(bags):
+        if t in ids:
+            out.append(Bags(torch.cat(ids[t]), torch.cat(lengths[t]), weights.get(t)))
+        else:  # not read here: every bag of every rank, empty
+            total = sum(i.num_bags for i in infos[t])
+            out.append(Bags(b.ids.new_empty(0), b.lengths.new_zeros(total), None))
+    return out
+
+
+def gather_flat(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every rank's 1-D ``t`` (``counts[r]`` elements each), in rank order; *collective*."""
+    return _gather_padded(t, counts, group)
 
 
 def gather_rows(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -77,6 +127,15 @@ def reduce_scatter_rows(
     out = torch.empty_like(pieces[rank])
     dist.reduce_scatter(out, [p.contiguous() for p in pieces], op=op, group=group)
     return out
+
+
+def all_to_all_flat(
+    send: Sequence[torch.Tensor], recv_sizes: Sequence[int], group: dist.ProcessGroup | None,
+    *, dtype: torch.dtype, device: torch.device,
+) -> list[torch.Tensor]:
+    """Send the flat ``send[q]`` to rank ``q``; receive ``recv_sizes[p]`` elements from each ``p``; *collective*."""
+    return all_to_all_rows([s.reshape(-1) for s in send], [(n,) for n in recv_sizes], group,
+                           dtype=dtype, device=device)
 
 
 def all_to_all_rows(

@@ -59,10 +59,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards_of
 from ..layout import ShardLayout, contiguous_strides
 from .algorithms import LookupPlan, Strategy, pooled_lookup, strategy_for
-from .exchange import gather_bags
 from .renorm import renormalize
+from .run import TableOptions, finish, option_codes, run_tables
 from .validate import (
-    MODES,
     Bags,
     RejectedArguments,
     agree,
@@ -119,17 +118,6 @@ def _dtensor_inputs(fn: str, input: object, **others: object) -> tuple[str | Non
             v = v.to_local()
         local[name] = v
     return kind, input.to_local(), local, mesh
-
-
-def _finish(out: torch.Tensor, bags: Bags, mode: str, padding: int | None) -> torch.Tensor:
-    """``mean``: divide by the true bag size; ``max``: empty bags give 0 (row-wise on ``out``)."""
-    if mode == "sum":
-        return out
-    valid = bags.ids != padding if padding is not None else torch.ones_like(bags.ids, dtype=torch.bool)
-    sizes = torch.bincount(bags.bag_of_id()[valid], minlength=bags.num_bags).unsqueeze(1)
-    if mode == "mean":
-        return out / sizes.clamp(min=1).to(out.dtype)
-    return out.masked_fill(sizes == 0, 0.0)
 
 
 def _chunk_rows(n: int, world: int) -> list[int]:
@@ -194,62 +182,13 @@ def _replicated_input(
     )
     if strategy is Strategy.COLUMNS and not columns:
         plan.strategy = Strategy.REDUCE  # same blocks compute; summed into a partial instead
-    out = _finish(pooled_lookup(plan, weight), bags, mode, padding)
+    (out,) = pooled_lookup([plan], [weight])
+    out = finish(out, bags, mode, padding)
     if strategy is Strategy.LOCAL:
         return out, [Replicate()], "full"
     if columns:
         return out, [Shard(1)], "columns"
     return out, [Partial()], "full"
-
-
-def _options(op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
-             shape: tuple[int, ...]) -> dict[str, float]:
-    return {
-        "op": float(op),
-        "mode": float(MODES.index(mode)) if mode in MODES else float("nan"),
-        "padding_idx": -1.0 if padding is None else float(padding),
-        "max_norm": 0.0 if max_norm is None else float(max_norm),
-        "norm_type": float(norm_type) if isinstance(norm_type, (int, float)) else float("nan"),
-        "num_embeddings": float(shape[0]) if len(shape) == 2 else float("nan"),
-        "embedding_dim": float(shape[1]) if len(shape) == 2 else float("nan"),
-    }
-
-
-def _run(
-    weight: DTensor,
-    bags: Bags,
-    infos: list,
-    *,
-    max_mode: bool,
-    padding_idx: int | None,
-    skip_padding: bool,
-    max_norm: float | None,
-    norm_type: float,
-) -> torch.Tensor:
-    """Steps 3-5 for validated arguments; returns the pooled (sum or raw max) output of this rank's bags."""
-    layout = layout_of(weight)
-    if layout.dtype is None:
-        layout = dataclasses.replace(layout, dtype=weight.dtype)
-    shards = local_shards_of(weight)
-    world = dist.get_world_size()
-    replicated = strategy_for(layout, world) is Strategy.LOCAL
-    gathered = None
-    if not replicated or max_norm is not None:
-        gathered = gather_bags(bags, infos, None, float_dtype=weight.dtype)
-    if max_norm is not None:
-        assert gathered is not None
-        renormalize(layout, layout.shards_on(dist.get_rank()), shards, gathered.ids, max_norm, norm_type, None)
-    plan = LookupPlan(
-        layout=layout,
-        shards=shards,
-        batch=bags if replicated or gathered is None else gathered,
-        num_bags=[i.num_bags for i in infos],
-        max_mode=max_mode,
-        padding_idx=padding_idx,
-        skip_padding=skip_padding,
-        track=weight.requires_grad and torch.is_grad_enabled(),
-    )
-    return pooled_lookup(plan, weight)
 
 
 def sharded_embedding_bag(
@@ -321,14 +260,13 @@ def sharded_embedding_bag(
             return DTensor.from_local(out, mesh, placements, run_check=False, shape=gshape,
                                       stride=contiguous_strides(gshape))
         bags = _split_bags(bags, dist.get_world_size(), dist.get_rank())
-    infos = agree(fn, error, bags, _options(0, mode, padding, max_norm, norm_type, shape))
+    infos = agree(fn, error, None if bags is None else [bags], [option_codes(0, mode, padding, max_norm, norm_type, shape)])
     assert bags is not None
-    out = _run(weight, bags, infos, max_mode=mode == "max", padding_idx=padding, skip_padding=True,
-               max_norm=max_norm, norm_type=norm_type)
-    out = _finish(out, bags, mode, padding)
+    (out,) = run_tables([weight], [bags], infos, [TableOptions(mode, padding, max_norm, norm_type)], skip_padding=True)
+    out = finish(out, bags, mode, padding)
     if kind is None:
         return out
-    return _rows_dtensor(out, [i.num_bags for i in infos], mesh)
+    return _rows_dtensor(out, [i.num_bags for i in infos[0]], mesh)
 
 
 def sharded_embedding(
@@ -382,12 +320,11 @@ def sharded_embedding(
             placements = [Shard(input.dim())]
         return DTensor.from_local(out, mesh, placements, run_check=False, shape=gshape,
                                   stride=contiguous_strides(gshape))
-    infos = agree(fn, error, bags, _options(1, "sum", padding, max_norm, norm_type, shape))
+    infos = agree(fn, error, None if bags is None else [bags], [option_codes(1, "sum", padding, max_norm, norm_type, shape)])
     assert bags is not None and isinstance(input, torch.Tensor)
-    out = _run(weight, bags, infos, max_mode=False, padding_idx=padding, skip_padding=False,
-               max_norm=max_norm, norm_type=norm_type)
+    (out,) = run_tables([weight], [bags], infos, [TableOptions("sum", padding, max_norm, norm_type)], skip_padding=False)
     out = out.view(tuple(input.shape) + (shape[1],))
     if kind is None:
         return out
     per_row = max(1, int(torch.Size(input.shape[1:]).numel()))
-    return _rows_dtensor(out, [i.num_bags // per_row for i in infos], mesh)
+    return _rows_dtensor(out, [i.num_bags // per_row for i in infos[0]], mesh)

@@ -15,6 +15,7 @@ agreement costs no extra round trip on the happy path.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -210,46 +211,84 @@ def bags_for_embedding(fn: str, input: object, rows: int) -> Bags:
 
 # Option fields compared across ranks, in the order they travel.
 _AGREED = ("mode", "padding_idx", "max_norm", "norm_type", "num_embeddings", "embedding_dim", "op")
+_FIELDS = 3 + len(_AGREED)  # num_bags, num_ids, has_weights, then the options
+
+
+def _table_fields(bags: Bags | None, options: Mapping[str, float]) -> list[float]:
+    sizes = [0.0, 0.0, 0.0] if bags is None else [
+        float(bags.num_bags), float(bags.ids.numel()), float(bags.weights is not None)
+    ]
+    return sizes + [float(options[k]) for k in _AGREED]
+
+
+def _all_rows(mine: list[float], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's ``mine`` (the same length on every rank) as a ``(world, len)`` float64 table."""
+    t = torch.tensor(mine, dtype=torch.float64)
+    rows = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, t, group=group)
+    return torch.stack(rows)
+
+
+def _check_same(fn: str, fields: torch.Tensor, table: int | None) -> list[RankInfo]:
+    """Compare one table's options across ranks (``fields``: ``(world, _FIELDS)``); its per-rank sizes."""
+    where = "" if table is None else f" for table {table}"
+    for i, key in enumerate(_AGREED):
+        col = fields[:, 3 + i]
+        if not bool((col == col[0]).all()) and not bool(col.isnan().all()):
+            raise ValueError(
+                f"{fn}: ranks disagree on {key}{where}: {col.tolist()} (rank order); every rank must pass the same"
+            )
+    return [RankInfo(int(r[0]), int(r[1]), bool(r[2])) for r in fields.tolist()]
 
 
 def agree(
     fn: str,
     error: RejectedArguments | None,
-    bags: Bags | None,
-    options: dict[str, float],
+    bags: Sequence[Bags] | None,
+    options: Sequence[Mapping[str, float]],
     group: dist.ProcessGroup | None = None,
-) -> list[RankInfo]:
-    """The agreement step; *collective*. Returns every rank's batch sizes.
+) -> list[list[RankInfo]]:
+    """The agreement step for a lookup of one or several tables; *collective*.
+
+    Returns ``infos[table][rank]``: every rank's batch sizes for each table.
+    The first ``all_gather`` carries the verdict, the number of tables and the
+    first table's sizes and options - the same size whatever the call, so
+    ranks that disagree even on the number of tables still meet in it and
+    raise. Only a lookup of several tables needs a second ``all_gather`` for
+    the other tables.
 
     Args:
         fn: public function name, for messages.
         error: this rank's validation failure, if any.
-        bags: this rank's canonical batch (``None`` when ``error`` is set).
-        options: numeric codes of the options every rank must agree on (keys of ``_AGREED``).
+        bags: this rank's canonical batch per table (``None`` when ``error`` is set).
+        options: per table, the numeric codes every rank must agree on (keys of ``_AGREED``).
         group: process group (default: the world).
 
     Raises:
         The failing rank's exception kind on every rank, or ``ValueError`` when ranks disagree.
     """
     code = 0 if error is None else 1 + _KINDS.index(error.kind if error.kind in _KINDS else RuntimeError)
-    sizes = [0.0, 0.0, 0.0] if bags is None else [
-        float(bags.num_bags), float(bags.ids.numel()), float(bags.weights is not None)
-    ]
-    mine = torch.tensor([float(code)] + sizes + [float(options[k]) for k in _AGREED], dtype=torch.float64)
-    world = dist.get_world_size(group)
-    rows = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine, group=group)
-    table = torch.stack(rows)
+    n = len(options)
+    per_table = [None] * n if bags is None else list(bags)
+    first = _table_fields(per_table[0] if n else None, options[0] if n else _NO_OPTIONS)
+    table = _all_rows([float(code), float(n)] + first, group)
     codes = table[:, 0].to(torch.int64).tolist()
     if any(codes):
+        world = dist.get_world_size(group)
         messages: list[object] = [None] * world
         dist.all_gather_object(messages, None if error is None else error.message, group=group)
         if error is not None:
             raise error.kind(error.message)
-        first = next(r for r, c in enumerate(codes) if c)
-        raise _KINDS[codes[first] - 1](f"{fn}: rank {first} rejected its arguments: {messages[first]}")
-    for i, key in enumerate(_AGREED):
-        col = table[:, 4 + i]
-        if not bool((col == col[0]).all()) and not bool(col.isnan().all()):
-            raise ValueError(f"{fn}: ranks disagree on {key}: {col.tolist()} (rank order); every rank must pass the same")
-    return [RankInfo(int(r[1]), int(r[2]), bool(r[3])) for r in table.tolist()]
+        bad = next(r for r, c in enumerate(codes) if c)
+        raise _KINDS[codes[bad] - 1](f"{fn}: rank {bad} rejected its arguments: {messages[bad]}")
+    counts = table[:, 1].to(torch.int64).tolist()
+    if len(set(counts)) > 1:
+        raise ValueError(f"{fn}: ranks passed different numbers of tables: {counts} (rank order)")
+    infos = [_check_same(fn, table[:, 2:], 0 if n > 1 else None)] if n else []
+    if n > 1:
+        rest = _all_rows([x for b, o in zip(per_table[1:], options[1:]) for x in _table_fields(b, o)], group)
+        infos += [_check_same(fn, rest[:, t * _FIELDS : (t + 1) * _FIELDS], t + 1) for t in range(n - 1)]
+    return infos
+
+
+_NO_OPTIONS: Mapping[str, float] = {k: math.nan for k in _AGREED}

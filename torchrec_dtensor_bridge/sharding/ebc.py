@@ -10,8 +10,10 @@ embedding of that feature's bags through the table's ``nn.EmbeddingBag``
 (its own pooling mode); the result is a ``KeyedTensor`` with the EBC's keys,
 values concatenated along dim 1. Two differences, both for the sharded case:
 
-* all features of one table go through ONE lookup (their bags back to back),
-  so a table costs one collective lookup whatever its number of features;
+* all features of one table go through one lookup (their bags back to back),
+  and all sharded tables through ONE :func:`sharded_embedding_bags` call, so
+  the whole collection costs one fused collective lookup whatever its number
+  of tables and features;
 * the input is checked before any lookup, and a rank whose input is bad
   joins the first sharded lookup's agreement step as a failing rank, so every
   rank raises instead of the others waiting in the lookup.
@@ -19,13 +21,13 @@ values concatenated along dim 1. Two differences, both for the sharded case:
 
 from __future__ import annotations
 
-import collections
 from typing import Any, NoReturn, cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..lookup import sharded_embedding_bags
 from ..lookup.validate import RejectedArguments, agree
 from ..torchrec_plan import embedding_bag_collection_type, jagged_types
 from .modules import GATHER_OUTPUT_ATTR, gather_output
@@ -67,13 +69,13 @@ def _check_features(ebc: Any, features: object, kjt_type: type) -> dict[str, Any
 
 def _refuse_everywhere(ebc: Any, error: RejectedArguments) -> NoReturn:
     """Take part, as a failing rank, in the agreement step of the lookup the other ranks are entering."""
-    first = next((bag for bag in ebc.embedding_bags.values() if isinstance(bag.weight, DTensor)), None)
-    if first is not None:  # raises ``error`` here once the other ranks have heard of it
-        agree("sharded_embedding_bag", error, None, collections.defaultdict(lambda: float("nan")))
+    if any(isinstance(bag.weight, DTensor) for bag in ebc.embedding_bags.values()):
+        # raises ``error`` here once the other ranks have heard of it
+        agree("sharded_embedding_bags", error, None, [])
     raise error.kind(error.message)
 
 
-def _table_input(bag: nn.EmbeddingBag, jagged: list[Any], weighted: bool) -> dict[str, torch.Tensor | None]:
+def _table_input(bag: nn.EmbeddingBag, jagged: list[Any], weighted: bool) -> dict[str, Any]:
     lengths = torch.cat([jt.lengths() for jt in jagged]).to(torch.int64)
     offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
     return {
@@ -81,6 +83,10 @@ def _table_input(bag: nn.EmbeddingBag, jagged: list[Any], weighted: bool) -> dic
         "offsets": offsets if bag.include_last_offset else offsets[:-1],
         "per_sample_weights": torch.cat([jt.weights() for jt in jagged]) if weighted else None,
     }
+
+
+def _without_last(offsets: torch.Tensor | None, bag: nn.EmbeddingBag) -> torch.Tensor | None:
+    return offsets[:-1] if offsets is not None and bag.include_last_offset else offsets
 
 
 def ebc_forward(self: Any, features: Any) -> Any:
@@ -99,9 +105,26 @@ def ebc_forward(self: Any, features: Any) -> Any:
         by_name = _check_features(self, features, KeyedJaggedTensor)
     except RejectedArguments as e:
         _refuse_everywhere(self, e)
+    tables = list(zip(self.embedding_bags.values(), self._feature_names))
+    inputs = [_table_input(bag, [by_name[f] for f in names], self.is_weighted()) for bag, names in tables]
+    sharded = [k for k, (bag, _) in enumerate(tables) if isinstance(bag.weight, DTensor)]
+    outs: dict[int, torch.Tensor] = {}
+    if sharded:  # every sharded table in ONE collective lookup
+        bags = [tables[k][0] for k in sharded]
+        results = sharded_embedding_bags(
+            [inputs[k]["input"] for k in sharded],
+            [bag.weight for bag in bags],
+            [_without_last(inputs[k]["offsets"], bag) for k, bag in zip(sharded, bags)],
+            mode=[bag.mode for bag in bags],
+            per_sample_weights=[inputs[k]["per_sample_weights"] for k in sharded] if self.is_weighted() else None,
+            padding_idx=[bag.padding_idx for bag in bags],
+            max_norm=[bag.max_norm for bag in bags],
+            norm_type=[bag.norm_type for bag in bags],
+        )
+        outs.update(zip(sharded, results))
     pooled: list[torch.Tensor] = []
-    for bag, names in zip(self.embedding_bags.values(), self._feature_names):
-        out = bag(**_table_input(bag, [by_name[f] for f in names], self.is_weighted())).float()
+    for k, (bag, names) in enumerate(tables):
+        out = (outs[k] if k in outs else bag(**inputs[k])).float()
         pooled.extend(out.reshape(len(names), out.shape[0] // max(len(names), 1), out.shape[1]).unbind(0))
     values = torch.cat(pooled, dim=1)
     if getattr(self, GATHER_OUTPUT_ATTR, False):

@@ -1,0 +1,102 @@
+"""What every lookup shares once its arguments are validated: the options, steps 3-6 of a lookup.
+
+:func:`run_tables` runs the lookups of one or several tables together (see
+:mod:`.functional` for the order of work): the ids of every table that needs
+them travel in ONE gather, ``max_norm`` renormalises, and
+:func:`.algorithms.pooled_lookup` fuses the tables' output exchanges.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..convert.dtensor import layout_of, local_shards_of
+from .algorithms import LookupPlan, Strategy, pooled_lookup, strategy_for
+from .exchange import gather_bags
+from .renorm import renormalize
+from .validate import MODES, Bags, RankInfo
+
+__all__ = ["TableOptions", "finish", "option_codes", "run_tables"]
+
+
+def finish(out: torch.Tensor, bags: Bags, mode: str, padding: int | None) -> torch.Tensor:
+    """After the pooled lookup: ``mean`` divides by the true bag size; ``max``: empty bags give 0."""
+    if mode == "sum":
+        return out
+    valid = bags.ids != padding if padding is not None else torch.ones_like(bags.ids, dtype=torch.bool)
+    sizes = torch.bincount(bags.bag_of_id()[valid], minlength=bags.num_bags).unsqueeze(1)
+    if mode == "mean":
+        return out / sizes.clamp(min=1).to(out.dtype)
+    return out.masked_fill(sizes == 0, 0.0)
+
+
+def option_codes(op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
+             shape: tuple[int, ...]) -> dict[str, float]:
+    return {
+        "op": float(op),
+        "mode": float(MODES.index(mode)) if mode in MODES else float("nan"),
+        "padding_idx": -1.0 if padding is None else float(padding),
+        "max_norm": 0.0 if max_norm is None else float(max_norm),
+        "norm_type": float(norm_type) if isinstance(norm_type, (int, float)) else float("nan"),
+        "num_embeddings": float(shape[0]) if len(shape) == 2 else float("nan"),
+        "embedding_dim": float(shape[1]) if len(shape) == 2 else float("nan"),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class TableOptions:
+    """One table's validated options."""
+
+    mode: str
+    padding: int | None
+    max_norm: float | None
+    norm_type: float
+
+
+def run_tables(
+    weights: list[DTensor], bags: list[Bags], infos: list[list[RankInfo]], options: list[TableOptions],
+    *, skip_padding: bool,
+) -> list[torch.Tensor]:
+    """Steps 3-5 for validated arguments, all tables at once; per table the pooled (sum or raw max) output of
+    this rank's bags. Ids of every table that needs them travel in one gather, outputs in fused collectives."""
+    layouts = [layout_of(w) for w in weights]
+    layouts = [lay if lay.dtype is not None else dataclasses.replace(lay, dtype=w.dtype)
+               for lay, w in zip(layouts, weights)]
+    shards = [local_shards_of(w) for w in weights]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    replicated = [strategy_for(lay, world) is Strategy.LOCAL for lay in layouts]
+    need = [t for t, o in enumerate(options) if not replicated[t] or o.max_norm is not None]
+    dtypes = {weights[t].dtype for t in need}
+    float_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
+    # ids go only to the ranks that compute a block of the table (max_norm: to every holder of rows)
+    readers = [range(world) if options[t].max_norm is not None else
+               {s.rank for s in layouts[t].unique_shards() if s.numel and s.rank is not None} for t in need]
+    gathered = dict(zip(need, gather_bags([bags[t] for t in need], [infos[t] for t in need], None,
+                                          float_dtype=float_dtype, readers=readers,
+                                          rows=max((lay.global_shape[0] for lay in layouts), default=0))))
+    for t, g in gathered.items():
+        if g.weights is not None and g.weights.dtype != weights[t].dtype:
+            gathered[t] = Bags(g.ids, g.lengths, g.weights.to(weights[t].dtype))
+        o = options[t]
+        if o.max_norm is not None:
+            renormalize(layouts[t], layouts[t].shards_on(rank), shards[t], gathered[t].ids, o.max_norm, o.norm_type,
+                        None)
+    track = torch.is_grad_enabled()
+    plans = [
+        LookupPlan(
+            layout=layouts[t],
+            shards=shards[t],
+            batch=bags[t] if replicated[t] else gathered[t],
+            num_bags=[i.num_bags for i in infos[t]],
+            max_mode=o.mode == "max",
+            padding_idx=o.padding,
+            skip_padding=skip_padding,
+            track=weights[t].requires_grad and track,
+        )
+        for t, o in enumerate(options)
+    ]
+    return pooled_lookup(plans, weights)

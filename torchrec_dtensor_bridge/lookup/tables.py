@@ -1,0 +1,138 @@
+"""``sharded_embedding_bags``: the pooled lookups of several DTensor tables in one collective call.
+
+What TorchRec's sharded ``EmbeddingBagCollection`` does for its tables, for
+DTensor tables of any layouts: one call, the same steps as
+:func:`.functional.sharded_embedding_bag` for every table, with the
+communication of all tables fused:
+
+1. validate every table's arguments locally, recording - not raising - a failure;
+2. agree: one ``all_gather`` (verdict, number of tables, the first table's sizes
+   and options) plus one for the other tables' sizes and options;
+3. ONE ``all_gather`` of the ids of every table that is not replicated on all ranks;
+4. ``max_norm`` renormalisation per table that asks for it;
+5. every rank pools what it stores of every table, then ONE ``all_to_all`` for all
+   tables whose blocks span whole rows (table-wise, column-wise) and ONE
+   ``reduce_scatter`` for all row-cut tables (row-wise, grid) - ``max`` on row
+   cuts adds one ``all_reduce`` per table;
+6. ``mean`` / ``max`` finishing per table.
+
+So a table-wise collection of any number of tables costs four collectives in
+forward (TorchRec's needs three to four) and each rank computes its own tables
+while the others compute theirs, instead of taking turns table by table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .run import TableOptions, finish, option_codes, run_tables
+from .validate import Bags, RejectedArguments, agree, bags_from_input, check_options
+
+__all__ = ["sharded_embedding_bags"]
+
+_FN = "sharded_embedding_bags"
+
+
+def _per_table(name: str, value: Any, n: int, scalar: tuple[type, ...]) -> list[Any]:
+    """``value`` for each of ``n`` tables: a scalar given once, or a sequence of ``n`` values."""
+    if value is None or isinstance(value, scalar):
+        return [value] * n
+    if not isinstance(value, Sequence) or len(value) != n:
+        got = f"{len(value)} values" if isinstance(value, Sequence) else type(value).__name__
+        raise RejectedArguments(ValueError, f"{_FN}: {name} must be one value or one per table ({n}), got {got}")
+    return list(value)
+
+
+def _validate(
+    inputs: Any, weights: Any, offsets: Any, per_sample_weights: Any, *, mode: Any, padding_idx: Any,
+    include_last_offset: bool, max_norm: Any, norm_type: Any,
+) -> tuple[list[DTensor], list[Bags], list[TableOptions], list[dict[str, float]]]:
+    """Every table's canonical batch and options; raises :class:`RejectedArguments` (local)."""
+    if not isinstance(inputs, Sequence) or isinstance(inputs, torch.Tensor):
+        raise RejectedArguments(TypeError, f"{_FN}: inputs must be a list of Tensors, got {type(inputs).__name__}")
+    if not isinstance(weights, Sequence) or isinstance(weights, torch.Tensor):
+        raise RejectedArguments(TypeError, f"{_FN}: weights must be a list of DTensors, got {type(weights).__name__}")
+    n = len(weights)
+    if n == 0 or len(inputs) != n:
+        raise RejectedArguments(
+            ValueError, f"{_FN}: need one input per weight and at least one table, got {len(inputs)} inputs "
+            f"and {n} weights"
+        )
+    offs = _per_table("offsets", offsets, n, ())
+    psws = _per_table("per_sample_weights", per_sample_weights, n, ())
+    modes = _per_table("mode", mode, n, (str,))
+    pads = _per_table("padding_idx", padding_idx, n, (int,))
+    norms = _per_table("max_norm", max_norm, n, (int, float))
+    ptypes = _per_table("norm_type", norm_type, n, (int, float))
+    bags, options, codes = [], [], []
+    for t in range(n):
+        fn = f"{_FN} (table {t})"
+        w = weights[t]
+        if not isinstance(w, DTensor):
+            raise RejectedArguments(TypeError, f"{fn}: weight must be a DTensor, got {type(w).__name__}")
+        if isinstance(inputs[t], DTensor):
+            raise RejectedArguments(
+                NotImplementedError, f"{fn}: DTensor inputs are not supported here; pass each rank's own batch as "
+                "a plain tensor, or use sharded_embedding_bag"
+            )
+        shape = tuple(w.shape)
+        padding = check_options(fn, shape, mode=modes[t], padding_idx=pads[t], max_norm=norms[t],
+                                norm_type=ptypes[t], scale_grad_by_freq=False, sparse=False)
+        bags.append(bags_from_input(fn, inputs[t], offs[t], psws[t], rows=shape[0], mode=modes[t],
+                                    include_last_offset=include_last_offset, weight_dtype=w.dtype))
+        options.append(TableOptions(modes[t], padding, norms[t], ptypes[t]))
+        codes.append(option_codes(2, modes[t], padding, norms[t], ptypes[t], shape))
+    return list(weights), bags, options, codes
+
+
+def sharded_embedding_bags(
+    inputs: Sequence[torch.Tensor],
+    weights: Sequence[DTensor],
+    offsets: Sequence[torch.Tensor | None] | None = None,
+    *,
+    mode: str | Sequence[str] = "mean",
+    per_sample_weights: Sequence[torch.Tensor | None] | None = None,
+    padding_idx: int | None | Sequence[int | None] = None,
+    include_last_offset: bool = False,
+    max_norm: float | None | Sequence[float | None] = None,
+    norm_type: float | Sequence[float] = 2.0,
+) -> list[torch.Tensor]:
+    """:func:`sharded_embedding_bag` of several tables in one call, with fused collectives; *collective*.
+
+    ``inputs[t]`` (with ``offsets[t]`` and ``per_sample_weights[t]``) is THIS
+    rank's own batch for table ``weights[t]``; ranks may pass different batch
+    sizes, and each table its own. ``mode``, ``padding_idx``, ``max_norm`` and
+    ``norm_type`` are one value for all tables or one per table. Returns, per
+    table, this rank's ``(num_bags, embedding_dim)`` output, equal to
+    ``F.embedding_bag(inputs[t], full_weight_t, ...)``; gradients flow to every
+    weight as with :func:`sharded_embedding_bag`. Every rank passes the same
+    tables in the same order.
+
+    Raises:
+        TypeError, ValueError, NotImplementedError: on every rank, naming the
+            table, when any rank's arguments for any table are invalid or the
+            ranks disagree on an option or on the number of tables.
+
+    Example::
+
+        >>> outs = sharded_embedding_bags([ids0, ids1], [w0, w1], [off0, off1], mode="sum")
+        >>> torch.cat(outs, dim=1)  # like a KeyedTensor's values
+    """
+    error: RejectedArguments | None = None
+    bags: list[Bags] | None = None
+    codes: list[dict[str, float]] = []
+    try:
+        tables, bags, options, codes = _validate(
+            inputs, weights, offsets, per_sample_weights, mode=mode, padding_idx=padding_idx,
+            include_last_offset=include_last_offset, max_norm=max_norm, norm_type=norm_type,
+        )
+    except RejectedArguments as e:
+        error = e
+    infos = agree(_FN, error, bags, codes)
+    assert bags is not None
+    outs = run_tables(tables, bags, infos, options, skip_padding=True)
+    return [finish(out, b, o.mode, o.padding) for out, b, o in zip(outs, bags, options)]
