@@ -355,11 +355,14 @@ def _table_grads(
     plan: LookupPlan, blocks: list[_Block], pieces: list[torch.Tensor], win: list[torch.Tensor] | None
 ) -> list[torch.Tensor]:
     """One table's per-shard weight gradients from its blocks' output gradients."""
-    grads = [torch.zeros_like(s) for s in plan.shards]
+    computed: dict[int, torch.Tensor] = {}
     for k, (b, g) in enumerate(zip(blocks, pieces)):
         if win is not None:
             g = g * win[k]
-        grads[b.index] = pool_rows_backward(g, plan.shards[b.index].detach(), b.ids, b.offsets, b.weights, b.argmax)
+        computed[b.index] = pool_rows_backward(g, plan.shards[b.index].detach(), b.ids, b.offsets, b.weights,
+                                               b.argmax)
+    # only shards no block was computed on (replicas, empty blocks) start from zeros
+    grads = [computed[i] if i in computed else torch.zeros_like(s) for i, s in enumerate(plan.shards)]
     _mask_padding(plan, grads)
     _sync_replicas(plan, grads)
     return grads
