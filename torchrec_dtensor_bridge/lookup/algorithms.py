@@ -251,16 +251,15 @@ def _exchange_columns(plans: list[LookupPlan], blocks: list[list[_Block]], table
     """COLUMNS, for ``tables`` together: ONE ``all_to_all`` hands every rank its bags' columns of every table."""
     if not tables:
         return []
-    p0 = plans[tables[0]]
+    p0, dtype = plans[tables[0]], _common_dtype([plans[t] for t in tables])
     rank, world, dev = p0.rank, p0.world, p0.batch.ids.device
-    dtype = _common_dtype([plans[t] for t in tables])
     send = []
     for q in range(world):
         parts = []
         for t in tables:
             s, n = row_starts(plans[t].num_bags)[q], plans[t].num_bags[q]
-            parts += [b.out[s : s + n].reshape(-1).to(dtype) for b in blocks[t]]
-        send.append(torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=dev))
+            parts += [b.out[s : s + n].reshape(-1) for b in blocks[t]]
+        send.append(_flat(parts, dtype, dev))
     own = {t: plans[t].num_bags[rank] for t in tables}
     sizes = [sum(own[t] * w for t in tables for _, w in plans[t].columns_of(p)) for p in range(world)]
     recv = all_to_all_flat(send, sizes, p0.group, dtype=dtype, device=dev)
@@ -273,6 +272,11 @@ def _exchange_columns(plans: list[LookupPlan], blocks: list[list[_Block]], table
                 outs[t][:, c0 : c0 + w] = flat[at : at + own[t] * w].view(own[t], w)
                 at += own[t] * w
     return [outs[t] for t in tables]
+
+
+def _flat(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One flat message of ``parts`` in ``dtype`` (empty when there are none)."""
+    return torch.cat([p.to(dtype) for p in parts]) if parts else torch.empty(0, dtype=dtype, device=device)
 
 
 def _common_dtype(plans: list[LookupPlan]) -> torch.dtype:
@@ -374,13 +378,10 @@ def _columns_backward(
     """COLUMNS backward for ``tables`` together: ONE reverse ``all_to_all``; per table, each block's gradient."""
     if not tables:
         return []
-    p0 = plans[tables[0]]
-    rank, world, dev = p0.rank, p0.world, p0.batch.ids.device
-    dtype = _common_dtype([plans[t] for t in tables])
-    send = []
-    for p in range(world):
-        parts = [grad_outs[t][:, c0 : c0 + w].reshape(-1).to(dtype) for t in tables for c0, w in plans[t].columns_of(p)]
-        send.append(torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=dev))
+    p0, dtype = plans[tables[0]], _common_dtype([plans[t] for t in tables])
+    world, dev = p0.world, p0.batch.ids.device
+    send = [_flat([grad_outs[t][:, c0 : c0 + w].reshape(-1) for t in tables for c0, w in plans[t].columns_of(p)],
+                  dtype, dev) for p in range(world)]
     sizes = [sum(plans[t].num_bags[p] * b.cols[1] for t in tables for b in blocks[t]) for p in range(world)]
     recv = all_to_all_flat(send, sizes, p0.group, dtype=dtype, device=dev)
     got: dict[int, list[list[torch.Tensor]]] = {t: [[] for _ in blocks[t]] for t in tables}
