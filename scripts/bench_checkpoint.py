@@ -4,8 +4,11 @@ Two local gloo ranks save and load a row-wise sharded state_dict (``--gib`` GiB 
 all), alternating ours and plain DCP so both see the same page cache and disk.
 Also measured: ``dd`` write bandwidth of the same disk (with fdatasync), the
 time from the start of our save to each of its stages, and the bytes each rank
-reads (``rchar`` of /proc/self/io) in two resharded loads, ours and plain
-``dcp.load``, against the bytes the rank needs:
+reads in two resharded loads - ours (default, and staged) and plain
+``dcp.load`` - against the bytes the rank needs, from /proc/self/io:
+``read_bytes`` (fetched from storage; the checkpoint's files are dropped from
+the page cache with ``posix_fadvise`` before each load) and ``rchar`` (bytes
+returned by read calls, page cache included):
 
 * row-wise save -> uneven row-wise load (30% / 70% of the rows): the needed
   rows of each saved chunk are one contiguous byte range;
@@ -13,9 +16,10 @@ reads (``rchar`` of /proc/self/io) in two resharded loads, ours and plain
   row-major file interleaves the halves at 512 bytes, less than a disk page,
   so reading whole rows (2x here) is the floor for page-granular reads.
 
-Our load is timed twice: staged (the default: each rank reads its bytes once)
-and with ``staging_bytes=0`` (verify first, then read again to copy: no
-staging memory, twice the page-cache reads).
+Our load is timed as by default (a rank that reads more than ``staging_bytes``,
+256 MiB, verifies first and reads again to copy: no staging memory, the second
+pass served by the page cache) and staged (``staging_bytes=None``: every byte
+read once into memory, verified, copied after all ranks agree).
 
     python scripts/bench_checkpoint.py --gib 2 --reps 5 --out bench/results.json
 """
@@ -38,11 +42,24 @@ from datetime import timedelta
 from pathlib import Path
 
 
-def _rchar() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    return 0
+def _io() -> dict[str, int]:
+    """This process's ``rchar`` (bytes returned by read calls, page cache included) and ``read_bytes``
+    (bytes fetched from storage) from /proc/self/io."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return {"rchar": int(fields["rchar"]), "read_bytes": int(fields["read_bytes"])}
+
+
+def _evict(directory: Path) -> None:
+    """Drop the page cache of every file under ``directory`` (written and fsynced), so the next load's
+    ``read_bytes`` counts what it fetches from storage."""
+    for f in directory.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
 def _worker(rank: int, world: int, port: int, args: dict, out: mp.Queue) -> None:
@@ -67,7 +84,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: mp.Queue) -> None
         sd[lay.name] = dtensor_from_local_shards(lay, local)
     root = Path(args["dir"])
     times: dict[str, list[float]] = {"ours_save": [], "dcp_save": [], "ours_load": [], "dcp_load": [],
-                                     "ours_load_verify_first": []}
+                                     "ours_load_staged": []}
 
     def timed(key: str, fn) -> None:
         dist.barrier()
@@ -85,7 +102,7 @@ def _worker(rank: int, world: int, port: int, args: dict, out: mp.Queue) -> None
         timed("ours_save", lambda: tdb.checkpoint.save(sd, root / "ours"))
         timed("dcp_load", lambda: dcp.load(sd, checkpoint_id=plain))
         timed("ours_load", lambda: tdb.checkpoint.load(sd, root / "ours"))
-        timed("ours_load_verify_first", lambda: tdb.checkpoint.load(sd, root / "ours", staging_bytes=0))
+        timed("ours_load_staged", lambda: tdb.checkpoint.load(sd, root / "ours", staging_bytes=None))
     result: dict = {k: v[1:] for k, v in times.items()}
 
     # Stage timings of our save: seconds from its start to each stage (the crash tests' hook).
@@ -112,15 +129,20 @@ def _worker(rank: int, world: int, port: int, args: dict, out: mp.Queue) -> None
         dest = {lay.name: dtensor_from_local_shards(lay, [torch.empty(s.sizes) for s in lay.shards_on(rank)])
                 for lay in lays}
         needed = sum(s.numel * 4 for lay in lays for s in lay.shards_on(rank))
-        dist.barrier()
-        before = _rchar()
-        tdb.checkpoint.load(dest, root / "ours")
-        ours_read = _rchar() - before
-        dist.barrier()
-        before = _rchar()
-        dcp.load(dest, checkpoint_id=root / "ours")
-        dcp_read = _rchar() - before
-        reshard[case] = {"needed": needed, "ours_read": ours_read, "dcp_read": dcp_read}
+        loads = {
+            "ours": lambda: tdb.checkpoint.load(dest, root / "ours"),
+            "ours_staged": lambda: tdb.checkpoint.load(dest, root / "ours", staging_bytes=None),
+            "dcp": lambda: dcp.load(dest, checkpoint_id=root / "ours"),
+        }
+        reshard[case] = {"needed": needed}
+        for name, fn in loads.items():
+            _evict(root)  # every load starts from storage, not from the page cache
+            dist.barrier()
+            before = _io()
+            fn()
+            after = _io()
+            dist.barrier()
+            reshard[case][name] = {k: after[k] - before[k] for k in after}
     result.update(rank=rank, bytes_total=tables * rows * dim * 4, reshard=reshard)
     out.put(result)
     dist.barrier()
@@ -170,27 +192,32 @@ def main(argv: list[str] | None = None) -> int:
     res = {
         "gib": gib,
         "dd_write_gib_s": dd,
-        **{k: _stats(r0[k]) for k in ("ours_save", "dcp_save", "ours_load", "dcp_load", "ours_load_verify_first")},
+        **{k: _stats(r0[k]) for k in ("ours_save", "dcp_save", "ours_load", "dcp_load", "ours_load_staged")},
         "save_stages": r0["save_stages"],
         "reshard_read": {case: [{"rank": r["rank"], **r["reshard"][case]} for r in per_rank]
                          for case in r0["reshard"]},
     }
     res["save_ratio_throughput"] = res["dcp_save"]["median"] / res["ours_save"]["median"]
     res["load_ratio_throughput"] = res["dcp_load"]["median"] / res["ours_load"]["median"]
-    res["load_verify_first_ratio_throughput"] = res["dcp_load"]["median"] / res["ours_load_verify_first"]["median"]
+    res["load_staged_ratio_throughput"] = res["dcp_load"]["median"] / res["ours_load_staged"]["median"]
     print(f"state_dict {gib:.2f} GiB on 2 ranks; dd write {dd:.2f} GiB/s")
-    for k in ("dcp_save", "ours_save", "dcp_load", "ours_load", "ours_load_verify_first"):
+    for k in ("dcp_save", "ours_save", "dcp_load", "ours_load", "ours_load_staged"):
         s = res[k]
         print(f"  {k:<10} median {s['median']:.2f}s ({gib / s['median']:.2f} GiB/s), min {s['min']:.2f}, max {s['max']:.2f}")
     print(f"  ours/plain throughput: save {res['save_ratio_throughput']:.2f}x, load {res['load_ratio_throughput']:.2f}x, "
-          f"load with staging_bytes=0 {res['load_verify_first_ratio_throughput']:.2f}x (target >= 0.8x)")
+          f"staged load (staging_bytes=None) {res['load_staged_ratio_throughput']:.2f}x (target >= 0.8x)")
     print("  our save, median seconds from its start: "
           + ", ".join(f"{k} {v:.2f}" for k, v in res["save_stages"].items()))
+    names = ("ours", "ours_staged", "dcp")
     for case, ranks in res["reshard_read"].items():
         for r in ranks:
-            print(f"  resharded load (row-wise -> {case}), rank {r['rank']}: needs {r['needed'] / 2**20:.0f} MiB, "
-                  f"ours reads {r['ours_read'] / r['needed']:.3f}x, plain dcp.load reads "
-                  f"{r['dcp_read'] / r['needed']:.3f}x")
+            print(f"  resharded load (row-wise -> {case}), rank {r['rank']}: needs {r['needed'] / 2**20:.0f} MiB; "
+                  "reads (rchar) " + ", ".join(f"{n} {r[n]['rchar'] / r['needed']:.3f}x" for n in names))
+        need = sum(r["needed"] for r in ranks)
+        storage = {n: sum(r[n]["read_bytes"] for r in ranks) / need for n in names}
+        res["reshard_storage"] = {**res.get("reshard_storage", {}), case: storage}
+        print(f"    from storage, all ranks together (files evicted from the page cache first; ranks share the "
+              "cache): " + ", ".join(f"{n} {v:.3f}x" for n, v in storage.items()))
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
     results["checkpoint"] = res
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -41,11 +41,12 @@ def plot_convert(res: dict, out: Path) -> Path:
 
 def plot_checkpoint(res: dict, out: Path) -> Path:
     gib = res["gib"]
-    labels = ["plain dcp.save", "ours save", "plain dcp.load", "ours load"]
-    keys = ["dcp_save", "ours_save", "dcp_load", "ours_load"]
+    labels = ["plain dcp.save", "ours save", "plain dcp.load", "ours load", "ours load\n(staged)"]
+    keys = ["dcp_save", "ours_save", "dcp_load", "ours_load", "ours_load_staged"]
     rates = [gib / res[k]["median"] for k in keys]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(labels, rates, color=["#999", "#1f77b4", "#999", "#1f77b4"])
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    ax.bar(labels, rates, color=["#999", "#1f77b4", "#999", "#1f77b4", "#aec7e8"])
+    ax.tick_params(axis="x", labelsize=8)
     ax.axhline(res["dd_write_gib_s"], color="r", linestyle="--", label=f"dd write (fdatasync) {res['dd_write_gib_s']:.2f} GiB/s")
     ax.set_ylabel("GiB/s (median)")
     ax.set_title(f"Checkpoint throughput, {gib:.1f} GiB on 2 gloo ranks")

@@ -63,7 +63,10 @@ from .manifest import Checksums, item_key, read_manifest, write_manifest
 from .reader import VerifiedReader
 from .writer import ChecksummingWriter
 
-__all__ = ["load", "save"]
+__all__ = ["DEFAULT_STAGING_BYTES", "load", "save"]
+
+DEFAULT_STAGING_BYTES = 256 << 20
+"""Default ``load(..., staging_bytes=)``: above it a rank verifies first and reads again."""
 
 # Fault injection for the crash tests: called with the name of each save stage.
 _fault_hook: Callable[[str], None] | None = None
@@ -263,7 +266,7 @@ def load(
     *,
     strict: bool = True,
     verify: bool = True,
-    staging_bytes: int | None = 4 << 30,
+    staging_bytes: int | None = DEFAULT_STAGING_BYTES,
     process_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Load the checkpoint at ``path`` in place into ``state_dict``; *collective*.
@@ -281,10 +284,14 @@ def load(
         strict: report keys present in the checkpoint but absent from ``state_dict``.
         verify: check checksums (requires a checkpoint written by :func:`save`).
         staging_bytes: the most memory a rank spends holding verified bytes until every
-            rank has verified its own (about the bytes it reads). A rank that would
-            read more verifies first and reads again to copy: twice the reads, and
-            all-or-nothing unless a file changes between the two passes.
-            ``None``: no limit.
+            rank has verified its own (about the bytes it reads; 256 MiB by default). A
+            rank that would read more verifies first and reads again to copy: no extra
+            memory, and the second pass is served by the page cache while the rank's
+            share fits in it (BENCHMARKS.md: 0.2 s vs 0.9 s for 1 GiB a rank here, where
+            fresh staging memory costs ~0.3 s/GiB to map). Should a file change between
+            the two passes, the second pass's checksums catch it and the load raises
+            (destinations may then be partly written). ``None``: no limit (read each
+            byte once; the choice for cold or remote storage with memory to spare).
         process_group: the group to load over (default: every rank).
 
     Example::
