@@ -53,9 +53,9 @@ from typing import Any
 
 TOL = 1e-4
 
-FULL = {"tables": 4, "rows": 200_000, "dim": 64, "batch": 2048, "bag": 20,
+FULL = {"tables": 4, "rows": 200_000, "dim": 64, "batch": 2048, "bag": 20, "inner": 5,
         "sweep_batches": [256, 1024, 2048, 8192], "local_inner": 20, "copy_mib": 256}
-QUICK = {"tables": 2, "rows": 20_000, "dim": 32, "batch": 256, "bag": 8,
+QUICK = {"tables": 2, "rows": 20_000, "dim": 32, "batch": 256, "bag": 8, "inner": 2,
          "sweep_batches": [64, 256], "local_inner": 5, "copy_mib": 32}
 
 
@@ -337,7 +337,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
             _check(f"{name} forward with grad (world {world})", fwd[name](B), rk.reference(B))
         _verify_grads(rk, B)
         result: dict[str, Any] = {"rank": rank, "world": world}
-        result["forward"] = _interleaved({n: _fwd(f, B) for n, f in fwd.items()}, reps, warmup)
+        # each sample averages cfg["inner"] calls: one ~10 ms call alone swings by 2x on a shared VM
+        result["forward"] = _interleaved({n: _fwd(f, B) for n, f in fwd.items()}, reps, warmup, cfg["inner"])
         if cfg["backward"]:
             result["forward_backward"] = _interleaved({n: _fwd_bwd(rk, f, B) for n, f in fwd.items()}, reps, warmup)
         sweep = []
@@ -473,6 +474,7 @@ def _report(res: dict) -> None:
     cfg = res["config"]
     print(f"lookup: {cfg['tables']} tables x {cfg['rows']:,} rows x dim {cfg['dim']} fp32, batch {cfg['batch']} "
           f"per rank, bag {cfg['bag']}, sum; gloo, 1 thread per rank; medians of {cfg['reps']} reps "
+          f"(forward samples: mean of {cfg['inner']} calls) "
           f"after {cfg['warmup']} warm-up [min .. max]")
     w2 = res["world"]["2"] if "2" in res["world"] else None
     if w2 is not None:
@@ -525,7 +527,7 @@ NOTES = [
     "(_MaskPartial of every unpooled row), redistribute to Shard(0) (reduce-scatter of the unpooled rows), "
     "local sum over the bag. Summing the _MaskPartial first and calling full_tensor() fails in torch 2.13 "
     "(IndexError in the mask); a Shard(0) id input instead makes DTensor all-gather the whole weight",
-    "ours table-wise / row-wise = ONE sharded_embedding_bags call for the 4 tables: two agreement all_gathers, "
+    "ours table-wise / row-wise = ONE sharded_embedding_bags call for the 4 tables: one agreement all_gather, "
     "one all_to_all of all tables' ids (int32, each table's only to the ranks computing it), one all_to_all "
     "(table-wise) or reduce_scatter (row-wise) for all tables; "
     "'call per table' = sharded_embedding_bag once per table (three collectives per table, owners take turns)",
@@ -574,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         w.pop("batch_sweep", None)
         w.pop("rank", None)
     res = {
-        "config": {k: cfg[k] for k in ("tables", "rows", "dim", "batch", "bag", "reps", "warmup", "sweep_batches")}
+        "config": {k: cfg[k] for k in ("tables", "rows", "dim", "batch", "bag", "reps", "warmup", "inner",
+                                       "sweep_batches")}
         | {"mode": "sum", "backend": "gloo", "threads_per_rank": 1, "quick": args.quick},
         "machine": _machine(load_before),
         "local": local,

@@ -271,21 +271,22 @@ def test_spec_replicated_dtensor_input(pool):
 
 
 # ------------------------------------------------------------ several tables in one call
-_TW = [ShardLayout.table_wise(SHAPE, t % 2).with_name(f"tw{t}") for t in range(6)]
+_TW = [ShardLayout.table_wise(SHAPE, t % 2).with_name(f"tw{t}") for t in range(20)]
 
 # name: (layouts, forward counts, backward counts) - independent of the number of tables
 MULTI: dict[str, tuple[list[ShardLayout], dict, dict]] = {
     # one table: exactly the single-table call (one agreement all_gather, ids, one all_to_all)
     "table_wise_x1": (_TW[:1], COLUMNS[0], COLUMNS[1]),
-    # agreement: one all_gather for the first table + one for the others; then ONE ids gather and
-    # ONE all_to_all for all tables, however many
-    "table_wise_x2": (_TW[:2], _plus(COLUMNS[0], AGREE), COLUMNS[1]),
-    "table_wise_x6": (_TW, _plus(COLUMNS[0], AGREE), COLUMNS[1]),
+    # ONE agreement all_gather (up to 16 tables), ONE ids exchange and ONE all_to_all for all tables
+    "table_wise_x2": (_TW[:2], COLUMNS[0], COLUMNS[1]),
+    "table_wise_x16": (_TW[:16], COLUMNS[0], COLUMNS[1]),
+    # more than 16 tables: a second agreement all_gather for the others
+    "table_wise_x20": (_TW, _plus(COLUMNS[0], AGREE), COLUMNS[1]),
     # every strategy at once: one all_to_all (table/column-wise), one reduce_scatter (row-wise, grid);
     # the replicated table needs no ids and, in backward, all-reduces its gradient
     "mixed": ([_TW[0], LAYOUTS["column_wise_two_per_rank"], LAYOUTS["row_wise"], LAYOUTS["grid"],
                LAYOUTS["replicated"], _TW[1]],
-              _plus(AGREE, AGREE, GATHER_IDS, {"all_to_all": 1, "reduce_scatter": 1}),
+              _plus(AGREE, GATHER_IDS, {"all_to_all": 1, "reduce_scatter": 1}),
               {"all_to_all": 1, "all_gather": 1, "all_reduce": 1}),
 }
 

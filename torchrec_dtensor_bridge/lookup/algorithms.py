@@ -248,7 +248,11 @@ def _split_flat(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch
 
 
 def _exchange_columns(plans: list[LookupPlan], blocks: list[list[_Block]], tables: list[int]) -> list[torch.Tensor]:
-    """COLUMNS, for ``tables`` together: ONE ``all_to_all`` hands every rank its bags' columns of every table."""
+    """COLUMNS, for ``tables`` together: ONE ``all_to_all`` hands every rank its bags' columns of every table.
+
+    A rank's own columns never enter the message, and a table whose columns all
+    come from one piece (table-wise) is that piece, not a copy of it.
+    """
     if not tables:
         return []
     p0, dtype = plans[tables[0]], _common_dtype([plans[t] for t in tables])
@@ -256,22 +260,35 @@ def _exchange_columns(plans: list[LookupPlan], blocks: list[list[_Block]], table
     send = []
     for q in range(world):
         parts = []
-        for t in tables:
+        for t in tables if q != rank else ():
             s, n = row_starts(plans[t].num_bags)[q], plans[t].num_bags[q]
             parts += [b.out[s : s + n].reshape(-1) for b in blocks[t]]
         send.append(_flat(parts, dtype, dev))
     own = {t: plans[t].num_bags[rank] for t in tables}
-    sizes = [sum(own[t] * w for t in tables for _, w in plans[t].columns_of(p)) for p in range(world)]
+    sizes = [0 if p == rank else sum(own[t] * w for t in tables for _, w in plans[t].columns_of(p))
+             for p in range(world)]
     recv = all_to_all_flat(send, sizes, p0.group, dtype=dtype, device=dev)
-    outs = {t: torch.zeros(own[t], plans[t].layout.global_shape[1], dtype=plans[t].layout.dtype, device=dev)
-            for t in tables}
+    pieces: dict[int, list[tuple[int, torch.Tensor]]] = {t: [] for t in tables}  # (first column, values)
+    for t in tables:
+        start = row_starts(plans[t].num_bags)[rank]
+        pieces[t] += [(b.cols[0], b.out[start : start + own[t]]) for b in blocks[t]]
     for p, flat in enumerate(recv):
         at = 0
-        for t in tables:
+        for t in tables if p != rank else ():
             for c0, w in plans[t].columns_of(p):
-                outs[t][:, c0 : c0 + w] = flat[at : at + own[t] * w].view(own[t], w)
+                pieces[t].append((c0, flat[at : at + own[t] * w].view(own[t], w)))
                 at += own[t] * w
-    return [outs[t] for t in tables]
+    outs = []
+    for t in tables:
+        dim, tdtype = plans[t].layout.global_shape[1], plans[t].layout.dtype
+        if len(pieces[t]) == 1 and pieces[t][0][1].shape[1] == dim:
+            outs.append(pieces[t][0][1].to(tdtype))
+            continue
+        out = torch.zeros(own[t], dim, dtype=tdtype, device=dev)
+        for c0, values in pieces[t]:
+            out[:, c0 : c0 + values.shape[1]] = values
+        outs.append(out)
+    return outs
 
 
 def _flat(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -6,9 +6,10 @@ DTensor tables of any layouts: one call, the same steps as
 communication of all tables fused:
 
 1. validate every table's arguments locally, recording - not raising - a failure;
-2. agree: one ``all_gather`` (verdict, number of tables, the first table's sizes
-   and options) plus one for the other tables' sizes and options;
-3. ONE ``all_gather`` of the ids of every table that is not replicated on all ranks;
+2. agree: ONE ``all_gather`` (verdict, number of tables, every table's sizes
+   and options - a second one only beyond 16 tables);
+3. ONE ``all_to_all`` of the ids of every table that is not replicated on all ranks, each
+   table's only to the ranks that compute it;
 4. ``max_norm`` renormalisation per table that asks for it;
 5. every rank pools what it stores of every table, then ONE ``all_to_all`` for all
    tables whose blocks span whole rows (table-wise, column-wise) and ONE
@@ -16,7 +17,7 @@ communication of all tables fused:
    cuts adds one ``all_reduce`` per table;
 6. ``mean`` / ``max`` finishing per table.
 
-So a table-wise collection of any number of tables costs four collectives in
+So a table-wise collection of up to 16 tables costs three collectives in
 forward (TorchRec's needs three to four) and each rank computes its own tables
 while the others compute theirs, instead of taking turns table by table.
 """

@@ -212,6 +212,8 @@ def bags_for_embedding(fn: str, input: object, rows: int) -> Bags:
 # Option fields compared across ranks, in the order they travel.
 _AGREED = ("mode", "padding_idx", "max_norm", "norm_type", "num_embeddings", "embedding_dim", "op")
 _FIELDS = 3 + len(_AGREED)  # num_bags, num_ids, has_weights, then the options
+FIRST_MESSAGE_TABLES = 16
+"""Tables whose sizes and options travel in the agreement's first (fixed-size) message."""
 
 
 def _table_fields(bags: Bags | None, options: Mapping[str, float]) -> list[float]:
@@ -251,11 +253,11 @@ def agree(
     """The agreement step for a lookup of one or several tables; *collective*.
 
     Returns ``infos[table][rank]``: every rank's batch sizes for each table.
-    The first ``all_gather`` carries the verdict, the number of tables and the
-    first table's sizes and options - the same size whatever the call, so
-    ranks that disagree even on the number of tables still meet in it and
-    raise. Only a lookup of several tables needs a second ``all_gather`` for
-    the other tables.
+    ONE ``all_gather`` carries the verdict, the number of tables and the sizes
+    and options of the first :data:`FIRST_MESSAGE_TABLES` tables, padded to
+    that many - the same size whatever the call, so ranks that disagree even
+    on the number of tables still meet in it and raise. Only a lookup of more
+    tables needs a second ``all_gather`` for the others.
 
     Args:
         fn: public function name, for messages.
@@ -270,8 +272,10 @@ def agree(
     code = 0 if error is None else 1 + _KINDS.index(error.kind if error.kind in _KINDS else RuntimeError)
     n = len(options)
     per_table = [None] * n if bags is None else list(bags)
-    first = _table_fields(per_table[0] if n else None, options[0] if n else _NO_OPTIONS)
-    table = _all_rows([float(code), float(n)] + first, group)
+    fields = [x for b, o in zip(per_table, options) for x in _table_fields(b, o)]
+    head = fields[: FIRST_MESSAGE_TABLES * _FIELDS]
+    head += [math.nan] * (FIRST_MESSAGE_TABLES * _FIELDS - len(head))  # always the same size
+    table = _all_rows([float(code), float(n)] + head, group)
     codes = table[:, 0].to(torch.int64).tolist()
     if any(codes):
         world = dist.get_world_size(group)
@@ -284,11 +288,8 @@ def agree(
     counts = table[:, 1].to(torch.int64).tolist()
     if len(set(counts)) > 1:
         raise ValueError(f"{fn}: ranks passed different numbers of tables: {counts} (rank order)")
-    infos = [_check_same(fn, table[:, 2:], 0 if n > 1 else None)] if n else []
-    if n > 1:
-        rest = _all_rows([x for b, o in zip(per_table[1:], options[1:]) for x in _table_fields(b, o)], group)
-        infos += [_check_same(fn, rest[:, t * _FIELDS : (t + 1) * _FIELDS], t + 1) for t in range(n - 1)]
-    return infos
+    rows = table[:, 2:]
+    if n > FIRST_MESSAGE_TABLES:
+        rows = torch.cat([rows, _all_rows(fields[FIRST_MESSAGE_TABLES * _FIELDS :], group)], dim=1)
+    return [_check_same(fn, rows[:, t * _FIELDS : (t + 1) * _FIELDS], t if n > 1 else None) for t in range(n)]
 
-
-_NO_OPTIONS: Mapping[str, float] = {k: math.nan for k in _AGREED}
