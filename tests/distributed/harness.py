@@ -53,8 +53,14 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
         timeout=timedelta(seconds=120),
     )
     results.put((rank, "ready", None))
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process died (killed run): do not linger as an orphan
+                os._exit(0)
+            continue
         if task is None:
             break
         module, name, args, kwargs = task
