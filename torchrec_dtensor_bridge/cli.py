@@ -14,7 +14,7 @@ __all__ = ["main"]
 
 _MIGRATE_HELP = """\
 Convert a ShardedTensor-era checkpoint at SRC into a DTensor-layout DCP
-checkpoint at DST (committed atomically, with per-item checksums).
+checkpoint at DST (committed atomically, with block checksums of every data file).
 
 Accepted SRC:
   * a DCP directory (one with a .metadata file), e.g. written by
