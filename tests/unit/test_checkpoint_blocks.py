@@ -9,7 +9,7 @@ import pytest
 import torch
 import xxhash
 
-from torchrec_dtensor_bridge.checkpoint import manifest, reader
+from torchrec_dtensor_bridge.checkpoint import manifest, savedtensor
 
 
 def test_block_hasher_is_independent_of_write_sizes(tmp_path):
@@ -51,12 +51,12 @@ def test_tensor_record_unpickler():
 
     zf = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
     pkl = next(n for n in zf.namelist() if n.endswith("data.pkl"))
-    rec = reader._TensorRecordUnpickler(io.BytesIO(zf.read(pkl))).load()
+    rec = savedtensor.TensorRecordUnpickler(io.BytesIO(zf.read(pkl))).load()
     assert rec.storage.dtype == torch.float32 and rec.storage.numel == 12
     assert (rec.storage_offset, rec.size, rec.stride) == (4, (2, 4), (4, 1))
 
 
 def test_tensor_record_unpickler_resolves_no_other_global():
     payload = pickle.dumps(os.system)  # a GLOBAL opcode for posix.system
-    with pytest.raises(reader._Unreadable, match="system"):
-        reader._TensorRecordUnpickler(io.BytesIO(payload)).load()
+    with pytest.raises(savedtensor.Unreadable, match="system"):
+        savedtensor.TensorRecordUnpickler(io.BytesIO(payload)).load()

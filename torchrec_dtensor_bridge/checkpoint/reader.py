@@ -36,12 +36,6 @@ from __future__ import annotations
 import io
 import mmap
 import os
-import pickle
-import struct
-import sys
-import zipfile
-from collections import OrderedDict
-from dataclasses import dataclass
 from collections.abc import Iterator
 from math import prod
 from pathlib import Path
@@ -58,87 +52,15 @@ from torch.futures import Future
 from .agree import raise_if_any
 from .commit import CheckpointError
 from .manifest import BLOCK, Checksums
+from .savedtensor import Unreadable, parse_layout
 
 __all__ = ["VerifiedReader"]
 
-_STORAGE_DTYPES = {
-    "FloatStorage": torch.float32,
-    "DoubleStorage": torch.float64,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-}
 _SCRATCH = 8 << 20  # bytes of rows per piece when streaming (verify-first loads)
-_LOCAL_HEADER = struct.Struct("<4s22sHH")  # signature, fixed fields, file name length, extra field length
-
-
-class _Unreadable(Exception):
-    """The bytes are fine but not in the layout the ranged path understands: read the whole item."""
 
 
 class _Bad(Exception):
     """A problem with the checkpoint's bytes (corrupt, truncated, missing); the message names file and key."""
-
-
-# ------------------------------------------------------------ data.pkl, restricted
-@dataclass(frozen=True)
-class _StorageRef:
-    dtype: torch.dtype
-    key: str
-    numel: int
-
-
-@dataclass(frozen=True)
-class _TensorRecord:
-    storage: _StorageRef
-    storage_offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _StorageType:
-    dtype: torch.dtype
-
-
-def _record_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, *rest: Any) -> _TensorRecord:
-    if not isinstance(storage, _StorageRef) or not isinstance(storage_offset, int) or len(rest) > 3:
-        raise _Unreadable("unexpected _rebuild_tensor_v2 arguments")
-    return _TensorRecord(storage, storage_offset, tuple(size), tuple(stride))
-
-
-class _TensorRecordUnpickler(pickle.Unpickler):
-    """Reads a ``torch.save`` of one dense tensor into a :class:`_TensorRecord`; resolves no other global."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _record_tensor
-        if (module, name) == ("collections", "OrderedDict"):
-            return OrderedDict
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageType(_STORAGE_DTYPES[name])
-        raise _Unreadable(f"data.pkl refers to {module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _StorageType)):
-            raise _Unreadable(f"unexpected persistent id {pid!r}")
-        return _StorageRef(pid[1].dtype, str(pid[2]), int(pid[4]))
-
-
-def _contiguous(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    want = 1
-    for n, s in reversed(list(zip(size, stride))):
-        if n != 1 and s != want:
-            return False
-        want *= n
-    return True
 
 
 # ------------------------------------------------------------ verified byte ranges
@@ -262,57 +184,6 @@ class _ItemView(io.RawIOBase):
         return n
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Where a saved contiguous tensor's elements start inside its item, and its shape."""
-
-    data_start: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-
-    @property
-    def row_bytes(self) -> int:
-        return prod(self.size[1:]) * self.dtype.itemsize
-
-
-def _parse_layout(view: _ItemView, dtype: torch.dtype, size: tuple[int, ...]) -> _Layout:
-    """The layout of the tensor stored in the zip behind ``view``; raises :class:`_Unreadable` if unusual."""
-    if sys.byteorder != "little":
-        raise _Unreadable("big-endian host")
-    try:
-        zf = zipfile.ZipFile(view)
-        names = zf.namelist()
-        pkl = [n for n in names if n == "data.pkl" or n.endswith("/data.pkl")]
-        if len(pkl) != 1:
-            raise _Unreadable("no single data.pkl")
-        prefix = pkl[0][: -len("data.pkl")]
-        if prefix + "byteorder" in names and zf.read(prefix + "byteorder") != b"little":
-            raise _Unreadable("not little-endian")
-        rec = _TensorRecordUnpickler(io.BytesIO(zf.read(pkl[0]))).load()
-        if not isinstance(rec, _TensorRecord):
-            raise _Unreadable("data.pkl holds no single tensor")
-        info = zf.getinfo(f"{prefix}data/{rec.storage.key}")
-    except (zipfile.BadZipFile, pickle.UnpicklingError, KeyError, ValueError, EOFError, TypeError) as e:
-        raise _Unreadable(str(e)) from None
-    es = rec.storage.dtype.itemsize
-    if (
-        rec.storage.dtype != dtype
-        or rec.size != size
-        or not _contiguous(rec.size, rec.stride)
-        or rec.storage_offset < 0
-        or rec.storage_offset + prod(size) > rec.storage.numel
-        or info.compress_type != zipfile.ZIP_STORED
-        or info.file_size != rec.storage.numel * es
-    ):
-        raise _Unreadable("not a contiguous tensor of the chunk's dtype and shape")
-    view.seek(info.header_offset)
-    sig, _, name_len, extra_len = _LOCAL_HEADER.unpack(view.read(_LOCAL_HEADER.size))
-    if sig != b"PK\x03\x04":
-        raise _Unreadable("bad local header")
-    start = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len + rec.storage_offset * es
-    return _Layout(start, dtype, size)
-
-
 def _narrow(t: torch.Tensor, offsets: Any, lengths: Any, first: int = 0) -> torch.Tensor:
     for d in range(first, t.dim()):
         t = t.narrow(d, offsets[d], lengths[d])
@@ -401,8 +272,8 @@ class VerifiedReader(dcp.FileSystemReader):
         dtype, size = self._chunk(idx)
         view = _ItemView(vf, info.offset, info.length, who)
         try:
-            lay = _parse_layout(view, dtype, size)
-        except _Unreadable:
+            lay = parse_layout(view, dtype, size)
+        except Unreadable:
             whole = vf.read(info.offset, info.offset + info.length, who)
             t = torch.load(io.BytesIO(whole), map_location="cpu", weights_only=True)
             yield from ((r, 0, _narrow(t, r.storage_offsets, r.lengths)) for r in reqs)
