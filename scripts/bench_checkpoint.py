@@ -27,7 +27,6 @@ read once into memory, verified, copied after all ranks agree).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -40,6 +39,8 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
+
+from bench_results import record
 
 
 def _io() -> dict[str, int]:
@@ -218,10 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         res["reshard_storage"] = {**res.get("reshard_storage", {}), case: storage}
         print(f"    from storage, all ranks together (files evicted from the page cache first; ranks share the "
               "cache): " + ", ".join(f"{n} {v:.3f}x" for n, v in storage.items()))
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results["checkpoint"] = res
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    record(args.out, "checkpoint", res)
     return 0
 
 

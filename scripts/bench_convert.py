@@ -12,7 +12,6 @@ the per-table cost of converting a 1,000-table state_dict both ways.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,6 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard as DShard
 
 import torchrec_dtensor_bridge as tdb
+
+from bench_results import record
 
 
 def timeit(fn: Callable[[], object], reps: int, inner: int = 1) -> dict[str, float]:
@@ -127,13 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{sd['tables']}-table state_dict: to_dtensor {sd['to_dtensor_per_table_us']:.1f} us/table, "
           f"to_sharded_tensor {sd['to_sharded_tensor_per_table_us']:.1f} us/table, "
           f"both {sd['both_per_table_us']:.1f} us/table (target < 200)")
-    results = {}
-    if args.out.exists():
-        results = json.loads(args.out.read_text())
-    results["convert"] = {"sizes": sizes, "state_dict": sd, "flatness_10M_over_1k": flat,
-                          "torch": torch.__version__}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    record(args.out, "convert", {"sizes": sizes, "state_dict": sd, "flatness_10M_over_1k": flat,
+                                 "torch": torch.__version__})
     return 0
 
 

@@ -35,7 +35,6 @@ each was checked once against ``F.embedding_bag`` on the full tables:
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import platform
@@ -50,6 +49,8 @@ from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from bench_results import record
 
 TOL = 1e-4
 
@@ -593,10 +594,7 @@ def main(argv: list[str] | None = None) -> int:
     m = res["machine"]
     print(f"\n  total {res['seconds']:.0f} s on {m['cpus']} x {m['cpu']}; 1-min load average "
           f"{m['loadavg_1m_before']:.1f} before, {m['loadavg_1m_after']:.1f} after (above ~0.5 means other jobs ran)")
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results["lookup"] = res
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    record(args.out, "lookup", res)
     return 0
 
 

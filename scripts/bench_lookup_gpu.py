@@ -25,7 +25,6 @@ everywhere.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bench_results import record
 
 TABLES, ROWS, DIM, BATCH, BAG = 4, 200_000, 64, 2048, 20
 
@@ -158,10 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 s = res[k]
                 print(f"  {k:<11} {s['median'] * 1e3:8.3f} ms  [{s['min'] * 1e3:.3f} .. {s['max'] * 1e3:.3f}]  "
                       f"{s['gb_s']:7.1f} GB/s")
-    results = json.loads(args.out.read_text()) if args.out.exists() else {}
-    results["lookup_gpu"] = res
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    record(args.out, "lookup_gpu", res)
     return 0
 
 
