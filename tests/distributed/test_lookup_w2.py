@@ -253,6 +253,41 @@ def test_embedding_bags_shifted_options(pool):
     assert pool.run(check_bags_parity, layouts, 3) == [len(layouts)] * 2
 
 
+def check_bags_edge_cases(rank: int, world_size: int) -> None:
+    """One call with an fp64 and an fp32 table (messages travel in a common dtype), a rank with no bag at all,
+    and an output left out of the loss (its gradient is zero)."""
+    import torchrec_dtensor_bridge as tdb
+
+    import dataclasses
+
+    dtypes = [torch.float64, torch.float32, torch.float32]
+    untyped = [LAYOUTS_W2["table_wise"], LAYOUTS_W2["row_wise_two_per_rank"], LAYOUTS_W2["column_wise"]]
+    layouts = [dataclasses.replace(lay, dtype=d) for lay, d in zip(untyped, dtypes)]
+    tables = [_table(lay.global_shape, t).to(d) for t, (lay, d) in enumerate(zip(layouts, dtypes))]
+    weights = [_weight(lay, tab, rank) for lay, tab in zip(layouts, tables)]
+    g = torch.Generator().manual_seed(5 + rank)
+    ids = [torch.randint(0, lay.global_shape[0], (0 if rank == 0 else 4, 3), generator=g) for lay in layouts]
+    # table 0 lives on rank 1: built from a layout without a dtype, rank 0's (empty) DTensor says float32
+    careless = [_weight(untyped[0], tables[0], rank)] + weights[1:]
+    _expect(ValueError, "dtype differs between ranks for table 0: ['torch.float32', 'torch.float64']",
+            lambda: tdb.sharded_embedding_bags(ids, careless, mode="sum"))
+    outs = tdb.sharded_embedding_bags(ids, weights, mode="sum")
+    everyone = _everyone(ids)
+    for t, (lay, tab) in enumerate(zip(layouts, tables)):
+        assert outs[t].dtype == dtypes[t] and outs[t].shape == (ids[t].shape[0], lay.global_shape[1])
+        torch.testing.assert_close(outs[t], F.embedding_bag(ids[t], tab, mode="sum"), **TOL)
+    (outs[0].sum() + outs[1].sum()).backward()  # table 2 is not in the loss
+    for t in range(2):
+        full = tables[t].clone().requires_grad_()
+        sum(F.embedding_bag(theirs[t], full, mode="sum").sum() for theirs in everyone).backward()
+        _assert_grad(weights[t].grad, full.grad, layouts[t], rank, f"table {t}")
+    assert float(tdb.full_tensor(weights[2].grad).abs().sum()) == 0.0
+
+
+def test_embedding_bags_edge_cases(pool):
+    pool.run(check_bags_edge_cases)
+
+
 def check_bags_bad_inputs(rank: int, world_size: int) -> int:
     """A bad argument of one table on one rank, a mismatch of the table count: every rank raises."""
     import torchrec_dtensor_bridge as tdb

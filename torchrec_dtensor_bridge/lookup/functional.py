@@ -234,9 +234,10 @@ def sharded_embedding_bag(
     fn = "sharded_embedding_bag"
     error, bags, padding, kind, mesh = None, None, None, None, None
     shape: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
     try:
         w = _check_weight(fn, weight)
-        shape = tuple(w.shape)
+        shape, dtype = tuple(w.shape), w.dtype
         kind, input, local, mesh = _dtensor_inputs(fn, input, offsets=offsets, per_sample_weights=per_sample_weights)
         offsets, per_sample_weights = local["offsets"], local["per_sample_weights"]
         padding = check_options(
@@ -261,7 +262,7 @@ def sharded_embedding_bag(
             return DTensor.from_local(out, mesh, placements, run_check=False, shape=gshape,
                                       stride=contiguous_strides(gshape))
         bags = _split_bags(bags, dist.get_world_size(), dist.get_rank())
-    infos = agree(fn, error, None if bags is None else [bags], [option_codes(0, mode, padding, max_norm, norm_type, shape)])
+    infos = agree(fn, error, None if bags is None else [bags], [option_codes(0, mode, padding, max_norm, norm_type, shape, dtype)])
     assert bags is not None
     (out,) = run_tables([weight], [bags], infos, [TableOptions(mode, padding, max_norm, norm_type)], skip_padding=True)
     out = finish(out, bags, mode, padding)
@@ -296,9 +297,10 @@ def sharded_embedding(
     fn = "sharded_embedding"
     error, bags, padding, kind, mesh = None, None, None, None, None
     shape: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
     try:
         w = _check_weight(fn, weight)
-        shape = tuple(w.shape)
+        shape, dtype = tuple(w.shape), w.dtype
         kind, input, _, mesh = _dtensor_inputs(fn, input)
         padding = check_options(
             fn, shape, mode="sum", padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
@@ -321,7 +323,7 @@ def sharded_embedding(
             placements = [Shard(input.dim())]
         return DTensor.from_local(out, mesh, placements, run_check=False, shape=gshape,
                                   stride=contiguous_strides(gshape))
-    infos = agree(fn, error, None if bags is None else [bags], [option_codes(1, "sum", padding, max_norm, norm_type, shape)])
+    infos = agree(fn, error, None if bags is None else [bags], [option_codes(1, "sum", padding, max_norm, norm_type, shape, dtype)])
     assert bags is not None and isinstance(input, torch.Tensor)
     (out,) = run_tables([weight], [bags], infos, [TableOptions("sum", padding, max_norm, norm_type)], skip_padding=False)
     out = out.view(tuple(input.shape) + (shape[1],))

@@ -18,7 +18,7 @@ from ..convert.dtensor import layout_of, local_shards_of
 from .algorithms import LookupPlan, Strategy, pooled_lookup, strategy_for
 from .exchange import gather_bags
 from .renorm import renormalize
-from .validate import MODES, Bags, RankInfo
+from .validate import DTYPES, MODES, Bags, RankInfo
 
 __all__ = ["TableOptions", "finish", "option_codes", "run_tables"]
 
@@ -35,8 +35,10 @@ def finish(out: torch.Tensor, bags: Bags, mode: str, padding: int | None) -> tor
 
 
 def option_codes(op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
-             shape: tuple[int, ...]) -> dict[str, float]:
+                 shape: tuple[int, ...], dtype: torch.dtype | None) -> dict[str, float]:
+    """The numbers every rank must agree on for one table (see :func:`.validate.agree`)."""
     return {
+        "dtype": float(DTYPES.index(dtype)) if dtype in DTYPES else float("nan"),
         "op": float(op),
         "mode": float(MODES.index(mode)) if mode in MODES else float("nan"),
         "padding_idx": -1.0 if padding is None else float(padding),

@@ -86,7 +86,7 @@ def _validate(
         bags.append(bags_from_input(fn, inputs[t], offs[t], psws[t], rows=shape[0], mode=modes[t],
                                     include_last_offset=include_last_offset, weight_dtype=w.dtype))
         options.append(TableOptions(modes[t], padding, norms[t], ptypes[t]))
-        codes.append(option_codes(2, modes[t], padding, norms[t], ptypes[t], shape))
+        codes.append(option_codes(2, modes[t], padding, norms[t], ptypes[t], shape, w.dtype))
     return list(weights), bags, options, codes
 
 

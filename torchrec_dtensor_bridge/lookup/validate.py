@@ -210,7 +210,12 @@ def bags_for_embedding(fn: str, input: object, rows: int) -> Bags:
 
 
 # Option fields compared across ranks, in the order they travel.
-_AGREED = ("mode", "padding_idx", "max_norm", "norm_type", "num_embeddings", "embedding_dim", "op")
+_AGREED = ("mode", "padding_idx", "max_norm", "norm_type", "num_embeddings", "embedding_dim", "dtype", "op")
+
+# Weight dtypes travel as their index in this (process-independent) order.
+DTYPES: tuple[torch.dtype, ...] = tuple(sorted(
+    {v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str
+))
 _FIELDS = 3 + len(_AGREED)  # num_bags, num_ids, has_weights, then the options
 FIRST_MESSAGE_TABLES = 16
 """Tables whose sizes and options travel in the agreement's first (fixed-size) message."""
@@ -237,6 +242,13 @@ def _check_same(fn: str, fields: torch.Tensor, table: int | None) -> list[RankIn
     for i, key in enumerate(_AGREED):
         col = fields[:, 3 + i]
         if not bool((col == col[0]).all()) and not bool(col.isnan().all()):
+            if key == "dtype":
+                names = [str(DTYPES[int(c)]) if c == c else "?" for c in col.tolist()]
+                raise ValueError(
+                    f"{fn}: the weight's dtype differs between ranks{where}: {names} (rank order); a rank "
+                    "holding no shard of a table must still build its DTensor with the table's dtype "
+                    "(give the ShardLayout a dtype)"
+                )
             raise ValueError(
                 f"{fn}: ranks disagree on {key}{where}: {col.tolist()} (rank order); every rank must pass the same"
             )
