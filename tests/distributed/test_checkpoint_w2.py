@@ -367,3 +367,26 @@ def test_spare_rewritten_in_place_is_cut_to_the_new_size(tmp_path):
     dest = {"t": torch.zeros(100, 64)}
     tdb.checkpoint.load(dest, path)
     assert torch.equal(dest["t"], small)
+
+
+def _plain_dcp_reads_ours(rank, world_size, path):
+    """A checkpoint written by checkpoint.save is an ordinary DCP directory: plain ``dcp.load`` reads it,
+    into other layouts too (every layout swapped for another one of the same table)."""
+    import torch.distributed.checkpoint as dcp
+
+    sd, tables = _state(rank, seed=3)
+    tdb.checkpoint.save(sd, path)
+    others = {"rw_uneven": ShardLayout.column_wise((97, 36), [20, 16]), "cw_two_per_rank": ShardLayout.row_wise(
+        (13, 16), [7, 6]), "tw": ShardLayout.table_wise((9, 5), 0), "grid": ShardLayout.row_wise((10, 8), [1, 9])}
+    dest = {"step": torch.tensor(0)}
+    for name, lay in others.items():
+        blank = torch.zeros(lay.global_shape)
+        dest[f"emb.{name}.weight"] = tdb.to_dtensor(build_sharded_tensor(lay.with_name(name), blank, rank))
+    dcp.load(dest, checkpoint_id=path)
+    for key, table in tables.items():
+        assert torch.equal(tdb.full_tensor(dest[key]), table), key
+    assert int(dest["step"]) == 3
+
+
+def test_plain_dcp_load_reads_our_checkpoints(pool, tmp_path):
+    pool.run(_plain_dcp_reads_ours, str(tmp_path / "ck"))
