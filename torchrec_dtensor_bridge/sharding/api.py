@@ -67,7 +67,9 @@ def shard_module(
     ``include_last_offset``; ``nn.Embedding`` ->
     :func:`~torchrec_dtensor_bridge.sharded_embedding`; a TorchRec
     ``EmbeddingBagCollection`` takes a ``KeyedJaggedTensor`` and returns a
-    ``KeyedTensor`` like TorchRec's (tables not in the plan stay local).
+    ``KeyedTensor`` like TorchRec's, all its sharded tables looked up in ONE
+    :func:`~torchrec_dtensor_bridge.sharded_embedding_bags` call (tables not
+    in the plan stay local).
     Backward fills ``weight.grad`` with a DTensor of the weight's layout
     holding the gradient of all ranks' batches.
 
