@@ -287,6 +287,26 @@ def test_ebc_row_wise_on_cpu(pool, weighted, gather):
     pool.run(check_ebc_row_wise, weighted, gather)
 
 
+def check_ebc_forward_is_one_fused_lookup(rank: int, world_size: int) -> dict:
+    """A sharded EBC's forward over its three row-wise tables costs what ONE table's lookup costs: one
+    agreement all_gather, one ids all_to_all, one reduce_scatter (not three of each)."""
+    import torchrec_dtensor_bridge as tdb
+
+    from .test_lookup_comm_w2 import CommCounter
+
+    ebc = _build_ebc()
+    tdb.shard_module(ebc, EBC_PLAN, _mesh())
+    kjt = _kjt(rank, ["f0", "f1a", "f1b", "f2", "f3"])
+    with torch.no_grad(), CommCounter() as fwd:
+        ebc(kjt)
+    return fwd.counts
+
+
+def test_ebc_forward_is_one_fused_lookup(pool):
+    for rank, counts in enumerate(pool.run(check_ebc_forward_is_one_fused_lookup)):
+        assert counts == {"all_gather": 1, "all_to_all": 1, "reduce_scatter": 1}, f"rank {rank}: {counts}"
+
+
 def check_ebc_bad_input(rank: int, world_size: int) -> None:
     """A KeyedJaggedTensor missing a feature on ONE rank: every rank raises, the group stays in step."""
     import torchrec_dtensor_bridge as tdb
