@@ -2,8 +2,9 @@
 
 Modules: ``functional`` (the public functions), ``tables`` (several tables in one call),
 ``run`` (what every lookup shares after validation), ``validate`` (argument checks
-and the cross-rank agreement step), ``algorithms`` (per-layout strategies and
-the autograd Function), ``exchange`` (collectives for uneven batches),
+and the cross-rank agreement step), ``plan`` (per-layout strategies and what a
+lookup needs), ``algorithms`` (the autograd Function), ``fused`` (one collective
+for all tables that combine alike), ``exchange`` (collectives for uneven batches),
 ``renorm`` (``max_norm``) and ``tbe`` (the only fbgemm_gpu import).
 """
 

@@ -1,0 +1,137 @@
+"""The fused collectives of a lookup of several tables: one message for all tables that combine alike.
+
+Forward: :func:`exchange_columns` (ONE ``all_to_all`` for every table whose
+blocks span whole rows) and :func:`reduce_sum` (ONE ``reduce_scatter`` for
+every row-cut table); backward: :func:`columns_backward` (the reverse
+``all_to_all``) and :func:`gather_grads` (ONE ``all_gather`` of the output
+gradients). Tables of different dtypes travel in one common dtype, exact for
+each (float64 when they differ).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .exchange import all_to_all_flat, gather_flat, row_starts
+from .plan import Block, LookupPlan, partial_output
+
+__all__ = ["columns_backward", "exchange_columns", "gather_grads", "reduce_sum"]
+
+
+def reduce_sum(plans: list[LookupPlan], blocks: list[list[Block]], tables: list[int]) -> list[torch.Tensor]:
+    """REDUCE with sum, for ``tables`` together: ONE ``reduce_scatter`` of all their partial outputs."""
+    if not tables:
+        return []
+    p0 = plans[tables[0]]
+    partials = [partial_output(plans[t], blocks[t], 0.0) for t in tables]
+    starts = [row_starts(plans[t].num_bags) for t in tables]
+    send = [
+        torch.cat([part[s[q] : s[q] + plans[t].num_bags[q]].reshape(-1) for t, part, s in zip(tables, partials, starts)])
+        for q in range(p0.world)
+    ]
+    mine = torch.empty_like(send[p0.rank])
+    dist.reduce_scatter(mine, send, op=dist.ReduceOp.SUM, group=p0.group)
+    return _split_flat(mine, [(plans[t].num_bags[p0.rank], plans[t].layout.global_shape[1]) for t in tables])
+
+
+def _split_flat(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    return [piece.view(shape) for piece, shape in zip(flat.split([a * b for a, b in shapes]), shapes)]
+
+
+def exchange_columns(plans: list[LookupPlan], blocks: list[list[Block]], tables: list[int]) -> list[torch.Tensor]:
+    """COLUMNS, for ``tables`` together: ONE ``all_to_all`` hands every rank its bags' columns of every table.
+
+    A rank's own columns never enter the message, and a table whose columns all
+    come from one piece (table-wise) is that piece, not a copy of it.
+    """
+    if not tables:
+        return []
+    p0, dtype = plans[tables[0]], _common_dtype([plans[t] for t in tables])
+    rank, world, dev = p0.rank, p0.world, p0.batch.ids.device
+    send = []
+    for q in range(world):
+        parts = []
+        for t in tables if q != rank else ():
+            s, n = row_starts(plans[t].num_bags)[q], plans[t].num_bags[q]
+            parts += [b.out[s : s + n].reshape(-1) for b in blocks[t]]
+        send.append(_flat(parts, dtype, dev))
+    own = {t: plans[t].num_bags[rank] for t in tables}
+    sizes = [0 if p == rank else sum(own[t] * w for t in tables for _, w in plans[t].columns_of(p))
+             for p in range(world)]
+    recv = all_to_all_flat(send, sizes, p0.group, dtype=dtype, device=dev)
+    pieces: dict[int, list[tuple[int, torch.Tensor]]] = {t: [] for t in tables}  # (first column, values)
+    for t in tables:
+        start = row_starts(plans[t].num_bags)[rank]
+        pieces[t] += [(b.cols[0], b.out[start : start + own[t]]) for b in blocks[t]]
+    for p, flat in enumerate(recv):
+        at = 0
+        for t in tables if p != rank else ():
+            for c0, w in plans[t].columns_of(p):
+                pieces[t].append((c0, flat[at : at + own[t] * w].view(own[t], w)))
+                at += own[t] * w
+    outs = []
+    for t in tables:
+        dim, tdtype = plans[t].layout.global_shape[1], plans[t].layout.dtype
+        if len(pieces[t]) == 1 and pieces[t][0][1].shape[1] == dim:
+            outs.append(pieces[t][0][1].to(tdtype))
+            continue
+        out = torch.zeros(own[t], dim, dtype=tdtype, device=dev)
+        for c0, values in pieces[t]:
+            out[:, c0 : c0 + values.shape[1]] = values
+        outs.append(out)
+    return outs
+
+
+def _flat(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One flat message of ``parts`` in ``dtype`` (empty when there are none)."""
+    return torch.cat([p.to(dtype) for p in parts]) if parts else torch.empty(0, dtype=dtype, device=device)
+
+
+def _common_dtype(plans: list[LookupPlan]) -> torch.dtype:
+    """One dtype the fused messages of these tables travel in (exact for each table's own dtype)."""
+    dtypes = {p.layout.dtype for p in plans}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
+    assert dtype is not None, "layout_of(DTensor) always records the dtype"
+    return dtype
+
+
+def columns_backward(
+    plans: list[LookupPlan], blocks: list[list[Block]], grad_outs: tuple[torch.Tensor, ...], tables: list[int]
+) -> list[list[torch.Tensor]]:
+    """COLUMNS backward for ``tables`` together: ONE reverse ``all_to_all``; per table, each block's gradient."""
+    if not tables:
+        return []
+    p0, dtype = plans[tables[0]], _common_dtype([plans[t] for t in tables])
+    world, dev = p0.world, p0.batch.ids.device
+    send = [_flat([grad_outs[t][:, c0 : c0 + w].reshape(-1) for t in tables for c0, w in plans[t].columns_of(p)],
+                  dtype, dev) for p in range(world)]
+    sizes = [sum(plans[t].num_bags[p] * b.cols[1] for t in tables for b in blocks[t]) for p in range(world)]
+    recv = all_to_all_flat(send, sizes, p0.group, dtype=dtype, device=dev)
+    got: dict[int, list[list[torch.Tensor]]] = {t: [[] for _ in blocks[t]] for t in tables}
+    for p, flat in enumerate(recv):
+        at = 0
+        for t in tables:
+            n = plans[t].num_bags[p]
+            for k, b in enumerate(blocks[t]):
+                got[t][k].append(flat[at : at + n * b.cols[1]].view(n, b.cols[1]))
+                at += n * b.cols[1]
+    return [[torch.cat(parts).to(plans[t].layout.dtype) for parts in got[t]] for t in tables]
+
+
+def gather_grads(
+    plans: list[LookupPlan], grad_outs: tuple[torch.Tensor, ...], tables: list[int]
+) -> list[torch.Tensor]:
+    """REDUCE backward for ``tables`` together: ONE all-gather of the output gradients; per table all ranks' rows."""
+    if not tables:
+        return []
+    p0 = plans[tables[0]]
+    dtype = _common_dtype([plans[t] for t in tables])
+    mine = torch.cat([grad_outs[t].reshape(-1).to(dtype) for t in tables])
+    dims = [plans[t].layout.global_shape[1] for t in tables]
+    counts = [sum(plans[t].num_bags[r] * d for t, d in zip(tables, dims)) for r in range(p0.world)]
+    per_rank = [
+        _split_flat(flat, [(plans[t].num_bags[r], d) for t, d in zip(tables, dims)])
+        for r, flat in enumerate(gather_flat(mine, counts, p0.group))
+    ]
+    return [torch.cat([rows[k] for rows in per_rank]).to(plans[t].layout.dtype) for k, t in enumerate(tables)]
