@@ -6,6 +6,10 @@ rank, ``mode="sum"``. Every rank holds its own batch. All paths run in the SAME
 run with interleaved repetitions (the order alternates every repetition), after
 each was checked once against ``F.embedding_bag`` on the full tables:
 
+* table-wise, column-wise, row-wise: ours vs TorchRec's sharded EBC with the
+  same plan (``compute_kernel="fused"``; column-wise: one block per rank, in
+  multiples of 4 columns; row-wise: a hand-made plan, as TorchRec's planner
+  refuses row-wise on CPU), KJT input, ``.wait()`` on the awaitable;
 * table-wise: ours (ONE ``sharded_embedding_bags`` call on the 4 table-wise
   DTensors, table ``t`` on rank ``t % world``; also ``sharded_embedding_bag``
   called once per table) vs TorchRec
@@ -113,9 +117,12 @@ class _Rank:
         self.full = _tables(cfg)
         self.mesh = init_device_mesh("cpu", (self.world,))
         self.shape = (cfg["rows"], cfg["dim"])
+        # column blocks in multiples of 4 (what TorchRec accepts), the remainder on rank 0
+        base = cfg["dim"] // self.world // 4 * 4
+        self.col_sizes = [cfg["dim"] - base * (self.world - 1)] + [base] * (self.world - 1)
         self._ours_tables()
         self._upstream_tables()
-        self.ebc = self._torchrec_tables()
+        self.ebc = {kind: self._torchrec_tables(kind) for kind in ("tw", "cw", "rw")}
         self.ids: dict[int, list[torch.Tensor]] = {}
         self.kjts: dict[int, Any] = {}
         self.refs: dict[int, list[torch.Tensor]] = {}
@@ -126,7 +133,7 @@ class _Rank:
         from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
         from torchrec_dtensor_bridge.layout import ShardLayout
 
-        self.w_tw, self.w_rw = [], []
+        self.w_tw, self.w_rw, self.w_cw = [], [], []
         for t, full in enumerate(self.full):
             tw = ShardLayout.table_wise(self.shape, t % self.world, name=f"t{t}")
             rw = ShardLayout.row_wise(self.shape, self.world, name=f"t{t}")
@@ -135,6 +142,9 @@ class _Rank:
                 tw, [full[s.slices()] for s in tw.shards_on(self.rank)]).requires_grad_())
             self.w_rw.append(dtensor_from_local_shards(
                 rw, [full[s.slices()] for s in rw.shards_on(self.rank)]).requires_grad_())
+            cw = ShardLayout.column_wise(self.shape, self.col_sizes, name=f"t{t}")
+            self.w_cw.append(dtensor_from_local_shards(
+                cw, [full[s.slices()].clone() for s in cw.shards_on(self.rank)]).requires_grad_())
 
     def _upstream_tables(self) -> None:
         from torch.distributed.tensor import DTensor, Shard
@@ -145,14 +155,16 @@ class _Rank:
             self.w_up.append(DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
                                                  shape=full.shape, stride=full.stride()).requires_grad_())
 
-    def _torchrec_tables(self):
+    def _torchrec_tables(self, kind: str):
+        """TorchRec's sharded EBC of the same tables: table-wise (``t % world``), column-wise (one column
+        block per rank) or row-wise (a hand-made plan: TorchRec's planner refuses row-wise on CPU)."""
         import torch
         import torch.distributed as dist
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.shard import shard
-        from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+        from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
         from torchrec.distributed.types import ShardingEnv
 
         configs = [EmbeddingBagConfig(name=f"t{t}", embedding_dim=self.cfg["dim"], num_embeddings=self.cfg["rows"],
@@ -161,8 +173,11 @@ class _Rank:
         sharder = EmbeddingBagCollectionSharder(
             fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 1e-3})
         plan = construct_module_sharding_plan(
-            ebc, per_param_sharding={f"t{t}": table_wise(rank=t % self.world, compute_kernel="fused")
-                                     for t in range(self.cfg["tables"])},
+            ebc, per_param_sharding={f"t{t}": {
+                "tw": lambda: table_wise(rank=t % self.world, compute_kernel="fused"),
+                "cw": lambda: column_wise(size_per_rank=self.col_sizes, compute_kernel="fused"),
+                "rw": lambda: row_wise(compute_kernel="fused"),
+            }[kind]() for t in range(self.cfg["tables"])},
             sharder=sharder, local_size=self.world, world_size=self.world, device_type="cpu")
         env = ShardingEnv.from_process_group(dist.group.WORLD)
         sharded = shard(ebc, plan=plan, env=env, device=torch.device("cpu"), sharder=sharder)
@@ -219,16 +234,28 @@ class _Rank:
     def ours_rw(self, batch: int):
         return self.ours(self.w_rw, batch)
 
-    def torchrec_tw(self, batch: int):
+    def torchrec(self, kind: str, batch: int):
         """TorchRec's pooled values, columns in ITS key order (tables grouped by rank)."""
-        return self.ebc(self.kjts[batch]).wait().values()
+        return self.ebc[kind](self.kjts[batch]).wait().values()
 
-    def torchrec_tw_ordered(self, batch: int):
+    def torchrec_ordered(self, kind: str, batch: int):
         """The same lookup with the columns put in table order, for the correctness check."""
         import torch
 
-        per_key = self.ebc(self.kjts[batch]).wait().to_dict()
+        per_key = self.ebc[kind](self.kjts[batch]).wait().to_dict()
         return torch.cat([per_key[f"f{t}"] for t in range(self.cfg["tables"])], 1)
+
+    def torchrec_tw(self, batch: int):
+        return self.torchrec("tw", batch)
+
+    def torchrec_cw(self, batch: int):
+        return self.torchrec("cw", batch)
+
+    def torchrec_rw(self, batch: int):
+        return self.torchrec("rw", batch)
+
+    def ours_cw(self, batch: int):
+        return self.ours(self.w_cw, batch)
 
     def upstream_rw(self, batch: int):
         import torch
@@ -248,7 +275,7 @@ class _Rank:
         return torch.cat(self.refs[batch], 1)
 
     def zero_grads(self) -> None:
-        for w in self.w_tw + self.w_rw + self.w_up:
+        for w in self.w_tw + self.w_rw + self.w_cw + self.w_up:
             w.grad = None
 
 
@@ -282,6 +309,7 @@ def _verify_grads(rk: _Rank, batch: int) -> None:
     full = rk.full[0].clone().requires_grad_()
     F.embedding_bag(rk.global_ids[batch][0], full, mode="sum").sum().backward()
     for name, fn, weights in (("ours_tw", rk.ours_tw, rk.w_tw), ("ours_rw", rk.ours_rw, rk.w_rw),
+                              ("ours_cw", rk.ours_cw, rk.w_cw),
                               ("upstream_rw", rk.upstream_rw, rk.w_up)):
         rk.zero_grads()
         fn(batch).sum().backward()
@@ -328,13 +356,15 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
         B, reps, warmup = cfg["batch"], cfg["reps"], cfg["warmup"]
         rk.prepare(B)
         fwd = {"ours_tw": rk.ours_tw, "ours_tw_per_table": rk.ours_tw_per_table, "torchrec_tw": rk.torchrec_tw,
-               "ours_rw": rk.ours_rw, "upstream_rw": rk.upstream_rw}
+               "ours_cw": rk.ours_cw, "torchrec_cw": rk.torchrec_cw, "ours_rw": rk.ours_rw,
+               "torchrec_rw": rk.torchrec_rw, "upstream_rw": rk.upstream_rw}
         # correctness of every timed path, once, before any timing (and before TorchRec's fused
         # backward moves its weights)
         with torch.no_grad():
-            for name, fn in {**fwd, "torchrec_tw": rk.torchrec_tw_ordered}.items():
+            ordered = {f"torchrec_{k}": (lambda b, k=k: rk.torchrec_ordered(k, b)) for k in ("tw", "cw", "rw")}
+            for name, fn in {**fwd, **ordered}.items():
                 _check(f"{name} forward (world {world}, batch {B})", fn(B), rk.reference(B))
-        for name in ("ours_tw", "ours_tw_per_table", "ours_rw", "upstream_rw"):
+        for name in ("ours_tw", "ours_tw_per_table", "ours_cw", "ours_rw", "upstream_rw"):
             _check(f"{name} forward with grad (world {world})", fwd[name](B), rk.reference(B))
         _verify_grads(rk, B)
         result: dict[str, Any] = {"rank": rank, "world": world}
@@ -486,6 +516,8 @@ def _report(res: dict) -> None:
             for name, label in (("ours_tw", "ours table-wise (one call)"),
                                 ("ours_tw_per_table", "ours table-wise, call per table"),
                                 ("torchrec_tw", "TorchRec table-wise (fused)"),
+                                ("ours_cw", "ours column-wise"), ("torchrec_cw", "TorchRec column-wise (fused)"),
+                                ("torchrec_rw", "TorchRec row-wise (fused)"),
                                 ("ours_rw", "ours row-wise"), ("upstream_rw", "upstream DTensor row-wise")):
                 print(f"    {label:<30} {_ms(w2[phase][name])}")
         r = res["ratios"]
@@ -493,6 +525,8 @@ def _report(res: dict) -> None:
         if "tw_forward_backward" in r:
             print(f"  table-wise fwd+bwd: TorchRec / ours = {r['tw_forward_backward']:.2f}x "
                   "(TorchRec's fused kernel applies SGD in backward; ours builds a dense weight.grad)")
+        print(f"  column-wise forward: TorchRec / ours = {r['cw_forward']:.2f}x")
+        print(f"  row-wise forward:   TorchRec / ours = {r['rw_forward_vs_torchrec']:.2f}x")
         print(f"  row-wise forward:   upstream / ours = {r['rw_forward']:.2f}x (target >= 3x)")
         if "rw_forward_backward" in r:
             print(f"  row-wise fwd+bwd:   upstream / ours = {r['rw_forward_backward']:.2f}x")
@@ -566,11 +600,14 @@ def main(argv: list[str] | None = None) -> int:
     w2 = worlds["2"]
     ratios = {
         "tw_forward": w2["forward"]["torchrec_tw"]["median"] / w2["forward"]["ours_tw"]["median"],
+        "cw_forward": w2["forward"]["torchrec_cw"]["median"] / w2["forward"]["ours_cw"]["median"],
+        "rw_forward_vs_torchrec": w2["forward"]["torchrec_rw"]["median"] / w2["forward"]["ours_rw"]["median"],
         "rw_forward": w2["forward"]["upstream_rw"]["median"] / w2["forward"]["ours_rw"]["median"],
     }
     if "forward_backward" in w2:
         fb = w2["forward_backward"]
         ratios["tw_forward_backward"] = fb["torchrec_tw"]["median"] / fb["ours_tw"]["median"]
+        ratios["cw_forward_backward"] = fb["torchrec_cw"]["median"] / fb["ours_cw"]["median"]
         ratios["rw_forward_backward"] = fb["upstream_rw"]["median"] / fb["ours_rw"]["median"]
     sweep = [{**s, "ratio": s["upstream_rw"]["median"] / s["ours_rw"]["median"]} for s in w2.pop("batch_sweep")]
     for w in worlds.values():

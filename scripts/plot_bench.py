@@ -62,10 +62,14 @@ _LOOKUP_LABELS = {
     "ours_tw": "ours, table-wise (one call)",
     "ours_tw_per_table": "ours, table-wise (call per table)",
     "torchrec_tw": "TorchRec DMP, table-wise (fused)",
+    "ours_cw": "ours, column-wise",
+    "torchrec_cw": "TorchRec DMP, column-wise (fused)",
     "ours_rw": "ours, row-wise",
+    "torchrec_rw": "TorchRec DMP, row-wise (fused, hand-made plan)",
     "upstream_rw": "upstream DTensor F.embedding, row-wise",
 }
-_LOOKUP_COLORS = {"ours_tw": "#1f77b4", "ours_tw_per_table": "#aec7e8", "torchrec_tw": "#999", "ours_rw": "#2ca02c", "upstream_rw": "#bbb"}
+_LOOKUP_COLORS = {"ours_cw": "#9467bd", "torchrec_cw": "#c5b0d5", "torchrec_rw": "#98df8a",
+                  "ours_tw": "#1f77b4", "ours_tw_per_table": "#aec7e8", "torchrec_tw": "#999", "ours_rw": "#2ca02c", "upstream_rw": "#bbb"}
 
 
 def _err(stats: list[dict], scale: float = 1.0) -> tuple[list[float], list[list[float]]]:
@@ -78,7 +82,7 @@ def plot_lookup(res: dict, out: Path) -> list[Path]:
     cfg = res["config"]
     made = []
     w2 = res["world"]["2"]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [7, 3]})
     phases = [p for p in ("forward", "forward_backward") if p in w2]
     width = 0.8 / len(_LOOKUP_LABELS)
     for i, key in enumerate(k for k in _LOOKUP_LABELS if k in w2[phases[0]]):
@@ -88,10 +92,11 @@ def plot_lookup(res: dict, out: Path) -> list[Path]:
                hatch="//" if key.startswith("ours") else None, edgecolor="k", linewidth=0.3)
     ax.set_xticks(range(len(phases)), [p.replace("_", " + ") for p in phases])
     ax.set_yscale("log")
+    ax.set_ylim(top=ax.get_ylim()[1] * 4)  # room for the legend above the bars
     ax.set_ylabel("ms per step (median, min..max)")
     ax.set_title(f"{cfg['tables']} tables x {cfg['rows']:,} x {cfg['dim']}, batch {cfg['batch']}/rank, 2 gloo ranks",
                  fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, ncol=3, loc="upper left")
     loc = res["local"]
     keys = ["copy", "copy_table", "ours_pool_rows", "torch_embedding_bag"]
     labels = [f"copy {loc['copy_bytes'] // 2**20} MiB", f"copy {loc['shard_bytes'] / 2**20:.0f} MiB",
