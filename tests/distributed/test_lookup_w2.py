@@ -330,32 +330,42 @@ def test_embedding_bags_bad_inputs_raise_on_every_rank(pool):
 
 def check_gather_bags(rank: int, world_size: int) -> None:
     """The id exchange: int32 on the wire when ids fit, int64 when a table has 2**31 rows or more; each
-    table's batch reaches exactly its readers; per-sample weights follow their ids."""
+    table's batch reaches exactly its readers - a row-cut table only the ids in each reader's rows, with
+    per-bag lengths counting just those; per-sample weights follow their ids."""
     from torchrec_dtensor_bridge.lookup.exchange import gather_bags
+    from torchrec_dtensor_bridge.lookup.route import Route, route_for
     from torchrec_dtensor_bridge.lookup.validate import Bags, RankInfo
 
     g = torch.Generator().manual_seed(rank)
     mine = []
-    for t in range(3):
+    for t in range(4):
         lengths = torch.randint(0, 4, (2 + rank + t,), generator=g)
         ids = torch.randint(0, 2**40 if t == 1 else 50, (int(lengths.sum()),), generator=g)
-        mine.append(Bags(ids, lengths, torch.rand(ids.shape, generator=g, dtype=torch.float64) if t == 2 else None))
-    everyone = _everyone(mine)
-    infos = [[RankInfo(b[t].num_bags, int(b[t].ids.numel()), b[t].weights is not None) for b in everyone]
-             for t in range(3)]
-    readers = [{0, 1}, {1}, {0}]
-    got = gather_bags(mine, infos, None, float_dtype=torch.float64, rows=2**40, readers=readers)
+        mine.append(Bags(ids, lengths, torch.rand(ids.shape, generator=g, dtype=torch.float64) if t in (2, 3) else None))
+    n = [int(b.ids.numel()) for b in mine]
+    cut = ShardLayout.row_wise((50, 4), [20, 30])  # table 3: rows 0:20 on rank 0, 20:50 on rank 1
+    routes = [Route((True, True), (n[0], n[0])), Route((False, True), (0, n[1])), Route((True, False), (n[2], 0)),
+              route_for(cut, mine[3], world_size, everyone=False)]
+    everyone = _everyone((mine, [r.counts for r in routes]))
+    infos = [[RankInfo(b[t].num_bags, int(b[t].ids.numel()), b[t].weights is not None, sends[t])
+              for b, sends in everyone] for t in range(4)]
+    got = gather_bags(mine, infos, None, float_dtype=torch.float64, rows=2**40, routes=routes)
     for t, bags in enumerate(got):
-        if rank in readers[t]:
-            assert torch.equal(bags.ids, torch.cat([b[t].ids for b in everyone])), f"table {t} ids"
-            assert torch.equal(bags.lengths, torch.cat([b[t].lengths for b in everyone])), f"table {t} lengths"
-            if t == 2:
-                assert torch.equal(bags.weights, torch.cat([b[t].weights for b in everyone]))
-        else:
+        theirs = [b[t] for b, _ in everyone]
+        if not routes[t].reads(rank):
             assert bags.ids.numel() == 0 and int(bags.lengths.sum()) == 0
-            assert bags.num_bags == sum(b[t].num_bags for b in everyone)
-    narrow = gather_bags(mine[:1], infos[:1], None, float_dtype=torch.float32, rows=50)
-    assert narrow[0].ids.dtype == torch.int64 and torch.equal(narrow[0].ids, torch.cat([b[0].ids for b in everyone]))
+            assert bags.num_bags == sum(b.num_bags for b in theirs)
+            continue
+        keep = [torch.ones_like(b.ids, dtype=torch.bool) if t < 3 else
+                (b.ids >= (0 if rank == 0 else 20)) & (b.ids < (20 if rank == 0 else 50)) for b in theirs]
+        assert torch.equal(bags.ids, torch.cat([b.ids[k] for b, k in zip(theirs, keep)])), f"table {t} ids"
+        want_lengths = [torch.bincount(b.bag_of_id()[k], minlength=b.num_bags) for b, k in zip(theirs, keep)]
+        assert torch.equal(bags.lengths, torch.cat(want_lengths)), f"table {t} lengths"
+        if t in (2, 3):
+            assert torch.equal(bags.weights, torch.cat([b.weights[k] for b, k in zip(theirs, keep)]))
+    assert routes[3].counts[0] + routes[3].counts[1] == n[3]  # every id of a row cut crosses once
+    narrow = gather_bags(mine[:1], infos[:1], None, float_dtype=torch.float32, rows=50, routes=routes[:1])
+    assert narrow[0].ids.dtype == torch.int64 and torch.equal(narrow[0].ids, torch.cat([b[0].ids for b, _ in everyone]))
 
 
 def test_gather_bags(pool):

@@ -59,16 +59,19 @@ def _compute_block(plan: LookupPlan, i: int, bag_of_id: Any) -> Block:
     spec, shard = plan.mine[i], plan.shards[i]
     ids, batch = plan.batch.ids, plan.batch
     r0, h = spec.offsets[0], spec.sizes[0]
-    every_id = r0 == 0 and h == plan.layout.global_shape[0] and not (plan.skip_padding and plan.padding_idx is not None)
-    if every_id:  # the shard holds all rows: no filtering, the batch's own bag boundaries
-        local, counts, psw = ids, batch.lengths, batch.weights
+    padding = plan.skip_padding and plan.padding_idx is not None
+    whole = r0 == 0 and h == plan.layout.global_shape[0]
+    if not padding and (whole or (plan.routed and sum(plan.computes) == 1)):
+        # every id of the batch is in this shard's rows: no filtering, the batch's own bag boundaries
+        local, counts, psw = (ids if r0 == 0 else ids - r0), batch.lengths, batch.weights
     else:
         keep = (ids >= r0) & (ids < r0 + h)
-        if plan.skip_padding and plan.padding_idx is not None:
+        if padding:
             keep &= ids != plan.padding_idx
-        local = ids[keep] - r0
-        counts = torch.bincount(bag_of_id()[keep], minlength=batch.num_bags)
-        psw = None if batch.weights is None else batch.weights[keep]
+        at = keep.nonzero().squeeze(1)  # one nonzero for the three gathers below
+        local = ids.index_select(0, at) - r0
+        counts = torch.bincount(bag_of_id().index_select(0, at), minlength=batch.num_bags)
+        psw = None if batch.weights is None else batch.weights.index_select(0, at)
     offsets = torch.zeros(batch.num_bags + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     out, argmax = pool_rows(shard.detach(), local, offsets, psw, max_mode=plan.max_mode)

@@ -10,11 +10,12 @@ rows ``starts[r] : starts[r] + num_bags[r]`` of a gathered batch.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from .route import Route
 from .validate import Bags, RankInfo
 
 __all__ = [
@@ -48,55 +49,62 @@ def gather_bags(
     *,
     float_dtype: torch.dtype,
     rows: int,
-    readers: Sequence[Collection[int]] | None = None,
+    routes: Sequence[Route],
 ) -> list[Bags]:
-    """Every rank's batch of each table, concatenated in rank order, on the ranks that read it; *collective*.
+    """Every rank's batch of each table, in rank order, on the ranks that compute it; *collective*.
 
     ``bags[t]`` is this rank's batch of table ``t``, ``infos[t][r]`` rank
-    ``r``'s sizes for it and ``readers[t]`` the ranks that need table ``t``'s
-    ids (default: all); ``rows`` bounds every id (the largest table's
-    ``num_embeddings``, agreed by all ranks). The ids and bag lengths of ALL tables travel in one
-    ``all_to_all``, each table's only to its readers; per-sample weights (as
-    ``float_dtype``) in a second one only when some rank passed them for some
-    table (ranks and tables without them send ones). A rank that does not
-    read a table gets all bags of it with no ids (every bag empty).
+    ``r``'s sizes for it (with how many ids it sends to each rank) and
+    ``routes[t]`` which of this rank's ids go where (:mod:`.route`); ``rows``
+    bounds every id (the largest table's ``num_embeddings``, agreed by all
+    ranks). The ids and bag lengths of ALL tables travel in one
+    ``all_to_all``; per-sample weights (as ``float_dtype``) in a second one
+    only when some rank passed them for some table (ranks and tables without
+    them send ones). A rank receives, per table it computes, every rank's bag
+    lengths and the ids routed to it (so a bag's length counts only those); a
+    rank that computes nothing of a table gets all bags of it, empty.
     """
     if not bags:
         return []
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    every = range(world)
-    reads = [set(every) if readers is None else set(readers[t]) for t in range(len(bags))]
-    mine = [t for t in range(len(bags)) if rank in reads[t]]
+    dev = bags[0].ids.device
+    mine = [t for t, r in enumerate(routes) if r.reads(rank)]
     # ids and lengths travel as int32 when every value fits (half the bytes), known alike on every rank
     wide = max(rows, max(i.num_ids for info in infos for i in info)) >= 2**31
     dtype = torch.int64 if wide else torch.int32
-    send = [torch.cat([x.to(dtype) for t, b in enumerate(bags) if q in reads[t] for x in (b.ids, b.lengths)]
-                      + [bags[0].ids.new_empty(0, dtype=dtype)]) for q in every]
-    sizes = [sum(infos[t][p].num_ids + infos[t][p].num_bags for t in mine) for p in every]
-    parts = [p.to(torch.int64) for p in all_to_all_flat(send, sizes, group, dtype=dtype, device=bags[0].ids.device)]
+    weighted = [any(x.has_weights for x in i) for i in infos]
+    picked = [[_pick(b, r.masks[q], w) for b, r, w in zip(bags, routes, weighted)] for q in range(world)]
+    send = [torch.cat([x.to(dtype) for t, r in enumerate(routes) if r.reads(q) for x in picked[q][t][:2]]
+                      + [bags[0].ids.new_empty(0, dtype=dtype)]) for q in range(world)]
+
+    def received(info: RankInfo) -> int:
+        assert info.sends is not None, "a routed table's sizes travel in the agreement step"
+        return info.sends[rank]
+
+    sizes = [sum(received(infos[t][p]) + infos[t][p].num_bags for t in mine) for p in range(world)]
+    parts = [p.to(torch.int64) for p in all_to_all_flat(send, sizes, group, dtype=dtype, device=dev)]
     ids: dict[int, list[torch.Tensor]] = {t: [] for t in mine}
     lengths: dict[int, list[torch.Tensor]] = {t: [] for t in mine}
     for p, part in enumerate(parts):
         at = 0
         for t in mine:
-            n, nb = infos[t][p].num_ids, infos[t][p].num_bags
+            n, nb = received(infos[t][p]), infos[t][p].num_bags
             ids[t].append(part[at : at + n])
             lengths[t].append(part[at + n : at + n + nb])
             at += n + nb
-    weighted = [any(x.has_weights for x in i) for i in infos]
     weights: dict[int, torch.Tensor] = {}
     if any(weighted):
         wsend = [torch.cat([
-            (b.weights if b.weights is not None else torch.ones(b.ids.numel(), device=b.ids.device)).to(float_dtype)
-            for t, b in enumerate(bags) if weighted[t] and q in reads[t]
-        ] + [torch.empty(0, dtype=float_dtype, device=bags[0].ids.device)]) for q in every]
-        wsizes = [sum(infos[t][p].num_ids for t in mine if weighted[t]) for p in every]
+            picked[q][t][2].to(float_dtype) for t, r in enumerate(routes)  # type: ignore[union-attr]
+            if weighted[t] and r.reads(q)
+        ] + [torch.empty(0, dtype=float_dtype, device=dev)]) for q in range(world)]
+        wsizes = [sum(received(infos[t][p]) for t in mine if weighted[t]) for p in range(world)]
         wparts: dict[int, list[torch.Tensor]] = {t: [] for t in mine if weighted[t]}
-        for p, part in enumerate(all_to_all_flat(wsend, wsizes, group, dtype=float_dtype, device=bags[0].ids.device)):
+        for p, part in enumerate(all_to_all_flat(wsend, wsizes, group, dtype=float_dtype, device=dev)):
             at = 0
             for t in wparts:
-                wparts[t].append(part[at : at + infos[t][p].num_ids])
-                at += infos[t][p].num_ids
+                wparts[t].append(part[at : at + received(infos[t][p])])
+                at += received(infos[t][p])
         weights = {t: torch.cat(w) for t, w in wparts.items()}
     out = []
     for t, b in enumerate(bags):
@@ -106,6 +114,22 @@ def gather_bags(
             total = sum(i.num_bags for i in infos[t])
             out.append(Bags(b.ids.new_empty(0), b.lengths.new_zeros(total), None))
     return out
+
+
+def _pick(bags: Bags, mask: bool | torch.Tensor, weighted: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(ids, per-bag lengths, per-sample weights - ones where the rank passed none - when ``weighted``)
+    of ``bags`` that ``mask`` routes to one rank."""
+    weights = None
+    if weighted:
+        weights = bags.weights if bags.weights is not None else torch.ones(bags.ids.numel(), device=bags.ids.device)
+    if mask is True:
+        return bags.ids, bags.lengths, weights
+    if mask is False:
+        return bags.ids.new_empty(0), bags.lengths.new_zeros(0), None if weights is None else weights.new_empty(0)
+    assert isinstance(mask, torch.Tensor)
+    at = mask.nonzero().squeeze(1)  # one nonzero for the three gathers below
+    lengths = torch.bincount(bags.bag_of_id().index_select(0, at), minlength=bags.num_bags)
+    return bags.ids.index_select(0, at), lengths, None if weights is None else weights.index_select(0, at)
 
 
 def gather_flat(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> list[torch.Tensor]:

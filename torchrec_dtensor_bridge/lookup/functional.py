@@ -61,11 +61,10 @@ from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards
 from ..layout import ShardLayout, contiguous_strides
 from .algorithms import LookupPlan, Strategy, pooled_lookup, strategy_for
 from .renorm import renormalize
-from .run import TableOptions, finish, option_codes, run_tables
+from .run import TableOptions, agree_and_route, finish, option_codes, run_tables
 from .validate import (
     Bags,
     RejectedArguments,
-    agree,
     bags_for_embedding,
     bags_from_input,
     check_options,
@@ -262,9 +261,11 @@ def sharded_embedding_bag(
             return DTensor.from_local(out, mesh, placements, run_check=False, shape=gshape,
                                       stride=contiguous_strides(gshape))
         bags = _split_bags(bags, dist.get_world_size(), dist.get_rank())
-    infos = agree(fn, error, None if bags is None else [bags], [option_codes(0, mode, padding, max_norm, norm_type, shape, dtype)])
+    opts = [TableOptions(mode, padding, max_norm, norm_type)]
+    infos, routes = agree_and_route(fn, error, [weight], None if bags is None else [bags], opts,
+                                    [option_codes(0, mode, padding, max_norm, norm_type, shape, dtype)])
     assert bags is not None
-    (out,) = run_tables([weight], [bags], infos, [TableOptions(mode, padding, max_norm, norm_type)], skip_padding=True)
+    (out,) = run_tables([weight], [bags], infos, opts, routes, skip_padding=True)
     out = finish(out, bags, mode, padding)
     if kind is None:
         return out
@@ -323,9 +324,11 @@ def sharded_embedding(
             placements = [Shard(input.dim())]
         return DTensor.from_local(out, mesh, placements, run_check=False, shape=gshape,
                                   stride=contiguous_strides(gshape))
-    infos = agree(fn, error, None if bags is None else [bags], [option_codes(1, "sum", padding, max_norm, norm_type, shape, dtype)])
+    opts = [TableOptions("sum", padding, max_norm, norm_type)]
+    infos, routes = agree_and_route(fn, error, [weight], None if bags is None else [bags], opts,
+                                    [option_codes(1, "sum", padding, max_norm, norm_type, shape, dtype)])
     assert bags is not None and isinstance(input, torch.Tensor)
-    (out,) = run_tables([weight], [bags], infos, [TableOptions("sum", padding, max_norm, norm_type)], skip_padding=False)
+    (out,) = run_tables([weight], [bags], infos, opts, routes, skip_padding=False)
     out = out.view(tuple(input.shape) + (shape[1],))
     if kind is None:
         return out

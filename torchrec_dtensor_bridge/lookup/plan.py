@@ -58,6 +58,8 @@ class LookupPlan:
             ``(num_bags, dim)`` (a ``Partial()`` output). Backward uses the output
             gradient as is. Only replicated blocks (several copies of one box)
             still all-reduce their gradient.
+        routed: ``batch`` holds only the ids inside this rank's computing blocks' rows
+            (:mod:`.route`): a rank that computes one block pools them unfiltered.
     """
 
     layout: ShardLayout
@@ -70,6 +72,7 @@ class LookupPlan:
     track: bool = False
     group: dist.ProcessGroup | None = None
     local_only: bool = False
+    routed: bool = False
     rank: int = field(init=False)
     world: int = field(init=False)
     strategy: Strategy = field(init=False)

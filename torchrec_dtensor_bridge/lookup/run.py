@@ -18,9 +18,10 @@ from ..convert.dtensor import layout_of, local_shards_of
 from .algorithms import LookupPlan, Strategy, pooled_lookup, strategy_for
 from .exchange import gather_bags
 from .renorm import renormalize
-from .validate import DTYPES, MODES, Bags, RankInfo
+from .route import Route, route_for
+from .validate import DTYPES, MODES, Bags, RankInfo, RejectedArguments, agree
 
-__all__ = ["TableOptions", "finish", "option_codes", "run_tables"]
+__all__ = ["TableOptions", "agree_and_route", "finish", "option_codes", "routes_for", "run_tables"]
 
 
 def finish(out: torch.Tensor, bags: Bags, mode: str, padding: int | None) -> torch.Tensor:
@@ -59,27 +60,57 @@ class TableOptions:
     norm_type: float
 
 
+def routes_for(weights: list[DTensor], bags: list[Bags], options: list[TableOptions]) -> list[Route | None]:
+    """Per table, where this rank's ids go (:mod:`.route`); ``None`` for a replicated table that needs none."""
+    world = dist.get_world_size()
+    out: list[Route | None] = []
+    for w, b, o in zip(weights, bags, options):
+        layout = layout_of(w)
+        if strategy_for(layout, world) is Strategy.LOCAL and o.max_norm is None:
+            out.append(None)
+        else:
+            out.append(route_for(layout, b, world, everyone=o.max_norm is not None))
+    return out
+
+
+def agree_and_route(
+    fn: str, error: RejectedArguments | None, weights: list[DTensor], bags: list[Bags] | None,
+    options: list[TableOptions], codes: list[dict[str, float]],
+) -> tuple[list[list[RankInfo]], list[Route | None]]:
+    """Routes for validated arguments (a failure becomes this rank's verdict), then the agreement step that
+    also carries the routed counts; *collective*, raises on every rank when any rank failed."""
+    routes: list[Route | None] = []
+    if error is None and bags is not None:
+        try:
+            routes = routes_for(weights, bags, options)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the agreement step
+            kind = type(e) if type(e) in (TypeError, ValueError, NotImplementedError) else RuntimeError
+            error, bags = RejectedArguments(kind, f"{fn}: {e}"), None
+    sends = [None if r is None else r.counts for r in routes] if routes else None
+    infos = agree(fn, error, bags, codes, sends=sends)
+    return infos, routes
+
+
 def run_tables(
     weights: list[DTensor], bags: list[Bags], infos: list[list[RankInfo]], options: list[TableOptions],
-    *, skip_padding: bool,
+    routes: list[Route | None], *, skip_padding: bool,
 ) -> list[torch.Tensor]:
     """Steps 3-5 for validated arguments, all tables at once; per table the pooled (sum or raw max) output of
-    this rank's bags. Ids of every table that needs them travel in one gather, outputs in fused collectives."""
+    this rank's bags. Ids of every table that needs them travel in one exchange (``routes``, agreed in
+    ``infos``), outputs in fused collectives."""
     layouts = [layout_of(w) for w in weights]
     layouts = [lay if lay.dtype is not None else dataclasses.replace(lay, dtype=w.dtype)
                for lay, w in zip(layouts, weights)]
     shards = [local_shards_of(w) for w in weights]
-    world, rank = dist.get_world_size(), dist.get_rank()
-    replicated = [strategy_for(lay, world) is Strategy.LOCAL for lay in layouts]
-    need = [t for t, o in enumerate(options) if not replicated[t] or o.max_norm is not None]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    need = [t for t, r in enumerate(routes) if r is not None]
     dtypes = {weights[t].dtype for t in need}
     float_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
-    # ids go only to the ranks that compute a block of the table (max_norm: to every holder of rows)
-    readers = [range(world) if options[t].max_norm is not None else
-               {s.rank for s in layouts[t].unique_shards() if s.numel and s.rank is not None} for t in need]
-    gathered = dict(zip(need, gather_bags([bags[t] for t in need], [infos[t] for t in need], None,
-                                          float_dtype=float_dtype, readers=readers,
-                                          rows=max((lay.global_shape[0] for lay in layouts), default=0))))
+    gathered = dict(zip(need, gather_bags(
+        [bags[t] for t in need], [infos[t] for t in need], None, float_dtype=float_dtype,
+        rows=max((lay.global_shape[0] for lay in layouts), default=0),
+        routes=[r for r in routes if r is not None],
+    )))
     for t, g in gathered.items():
         if g.weights is not None and g.weights.dtype != weights[t].dtype:
             gathered[t] = Bags(g.ids, g.lengths, g.weights.to(weights[t].dtype))
@@ -92,12 +123,13 @@ def run_tables(
         LookupPlan(
             layout=layouts[t],
             shards=shards[t],
-            batch=bags[t] if replicated[t] else gathered[t],
+            batch=bags[t] if strategy_for(layouts[t], world) is Strategy.LOCAL else gathered[t],
             num_bags=[i.num_bags for i in infos[t]],
             max_mode=o.mode == "max",
             padding_idx=o.padding,
             skip_padding=skip_padding,
             track=weights[t].requires_grad and track,
+            routed=routes[t] is not None and o.max_norm is None,
         )
         for t, o in enumerate(options)
     ]

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .run import TableOptions, finish, option_codes, run_tables
-from .validate import Bags, RejectedArguments, agree, bags_from_input, check_options
+from .run import TableOptions, agree_and_route, finish, option_codes, run_tables
+from .validate import Bags, RejectedArguments, bags_from_input, check_options
 
 __all__ = ["sharded_embedding_bags"]
 
@@ -124,7 +124,9 @@ def sharded_embedding_bags(
         >>> torch.cat(outs, dim=1)  # like a KeyedTensor's values
     """
     error: RejectedArguments | None = None
+    tables: list[DTensor] = []
     bags: list[Bags] | None = None
+    options: list[TableOptions] = []
     codes: list[dict[str, float]] = []
     try:
         tables, bags, options, codes = _validate(
@@ -133,7 +135,7 @@ def sharded_embedding_bags(
         )
     except RejectedArguments as e:
         error = e
-    infos = agree(_FN, error, bags, codes)
+    infos, routes = agree_and_route(_FN, error, tables, bags, options, codes)
     assert bags is not None
-    outs = run_tables(tables, bags, infos, options, skip_padding=True)
+    outs = run_tables(tables, bags, infos, options, routes, skip_padding=True)
     return [finish(out, b, o.mode, o.padding) for out, b, o in zip(outs, bags, options)]

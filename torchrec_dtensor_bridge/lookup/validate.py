@@ -70,6 +70,8 @@ class RankInfo:
     num_bags: int
     num_ids: int
     has_weights: bool
+    sends: tuple[int, ...] | None = None
+    """How many of its ids this rank sends to each rank (:mod:`.route`), when routed."""
 
 
 def _fail(kind: type[Exception], message: str) -> RejectedArguments:
@@ -221,11 +223,13 @@ FIRST_MESSAGE_TABLES = 16
 """Tables whose sizes and options travel in the agreement's first (fixed-size) message."""
 
 
-def _table_fields(bags: Bags | None, options: Mapping[str, float]) -> list[float]:
+def _table_fields(bags: Bags | None, options: Mapping[str, float], sends: Sequence[int] | None,
+                  world: int) -> list[float]:
     sizes = [0.0, 0.0, 0.0] if bags is None else [
         float(bags.num_bags), float(bags.ids.numel()), float(bags.weights is not None)
     ]
-    return sizes + [float(options[k]) for k in _AGREED]
+    routed = [math.nan] * world if sends is None else [float(c) for c in sends]
+    return sizes + [float(options[k]) for k in _AGREED] + routed
 
 
 def _all_rows(mine: list[float], group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -237,7 +241,8 @@ def _all_rows(mine: list[float], group: dist.ProcessGroup | None) -> torch.Tenso
 
 
 def _check_same(fn: str, fields: torch.Tensor, table: int | None) -> list[RankInfo]:
-    """Compare one table's options across ranks (``fields``: ``(world, _FIELDS)``); its per-rank sizes."""
+    """Compare one table's options across ranks (``fields``: ``(world, _FIELDS + world)``); its per-rank
+    sizes."""
     where = "" if table is None else f" for table {table}"
     for i, key in enumerate(_AGREED):
         col = fields[:, 3 + i]
@@ -252,7 +257,11 @@ def _check_same(fn: str, fields: torch.Tensor, table: int | None) -> list[RankIn
             raise ValueError(
                 f"{fn}: ranks disagree on {key}{where}: {col.tolist()} (rank order); every rank must pass the same"
             )
-    return [RankInfo(int(r[0]), int(r[1]), bool(r[2])) for r in fields.tolist()]
+    return [
+        RankInfo(int(r[0]), int(r[1]), bool(r[2]),
+                 None if math.isnan(r[_FIELDS]) else tuple(int(c) for c in r[_FIELDS:]) if len(r) > _FIELDS else None)
+        for r in fields.tolist()
+    ]
 
 
 def agree(
@@ -261,6 +270,7 @@ def agree(
     bags: Sequence[Bags] | None,
     options: Sequence[Mapping[str, float]],
     group: dist.ProcessGroup | None = None,
+    sends: Sequence[Sequence[int] | None] | None = None,
 ) -> list[list[RankInfo]]:
     """The agreement step for a lookup of one or several tables; *collective*.
 
@@ -277,20 +287,22 @@ def agree(
         bags: this rank's canonical batch per table (``None`` when ``error`` is set).
         options: per table, the numeric codes every rank must agree on (keys of ``_AGREED``).
         group: process group (default: the world).
+        sends: per table, how many ids this rank will send to each rank (:mod:`.route`), or ``None``.
 
     Raises:
         The failing rank's exception kind on every rank, or ``ValueError`` when ranks disagree.
     """
     code = 0 if error is None else 1 + _KINDS.index(error.kind if error.kind in _KINDS else RuntimeError)
-    n = len(options)
+    n, world = len(options), dist.get_world_size(group)
     per_table = [None] * n if bags is None else list(bags)
-    fields = [x for b, o in zip(per_table, options) for x in _table_fields(b, o)]
-    head = fields[: FIRST_MESSAGE_TABLES * _FIELDS]
-    head += [math.nan] * (FIRST_MESSAGE_TABLES * _FIELDS - len(head))  # always the same size
+    routes = [None] * n if sends is None or bags is None else list(sends)
+    nf = _FIELDS + world
+    fields = [x for b, o, r in zip(per_table, options, routes) for x in _table_fields(b, o, r, world)]
+    head = fields[: FIRST_MESSAGE_TABLES * nf]
+    head += [math.nan] * (FIRST_MESSAGE_TABLES * nf - len(head))  # always the same size
     table = _all_rows([float(code), float(n)] + head, group)
     codes = table[:, 0].to(torch.int64).tolist()
     if any(codes):
-        world = dist.get_world_size(group)
         messages: list[object] = [None] * world
         dist.all_gather_object(messages, None if error is None else error.message, group=group)
         if error is not None:
@@ -302,6 +314,6 @@ def agree(
         raise ValueError(f"{fn}: ranks passed different numbers of tables: {counts} (rank order)")
     rows = table[:, 2:]
     if n > FIRST_MESSAGE_TABLES:
-        rows = torch.cat([rows, _all_rows(fields[FIRST_MESSAGE_TABLES * _FIELDS :], group)], dim=1)
-    return [_check_same(fn, rows[:, t * _FIELDS : (t + 1) * _FIELDS], t if n > 1 else None) for t in range(n)]
+        rows = torch.cat([rows, _all_rows(fields[FIRST_MESSAGE_TABLES * nf :], group)], dim=1)
+    return [_check_same(fn, rows[:, t * nf : (t + 1) * nf], t if n > 1 else None) for t in range(n)]
 
