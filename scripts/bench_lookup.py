@@ -563,7 +563,8 @@ NOTES = [
     "local sum over the bag. Summing the _MaskPartial first and calling full_tensor() fails in torch 2.13 "
     "(IndexError in the mask); a Shard(0) id input instead makes DTensor all-gather the whole weight",
     "ours table-wise / row-wise = ONE sharded_embedding_bags call for the 4 tables: one agreement all_gather, "
-    "one all_to_all of all tables' ids (int32, each table's only to the ranks computing it), one all_to_all "
+    "one all_to_all of all tables' ids (int32, each table's only to the ranks computing it, row-wise ids each "
+    "only to the rank holding the row), one all_to_all "
     "(table-wise) or reduce_scatter (row-wise) for all tables; "
     "'call per table' = sharded_embedding_bag once per table (three collectives per table, owners take turns)",
     "world sweep: this machine has 2 cores, so 3 and 4 ranks share them (oversubscribed): their times show "

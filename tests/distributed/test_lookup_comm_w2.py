@@ -13,7 +13,9 @@ The expected counts are the design documented in ``lookup/algorithms.py`` and
 ``lookup/functional.py``. Every plain-tensor call starts with ONE agreement
 ``all_gather`` (verdicts, batch sizes, options); then, unless the weight is
 replicated, ONE ``all_to_all`` of all ranks' ids to the ranks that compute
-for the table (a second one only for ``per_sample_weights``); then per strategy:
+for the table (row cuts: each id to the rank holding its row; the counts ride
+in the agreement step) - a second one only for ``per_sample_weights``; then
+per strategy:
 
 * LOCAL (replicated weight): nothing in forward; backward one ``all_reduce`` of the gradient;
 * REDUCE (row-wise, grid): forward one ``reduce_scatter`` (max: one ``all_reduce(MAX)``, plus one

@@ -5,8 +5,10 @@ Order of work on every rank (the same on all ranks, so nothing can hang):
 1. validate the arguments locally (SPEC §4), recording - not raising - a failure;
 2. one agreement ``all_gather``: every rank's verdict, batch sizes and options;
    any failure or disagreement raises on every rank;
-3. send all ranks' ids to the ranks that compute blocks of the table (one ``all_to_all``;
-   none when the table is fully replicated and needs no ``max_norm``);
+3. send every rank's ids to the ranks that compute blocks of the table - a row-cut
+   table's ids each only to the rank holding its row (:mod:`.route`; the counts
+   travel in step 2) - in one ``all_to_all``; none when the table is fully
+   replicated and needs no ``max_norm``;
 4. ``max_norm``: renormalise the referenced stored rows in place;
 5. the pooled lookup and its exchange (:mod:`.algorithms`);
 6. ``mean``: divide by the true bag size; ``max``: empty bags give 0.

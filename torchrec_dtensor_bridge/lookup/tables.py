@@ -9,7 +9,8 @@ communication of all tables fused:
 2. agree: ONE ``all_gather`` (verdict, number of tables, every table's sizes
    and options - a second one only beyond 16 tables);
 3. ONE ``all_to_all`` of the ids of every table that is not replicated on all ranks, each
-   table's only to the ranks that compute it;
+   table's only to the ranks that compute it, and a row-cut table's ids each only to
+   the rank holding its row (:mod:`.route`);
 4. ``max_norm`` renormalisation per table that asks for it;
 5. every rank pools what it stores of every table, then ONE ``all_to_all`` for all
    tables whose blocks span whole rows (table-wise, column-wise) and ONE
