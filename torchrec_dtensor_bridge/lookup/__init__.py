@@ -4,7 +4,8 @@ Modules: ``functional`` (the public functions), ``tables`` (several tables in on
 ``run`` (what every lookup shares after validation), ``validate`` (argument checks
 and the cross-rank agreement step), ``plan`` (per-layout strategies and what a
 lookup needs), ``algorithms`` (the autograd Function), ``fused`` (one collective
-for all tables that combine alike), ``exchange`` (collectives for uneven batches),
+for all tables that combine alike), ``route`` (which ids go to which rank),
+``exchange`` (collectives for uneven batches),
 ``renorm`` (``max_norm``) and ``tbe`` (the only fbgemm_gpu import).
 """
 
