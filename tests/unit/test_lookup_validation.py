@@ -19,6 +19,21 @@ def _rejected(kind, match, fn):
     assert info.value.kind is kind and match in info.value.message, (info.value.kind, info.value.message)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_count_per_bag_matches_bincount(seed):
+    """Per-bag counts of selected ids (the routing's and the block filter's) equal a bincount of the
+    selected ids' bags, with empty bags, empty batches and all/none selected."""
+    from torchrec_dtensor_bridge.lookup.validate import Bags
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g)
+    ids = torch.randint(0, 50, (int(lengths.sum()),), generator=g)
+    bags = Bags(ids, lengths, None)
+    for mask in (ids < 20, ids >= 0, ids < 0):
+        want = torch.bincount(bags.bag_of_id()[mask], minlength=bags.num_bags)
+        assert torch.equal(bags.count_per_bag(mask), want), (lengths.tolist(), mask.tolist())
+
+
 def test_canonical_forms():
     b = _bags(torch.tensor([[1, 2], [3, 4]]))
     assert b.ids.tolist() == [1, 2, 3, 4] and b.lengths.tolist() == [2, 2] and b.weights is None

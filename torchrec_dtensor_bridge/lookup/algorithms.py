@@ -54,8 +54,8 @@ from .tbe import pool_rows, pool_rows_backward
 __all__ = ["LookupPlan", "Strategy", "pooled_lookup", "strategy_for"]
 
 
-def _compute_block(plan: LookupPlan, i: int, bag_of_id: Any) -> Block:
-    """Pool, for every bag of ``plan.batch``, the ids shard ``i`` stores (``bag_of_id``: a thunk, built once)."""
+def _compute_block(plan: LookupPlan, i: int) -> Block:
+    """Pool, for every bag of ``plan.batch``, the ids shard ``i`` stores."""
     spec, shard = plan.mine[i], plan.shards[i]
     ids, batch = plan.batch.ids, plan.batch
     r0, h = spec.offsets[0], spec.sizes[0]
@@ -68,9 +68,9 @@ def _compute_block(plan: LookupPlan, i: int, bag_of_id: Any) -> Block:
         keep = (ids >= r0) & (ids < r0 + h)
         if padding:
             keep &= ids != plan.padding_idx
-        at = keep.nonzero().squeeze(1)  # one nonzero for the three gathers below
+        at = keep.nonzero().squeeze(1)  # one nonzero for both gathers below
         local = ids.index_select(0, at) - r0
-        counts = torch.bincount(bag_of_id().index_select(0, at), minlength=batch.num_bags)
+        counts = batch.count_per_bag(keep)
         psw = None if batch.weights is None else batch.weights.index_select(0, at)
     offsets = torch.zeros(batch.num_bags + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
@@ -79,14 +79,7 @@ def _compute_block(plan: LookupPlan, i: int, bag_of_id: Any) -> Block:
 
 
 def _compute_blocks(plan: LookupPlan) -> list[Block]:
-    cache: list[torch.Tensor] = []
-
-    def bag_of_id() -> torch.Tensor:
-        if not cache:
-            cache.append(plan.batch.bag_of_id())
-        return cache[0]
-
-    return [_compute_block(plan, i, bag_of_id) for i, c in enumerate(plan.computes) if c]
+    return [_compute_block(plan, i) for i, c in enumerate(plan.computes) if c]
 
 
 def _reduce_max(plan: LookupPlan, blocks: list[Block], track: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:

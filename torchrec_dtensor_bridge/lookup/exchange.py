@@ -127,9 +127,8 @@ def _pick(bags: Bags, mask: bool | torch.Tensor, weighted: bool) -> tuple[torch.
     if mask is False:
         return bags.ids.new_empty(0), bags.lengths.new_zeros(0), None if weights is None else weights.new_empty(0)
     assert isinstance(mask, torch.Tensor)
-    at = mask.nonzero().squeeze(1)  # one nonzero for the three gathers below
-    lengths = torch.bincount(bags.bag_of_id().index_select(0, at), minlength=bags.num_bags)
-    return bags.ids.index_select(0, at), lengths, None if weights is None else weights.index_select(0, at)
+    at = mask.nonzero().squeeze(1)  # one nonzero for both gathers below
+    return bags.ids.index_select(0, at), bags.count_per_bag(mask), None if weights is None else weights.index_select(0, at)
 
 
 def gather_flat(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> list[torch.Tensor]:

@@ -29,7 +29,7 @@ def finish(out: torch.Tensor, bags: Bags, mode: str, padding: int | None) -> tor
     if mode == "sum":
         return out
     valid = bags.ids != padding if padding is not None else torch.ones_like(bags.ids, dtype=torch.bool)
-    sizes = torch.bincount(bags.bag_of_id()[valid], minlength=bags.num_bags).unsqueeze(1)
+    sizes = bags.count_per_bag(valid).unsqueeze(1)
     if mode == "mean":
         return out / sizes.clamp(min=1).to(out.dtype)
     return out.masked_fill(sizes == 0, 0.0)
