@@ -73,7 +73,9 @@ def gather_bags(
     wide = max(rows, max(i.num_ids for info in infos for i in info)) >= 2**31
     dtype = torch.int64 if wide else torch.int32
     weighted = [any(x.has_weights for x in i) for i in infos]
-    picked = [[_pick(b, r.masks[q], w) for b, r, w in zip(bags, routes, weighted)] for q in range(world)]
+    factors = [None if not w else b.weights if b.weights is not None else torch.ones(b.ids.numel(), device=dev)
+               for b, w in zip(bags, weighted)]  # ones where this rank passed none but another did
+    picked = [[_pick(b, r.masks[q], f) for b, r, f in zip(bags, routes, factors)] for q in range(world)]
     send = [torch.cat([x.to(dtype) for t, r in enumerate(routes) if r.reads(q) for x in picked[q][t][:2]]
                       + [bags[0].ids.new_empty(0, dtype=dtype)]) for q in range(world)]
 
@@ -95,8 +97,7 @@ def gather_bags(
     weights: dict[int, torch.Tensor] = {}
     if any(weighted):
         wsend = [torch.cat([
-            picked[q][t][2].to(float_dtype) for t, r in enumerate(routes)  # type: ignore[union-attr]
-            if weighted[t] and r.reads(q)
+            w.to(float_dtype) for t, r in enumerate(routes) if r.reads(q) and (w := picked[q][t][2]) is not None
         ] + [torch.empty(0, dtype=float_dtype, device=dev)]) for q in range(world)]
         wsizes = [sum(received(infos[t][p]) for t in mine if weighted[t]) for p in range(world)]
         wparts: dict[int, list[torch.Tensor]] = {t: [] for t in mine if weighted[t]}
@@ -116,12 +117,10 @@ def gather_bags(
     return out
 
 
-def _pick(bags: Bags, mask: bool | torch.Tensor, weighted: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(ids, per-bag lengths, per-sample weights - ones where the rank passed none - when ``weighted``)
-    of ``bags`` that ``mask`` routes to one rank."""
-    weights = None
-    if weighted:
-        weights = bags.weights if bags.weights is not None else torch.ones(bags.ids.numel(), device=bags.ids.device)
+def _pick(
+    bags: Bags, mask: bool | torch.Tensor, weights: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(ids, per-bag lengths, ``weights`` or ``None``) of ``bags`` that ``mask`` routes to one rank."""
     if mask is True:
         return bags.ids, bags.lengths, weights
     if mask is False:

@@ -2,7 +2,7 @@
 
 :func:`run_tables` runs the lookups of one or several tables together (see
 :mod:`.functional` for the order of work): the ids of every table that needs
-them travel in ONE gather, ``max_norm`` renormalises, and
+them travel in ONE ``all_to_all`` (routed, :mod:`.route`), ``max_norm`` renormalises, and
 :func:`.algorithms.pooled_lookup` fuses the tables' output exchanges.
 """
 

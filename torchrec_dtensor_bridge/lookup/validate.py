@@ -268,7 +268,7 @@ def _check_same(fn: str, fields: torch.Tensor, table: int | None) -> list[RankIn
             )
     return [
         RankInfo(int(r[0]), int(r[1]), bool(r[2]),
-                 None if math.isnan(r[_FIELDS]) else tuple(int(c) for c in r[_FIELDS:]) if len(r) > _FIELDS else None)
+                 None if math.isnan(r[_FIELDS]) else tuple(int(c) for c in r[_FIELDS:]))
         for r in fields.tolist()
     ]
 
