@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["LayoutKind", "ShardLayout", "ShardSpec", "boxes_overlap", "contiguous_strides"]
+__all__ = ["LayoutKind", "ShardLayout", "ShardSpec", "boxes_overlap", "chunk_span", "chunk_sizes", "contiguous_strides"]
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,32 @@ class ShardLayout:
     def with_name(self, name: str) -> ShardLayout:
         return ShardLayout(self.global_shape, self.shards, self.dtype, name)
 
+    def on_ranks(self, ranks: Sequence[int]) -> ShardLayout:
+        """The blocks held by ``ranks`` (global ranks), renumbered to their positions in ``ranks``.
+
+        A process group's part of a layout in the group's own rank numbers: on a
+        2-D mesh ``(replica, shard)`` the shard axis' group holds one copy of the
+        table, and its blocks become ranks ``0 .. len(ranks) - 1``. Not validated
+        (the caller checks coverage).
+
+        Example::
+
+            >>> lay = ShardLayout.row_wise((4, 2), [2, 2], ranks=[2, 3])
+            >>> [s.rank for s in lay.on_ranks([2, 3]).shards]
+            [0, 1]
+        """
+        where = {r: i for i, r in enumerate(ranks)}
+        shards = tuple(
+            ShardSpec(where[s.rank], s.offsets, s.sizes, s.device) for s in self.shards if s.rank in where
+        )
+        return ShardLayout(self.global_shape, shards, self.dtype, self.name)
+
+    def digest(self) -> int:
+        """A 62-bit digest of the geometry (shape, dtype, every block and its rank), equal on every
+        process for equal layouts: what ranks compare to agree they see one layout."""
+        text = repr((self.global_shape, str(self.dtype), [(s.rank, s.offsets, s.sizes) for s in self.shards]))
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
     # -------------------------------------------------------------- validation
     def validate(self, *, require_full_coverage: bool = True) -> None:
         """Raise ``ValueError`` unless every block is in bounds, no two distinct
@@ -354,9 +381,22 @@ def _prefix(sizes: Sequence[int]) -> list[int]:
     return out
 
 
+def chunk_span(extent: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, length) of piece ``index`` of ``torch.chunk``'s split of ``extent`` into ``parts``
+    (``ceil(extent / parts)`` each, the last ones shorter or empty): DTensor's ``Shard`` and
+    TorchRec's even row-wise split."""
+    block = -(-extent // parts) if parts else 0
+    start = min(index * block, extent)
+    return start, max(0, min(block, extent - start))
+
+
+def chunk_sizes(extent: int, parts: int) -> list[int]:
+    """Every piece's length of :func:`chunk_span`'s split."""
+    return [chunk_span(extent, parts, i)[1] for i in range(parts)]
+
+
 def _even_split(n: int, parts: int) -> list[int]:
     """TorchRec's and torch.chunk's split: ``ceil(n / parts)`` each, the rest shorter."""
     if parts <= 0:
         raise ValueError(f"number of shards must be positive, got {parts}")
-    block = -(-n // parts)
-    return [max(0, min(block, n - i * block)) for i in range(parts)]
+    return chunk_sizes(n, parts)

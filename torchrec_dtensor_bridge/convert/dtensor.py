@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,12 +14,14 @@ from torch.distributed.tensor import DTensor
 from .._compat import ShardedTensor, make_sharded_tensor, sharded_tensor_process_group
 from ..layout import LayoutKind, ShardLayout, ShardSpec, contiguous_strides
 from ..wrapper import LocalShardsWrapper
+from .groups import CommGroup, comm_group, sharding_axis
 from .metadata import layout_from_sharded_tensor, layout_to_sharded_tensor_metadata
 from .placements import layout_from_placements, placement_for_layout
 
 __all__ = [
     "dtensor_from_local_shards",
     "layout_of",
+    "needs_layout_gather",
     "local_shards_of",
     "state_dict_to_dtensor",
     "state_dict_to_sharded_tensor",
@@ -120,11 +123,29 @@ def _is_shards_wrapper(t: Any) -> bool:
     return callable(getattr(t, "local_shards", None)) and callable(getattr(t, "local_offsets", None))
 
 
-def layout_of(t: DTensor | ShardedTensor | LocalShardsWrapper, *, name: str = "table") -> ShardLayout:
-    """The layout of a DTensor, ShardedTensor or layout-carrying wrapper.
+def layout_of(
+    t: DTensor | ShardedTensor | LocalShardsWrapper,
+    *,
+    name: str = "table",
+    process_group: dist.ProcessGroup | None = None,
+) -> ShardLayout:
+    """The layout of a DTensor, ShardedTensor or layout-carrying wrapper; ranks are global ranks.
 
-    Collective only for a DTensor whose local tensor is a shards wrapper without
-    a layout (TorchRec's own wrapper): then every rank's offsets are gathered.
+    Collective-free, except for ONE case, which is documented collective: a
+    DTensor of several ranks whose local tensor is a shards wrapper without a
+    layout (TorchRec's own wrapper, torch's ``LocalShardsWrapper``). Then
+    every rank of its group (:func:`.groups.comm_group`: the mesh's sharding
+    axis, or ``process_group``) must call it, in the same order, and the
+    offsets are gathered on that group; blocks of other replica groups of a
+    2-D mesh are taken to be the same (the replica axis holds identical data).
+    A wrapper on a one-rank mesh (torch's table-wise example) holds the whole
+    layout itself, and a rank outside the mesh (an empty plain local tensor)
+    derives it from the placements: neither communicates.
+
+    Example::
+
+        >>> tdb.layout_of(dt).kind
+        <LayoutKind.ROW_WISE: 'row_wise'>
     """
     if isinstance(t, ShardedTensor):
         return layout_from_sharded_tensor(t, name=name)
@@ -137,23 +158,69 @@ def layout_of(t: DTensor | ShardedTensor | LocalShardsWrapper, *, name: str = "t
     local = t._local_tensor
     if isinstance(local, LocalShardsWrapper) and local.layout_of_table is not None:
         return local.layout_of_table.with_name(name)
-    if _is_shards_wrapper(local):
-        return _gather_layout(t, local, name)
+    if needs_layout_gather(t):
+        return _gather_layout(t, local, name, process_group)
+    if _is_shards_wrapper(local):  # on a one-rank mesh: this rank's blocks are the whole layout
+        return _own_layout(t, local, name)
     return layout_from_placements(t.device_mesh, t.placements, t.shape, dtype=t.dtype, name=name)
 
 
-def _gather_layout(t: DTensor, local: Any, name: str) -> ShardLayout:
-    rank = _rank()
-    mine = [
+def needs_layout_gather(t: DTensor) -> bool:
+    """Whether :func:`layout_of` ``(t)`` is a collective: a layout-less shards wrapper on a mesh of
+    several ranks. Local; ranks of one DTensor that answer differently hold inconsistent DTensors."""
+    local = t._local_tensor
+    if isinstance(local, LocalShardsWrapper) and local.layout_of_table is not None:
+        return False
+    return _is_shards_wrapper(local) and t.device_mesh.size() > 1
+
+
+def _blocks(local: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    return [
         (tuple(int(v) for v in o), tuple(int(v) for v in s.shape))
         for o, s in zip(local.local_offsets(), local.local_shards())
     ]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (rank, mine))
+
+
+def _own_layout(t: DTensor, local: Any, name: str) -> ShardLayout:
+    rank = _rank()
+    lay = ShardLayout(tuple(t.shape), tuple(ShardSpec(rank, o, s) for o, s in _blocks(local)), t.dtype, name)
+    lay.validate()
+    return lay
+
+
+def _gather_layout(t: DTensor, local: Any, name: str, process_group: dist.ProcessGroup | None) -> ShardLayout:
+    """Collective over the DTensor's group: every member's blocks; other replica lines copy them."""
+    group = comm_group(t, process_group)
+    rank = _rank()
+    if rank not in group.members:
+        raise ValueError(
+            f"table {name!r}: rank {rank} is not in the group of ranks {list(group.members)} this DTensor's "
+            "layout is gathered on"
+        )
+    everyone: list[Any] = [None] * group.size
+    dist.all_gather_object(everyone, (rank, _blocks(local)), group=group.group)
     shards = [ShardSpec(r, o, s) for r, blocks in everyone for o, s in blocks]
+    shards += _replica_blocks(t, group, everyone)
     lay = ShardLayout(tuple(t.shape), tuple(shards), t.dtype, name)
     lay.validate()
     return lay
+
+
+def _replica_blocks(t: DTensor, group: CommGroup, everyone: list[Any]) -> list[ShardSpec]:
+    """On a mesh of more axes than the group's, the blocks of the other lines: rank ``q`` holds what
+    the group member at ``q``'s coordinate on the group's axis holds (replica axes hold identical data)."""
+    mesh = t.device_mesh
+    axis = sharding_axis(mesh, t.placements)
+    if mesh.ndim == 1 or axis is None or group.mesh is not mesh:
+        return []
+    held = dict(everyone)
+    ranks = mesh.mesh
+    out = []
+    for coord in itertools.product(*(range(n) for n in ranks.shape)):
+        q = int(ranks[coord].item())
+        if q not in held:
+            out += [ShardSpec(q, o, s) for o, s in held[group.members[coord[axis]]]]
+    return out
 
 
 def _in_layout_order(st: ShardedTensor, specs: tuple[ShardSpec, ...]) -> list[torch.Tensor]:
@@ -182,13 +249,18 @@ def local_shards_of(t: DTensor | ShardedTensor) -> list[torch.Tensor]:
 def to_sharded_tensor(dtensor: DTensor, process_group: dist.ProcessGroup | None = None) -> ShardedTensor:
     """The ShardedTensor view of a DTensor; zero-copy; the inverse of :func:`to_dtensor`.
 
+    Not collective, except for a layout-less shards wrapper (see :func:`layout_of`).
+    The ShardedTensor's process group is ``process_group``, else the group of a
+    1-D mesh of several ranks (its placement ranks are ranks of that group), else
+    the default group.
+
     The metadata lists every shard of every rank (offsets, sizes, placement) as
     TorchRec builds it. Replicated (data-parallel) DTensors have no
     ShardedTensor form and raise ``ValueError``.
     """
     if not isinstance(dtensor, DTensor):
         raise TypeError(f"to_sharded_tensor expects a DTensor, got {type(dtensor).__name__}")
-    return _sharded_from_layout(dtensor, layout_of(dtensor), process_group)
+    return _sharded_from_layout(dtensor, layout_of(dtensor, process_group=process_group), process_group)
 
 
 def _sharded_from_layout(
@@ -200,6 +272,8 @@ def _sharded_from_layout(
             f"a replicated DTensor (placements {dtensor.placements}) has no ShardedTensor form; "
             "use its local tensor"
         )
+    if process_group is None and dtensor.device_mesh.ndim == 1 and dtensor.device_mesh.size() > 1:
+        process_group = comm_group(dtensor).group
     rank = _rank()
     mine = layout.shards_on(rank)
     tensors = local_shards_of(dtensor)

@@ -20,7 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .._compat import one_rank_mesh
-from ..layout import LayoutKind, ShardLayout, ShardSpec
+from .groups import clear_group_cache
+from ..layout import LayoutKind, ShardLayout, ShardSpec, chunk_span
 
 __all__ = ["DTensorPlacement", "clear_caches", "layout_from_placements", "placement_for_layout", "world_mesh"]
 
@@ -51,13 +52,6 @@ def world_mesh(device_type: str, process_group: dist.ProcessGroup | None = None)
     return _mesh_for_group(device_type, process_group or dist.group.WORLD)
 
 
-def _chunk(extent: int, parts: int, index: int) -> tuple[int, int]:
-    """(start, length) of piece ``index`` of ``torch.chunk``-style splitting."""
-    block = -(-extent // parts) if parts else 0
-    start = min(index * block, extent)
-    return start, max(0, min(block, extent - start))
-
-
 _MESH_RANKS: dict[int, tuple[DeviceMesh, torch.Tensor]] = {}
 
 
@@ -81,6 +75,7 @@ def clear_caches() -> None:
     """
     _mesh_for_group.cache_clear()
     one_rank_mesh.cache_clear()
+    clear_group_cache()
     _MESH_RANKS.clear()
 
 
@@ -108,7 +103,7 @@ def layout_from_placements(
             if type(p) is not Shard:
                 raise NotImplementedError(f"table {name!r}: placement {p} on mesh axis {axis} is not supported")
             d = p.dim if p.dim >= 0 else p.dim + len(shape)
-            start, length = _chunk(sizes[d], ranks.shape[axis], coord[axis])
+            start, length = chunk_span(sizes[d], ranks.shape[axis], coord[axis])
             offsets[d] += start
             sizes[d] = length
         shards.append(ShardSpec(int(ranks[coord].item()), tuple(offsets), tuple(sizes)))
