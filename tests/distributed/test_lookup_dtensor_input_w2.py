@@ -9,7 +9,11 @@
 * ``Shard(0)`` input (each rank's own batch): a ``Shard(0)`` output of all
   ranks' bags in rank order, with parity of outputs and gradients (even
   batches), and of outputs for uneven batches (carried by a LocalShardsWrapper).
-* Validation raises on every rank, never hangs.
+* Validation raises on every rank, never hangs - also when the ranks' inputs
+  differ in kind (``Replicate()`` on one rank, a plain tensor on the other) or
+  in the values of a ``Replicate()`` batch (an out-of-range id on one rank).
+* A ``Replicate()`` input costs the agreement step (ONE small ``all_gather``)
+  and no data collective in forward or backward.
 """
 
 from __future__ import annotations
@@ -254,10 +258,20 @@ def bad_input(rank: int, world_size: int, case: str) -> str:
     elif case == "mixed_placements":
         args = (DTensor.from_local(ids, mesh, [Replicate()], run_check=False), weight,
                 DTensor.from_local(offsets, mesh, [Shard(0)], run_check=False))
+    elif case in ("replicated_bad_id_on_rank_0_max", "replicated_values_differ"):
+        if rank == 0:  # a "replicated" batch that is not the same on every rank
+            ids = ids.clone()
+            ids[0] = SHAPE[0] if case == "replicated_bad_id_on_rank_0_max" else (int(ids[0]) + 1) % SHAPE[0]
+        args = (DTensor.from_local(ids, mesh, [Replicate()], run_check=False), weight,
+                DTensor.from_local(offsets, mesh, [Replicate()], run_check=False))
+    elif case == "replicate_on_rank_0_plain_on_rank_1":
+        args = ((DTensor.from_local(ids, mesh, [Replicate()], run_check=False), weight,
+                 DTensor.from_local(offsets, mesh, [Replicate()], run_check=False)) if rank == 0
+                else (ids, weight, offsets))
     else:  # plain input, DTensor offsets
         args = (ids, weight, DTensor.from_local(offsets, mesh, [Replicate()], run_check=False))
     try:
-        sharded_embedding_bag(*args, mode="sum")
+        sharded_embedding_bag(*args, mode="max" if case.endswith("_max") else "sum")
     except (TypeError, ValueError, NotImplementedError) as e:
         return type(e).__name__
     return "no error"
@@ -269,12 +283,46 @@ def bad_input(rank: int, world_size: int, case: str) -> str:
     ("shard_dim_1", "NotImplementedError"),
     ("mixed_placements", "ValueError"),
     ("plain_input_dtensor_offsets", "TypeError"),
+    ("replicated_bad_id_on_rank_0_max", "ValueError"),
+    ("replicated_values_differ", "ValueError"),
+    ("replicate_on_rank_0_plain_on_rank_1", "ValueError"),
 ])
 def test_dtensor_input_validation(pool, case, kind):
     assert pool.run(bad_input, case) == [kind, kind]
 
 
-# ------------------------------------------------------------ Replicate() input: no collective in forward or backward
+def bad_input_message(rank: int, world_size: int, case: str) -> str:
+    """The message each rank raises (the kind is checked by ``test_dtensor_input_validation``)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from torchrec_dtensor_bridge.lookup import sharded_embedding_bag
+
+    mesh = _mesh()
+    weight = _weight(LAYOUTS["row_wise"], _table(), rank)
+    ids, offsets, _ = _batch(1, 3)
+    if case == "kind" and rank == 1:
+        args = (ids, weight, offsets)
+    else:
+        if case == "values" and rank == 0:
+            ids = ids.clone()
+            ids[0] = (int(ids[0]) + 1) % SHAPE[0]
+        args = (DTensor.from_local(ids, mesh, [Replicate()], run_check=False), weight,
+                DTensor.from_local(offsets, mesh, [Replicate()], run_check=False))
+    try:
+        sharded_embedding_bag(*args, mode="sum")
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_dtensor_input_disagreement_messages(pool):
+    for msg in pool.run(bad_input_message, "kind"):
+        assert "ranks disagree on the input's kind: ['a Replicate() DTensor', 'a plain tensor']" in msg, msg
+    for msg in pool.run(bad_input_message, "values"):
+        assert "a Replicate() input must be the same batch on every rank" in msg, msg
+
+
+# ------------------------------------------------------------ Replicate() input: the agreement, no data collective
 def replicated_counts(rank: int, world_size: int, layout_name: str, call: str) -> tuple[dict, dict]:
     from torch.distributed.tensor import DTensor, Replicate
 
@@ -300,6 +348,6 @@ def replicated_counts(rank: int, world_size: int, layout_name: str, call: str) -
 @pytest.mark.parametrize("layout_name", ["replicated", "row_wise", "column_wise", "column_wise_two_per_rank", "grid",
                                          "table_wise"])
 @pytest.mark.parametrize("call", ["bag", "embedding"])
-def test_replicated_input_communicates_nothing(pool, layout_name, call):
+def test_replicated_input_communicates_only_the_agreement(pool, layout_name, call):
     for fwd, bwd in pool.run(replicated_counts, layout_name, call):
-        assert fwd == {} and bwd == {}, (fwd, bwd)
+        assert fwd == {"all_gather": 1} and bwd == {}, (fwd, bwd)

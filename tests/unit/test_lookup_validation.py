@@ -16,14 +16,14 @@ def _bags(input, offsets=None, psw=None, *, mode="sum", last=False, rows=10):
 def _rejected(kind, match, fn):
     with pytest.raises(RejectedArguments) as info:
         fn()
-    assert info.value.kind is kind and match in info.value.message, (info.value.kind, info.value.message)
+    assert info.value.exception is kind and match in info.value.message, (info.value.exception, info.value.message)
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_count_per_bag_matches_bincount(seed):
     """Per-bag counts of selected ids (the routing's and the block filter's) equal a bincount of the
     selected ids' bags, with empty bags, empty batches and all/none selected."""
-    from torchrec_dtensor_bridge.lookup.validate import Bags
+    from torchrec_dtensor_bridge.lookup.bags import Bags
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 4, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g)

@@ -238,7 +238,7 @@ def _grad_dtensor(meta: tuple, plan: LookupPlan, grads: list[torch.Tensor]) -> D
     local, mesh, placements, shape, stride = meta
     if isinstance(local, LocalShardsWrapper):
         g_local: torch.Tensor = LocalShardsWrapper(
-            grads, [s.offsets for s in plan.mine], plan.layout.global_shape, layout=plan.layout,
+            grads, [s.offsets for s in plan.mine], plan.layout.global_shape, layout=plan.table_layout or plan.layout,
             dtype=local.dtype, device=local.device, _trusted=True,
         )
     elif grads:

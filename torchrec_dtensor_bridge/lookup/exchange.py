@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from .route import Route
-from .validate import Bags, RankInfo
+from .bags import Bags
+from .validate import RankInfo
 
 __all__ = [
     "all_to_all_flat", "all_to_all_rows", "gather_bags", "gather_flat", "gather_rows", "reduce_scatter_rows",

@@ -3,8 +3,12 @@
 Order of work on every rank (the same on all ranks, so nothing can hang):
 
 1. validate the arguments locally (SPEC §4), recording - not raising - a failure;
-2. one agreement ``all_gather``: every rank's verdict, batch sizes and options;
-   any failure or disagreement raises on every rank;
+0. resolve the weight once (:mod:`.resolve`: layout, local shards, the call's
+   group - the weight's mesh, its sharding axis on a 2-D mesh, or
+   ``process_group`` - and strategy), collective-free;
+2. one agreement ``all_gather`` on that group: every rank's verdict, batch
+   sizes, options, a digest of the weight's layout and its input's kind; any
+   failure or disagreement raises on every rank;
 3. send every rank's ids to the ranks that compute blocks of the table - a row-cut
    table's ids each only to the rank holding its row (:mod:`.route`; the counts
    travel in step 2) - in one ``all_to_all``; none when the table is fully
@@ -15,8 +19,8 @@ Order of work on every rank (the same on all ranks, so nothing can hang):
 
 DTensor inputs (``input``, and ``offsets``/``per_sample_weights`` when they are
 DTensors too; a plain ``offsets``/``per_sample_weights`` next to a DTensor
-``input`` is taken as that rank's local part) must live on a 1-D mesh over all
-ranks in rank order:
+``input`` is taken as that rank's local part) must live on a 1-D mesh over the
+lookup's group in its rank order:
 
 * ``Shard(0)`` (batch-sharded): each rank's local part is its own batch (local
   ``offsets`` index local ids); the plain-tensor path above runs unchanged and
@@ -25,16 +29,16 @@ ranks in rank order:
   split, the output carries its true rows in a :class:`LocalShardsWrapper`
   (``convert.dtensor_from_local_shards``; read it with ``tdb.full_tensor``) and
   is not differentiable - pass even batches to train through it.
-* ``Replicate()``: every rank holds the same whole batch. Validation runs
-  locally and raises on every rank alike (the input is the same everywhere; the
-  options must be too - they are not compared, as no collective runs), then:
+* ``Replicate()``: every rank holds the same whole batch. The agreement step
+  still runs (ONE small ``all_gather``: a rank whose batch, kind or options
+  differ from the others' makes every rank raise), then:
 
   - replicated weight: a local lookup, a ``Replicate()`` output; no collective
-    in forward or backward;
+    in forward (past the agreement) or backward;
   - column-cut weight whose blocks are the even ``Shard(1)`` split in mesh order
     (one block per rank): each rank looks up its columns for the whole batch;
-    ``Shard(1)`` output (last dim for ``sharded_embedding``); no collective in
-    forward or backward until the output is gathered;
+    ``Shard(1)`` output (last dim for ``sharded_embedding``); no data
+    collective in forward or backward until the output is gathered;
   - any other layout (row-wise, grid, uneven or several column blocks per rank,
     table-wise), ``sum``/``mean``: each rank pools the rows it stores (first
     copy of each block) into a ``Partial()`` (sum) output; ``mean`` divides by
@@ -52,89 +56,104 @@ ranks in rank order:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards_of
-from ..layout import ShardLayout, contiguous_strides
-from .algorithms import LookupPlan, Strategy, pooled_lookup, strategy_for
+from ..convert.dtensor import dtensor_from_local_shards
+from ..convert.groups import CommGroup, comm_group
+from ..layout import ShardLayout, chunk_sizes, contiguous_strides
+from .algorithms import LookupPlan, Strategy, pooled_lookup
+from .bags import Bags
 from .renorm import renormalize
-from .run import TableOptions, agree_and_route, finish, option_codes, run_tables
+from .resolve import ResolvedTable, call_group, resolve_table
+from .run import TableOptions, agree_and_route, finish, run_tables
 from .validate import (
-    Bags,
+    InputKind,
     RejectedArguments,
+    TableCodes,
+    agree,
     bags_for_embedding,
     bags_from_input,
+    batch_digest,
     check_options,
 )
 
 __all__ = ["sharded_embedding", "sharded_embedding_bag"]
 
 
-def _check_weight(fn: str, weight: object) -> DTensor:
-    if not isinstance(weight, DTensor):
-        raise RejectedArguments(TypeError, f"{fn}: weight must be a DTensor, got {type(weight).__name__}")
-    return weight
+def _input_kind(fn: str, input: object) -> tuple[InputKind, CommGroup | None]:
+    """How ``input`` is passed, and the group of a DTensor input's mesh. Local; raises
+    :class:`RejectedArguments`."""
+    if not isinstance(input, DTensor):
+        return InputKind.PLAIN, None
+    mesh = input.device_mesh
+    if mesh.ndim != 1:
+        raise RejectedArguments(
+            NotImplementedError, f"{fn}: a DTensor input must live on a 1-D mesh (the lookup group's), got {mesh}"
+        )
+    p = input.placements[0]
+    if isinstance(p, Replicate):
+        return InputKind.REPLICATE, comm_group(input)
+    if type(p) is Shard and p.dim in (0, -input.dim()):
+        return InputKind.SHARD, comm_group(input)
+    raise RejectedArguments(
+        NotImplementedError, f"{fn}: DTensor input placements {list(input.placements)} are not supported "
+        "(use [Replicate()] or [Shard(0)])"
+    )
 
 
-_REPLICATE, _SHARD = "replicate", "shard0"
-
-
-def _dtensor_inputs(fn: str, input: object, **others: object) -> tuple[str | None, Any, dict[str, Any], Any]:
-    """Classify a DTensor ``input``; return (kind, local input, local others, mesh). Local; raises
-    :class:`RejectedArguments`. ``kind`` is ``None`` for a plain input."""
+def _local_inputs(fn: str, input: object, **others: object) -> tuple[Any, dict[str, Any]]:
+    """The local parts of a DTensor ``input`` and of its companions. Local; raises :class:`RejectedArguments`."""
     if not isinstance(input, DTensor):
         for name, v in others.items():
             if isinstance(v, DTensor):
                 raise RejectedArguments(TypeError, f"{fn}: {name} is a DTensor but input is not; pass both as DTensors")
-        return None, input, others, None
-    mesh = input.device_mesh
-    world = dist.get_world_size()
-    if mesh.ndim != 1 or mesh.mesh.tolist() != list(range(world)):
-        raise RejectedArguments(
-            NotImplementedError,
-            f"{fn}: a DTensor input must live on a 1-D mesh over all {world} ranks in rank order, got {mesh}",
-        )
-    p = input.placements[0]
-    if isinstance(p, Replicate):
-        kind = _REPLICATE
-    elif type(p) is Shard and p.dim in (0, -input.dim()):
-        kind = _SHARD
-    else:
-        raise RejectedArguments(
-            NotImplementedError, f"{fn}: DTensor input placements {list(input.placements)} are not supported "
-            "(use [Replicate()] or [Shard(0)])"
-        )
+        return input, others
     local = {}
     for name, v in others.items():
         if isinstance(v, DTensor):
-            if v.device_mesh != mesh or list(v.placements) != list(input.placements):
+            if v.device_mesh != input.device_mesh or list(v.placements) != list(input.placements):
                 raise RejectedArguments(
                     ValueError, f"{fn}: {name} must be on input's mesh with input's placements "
                     f"{list(input.placements)}, got {list(v.placements)}"
                 )
             v = v.to_local()
         local[name] = v
-    return kind, input.to_local(), local, mesh
+    return input.to_local(), local
 
 
-def _chunk_rows(n: int, world: int) -> list[int]:
-    block = -(-n // world) if world else 0
-    return [max(0, min(block, n - min(r * block, n))) for r in range(world)]
+def _edge(fn: str, weight: object, input: object, process_group: dist.ProcessGroup | None
+          ) -> tuple[CommGroup, InputKind, Any, ResolvedTable | None, RejectedArguments | None]:
+    """The API edge, the same on every rank: the call's group (raises directly when there is none), the
+    input's kind, and the weight resolved once (a failure is recorded for the agreement step)."""
+    error: RejectedArguments | None = None
+    try:
+        kind, input_group = _input_kind(fn, input)
+    except RejectedArguments as e:
+        kind, input_group, error = InputKind.PLAIN, None, e
+    group = call_group(fn, [weight], process_group, input_group)
+    mesh = input.device_mesh if isinstance(input, DTensor) else None
+    table = None
+    if error is None:
+        try:
+            table = resolve_table(fn, weight, group)
+        except RejectedArguments as e:
+            error = e
+    return group, kind, mesh, table, error
 
 
 def _rows_dtensor(out: torch.Tensor, rows: list[int], mesh: Any) -> DTensor:
     """This rank's ``out`` (``rows[rank]`` rows) as a ``Shard(0)`` DTensor of all ranks' rows."""
     shape = torch.Size((sum(rows),) + tuple(out.shape[1:]))
-    if rows == _chunk_rows(sum(rows), len(rows)):
+    if rows == chunk_sizes(sum(rows), len(rows)):
         return DTensor.from_local(out, mesh, [Shard(0)], run_check=False, shape=shape,
                                   stride=contiguous_strides(shape))
     flat = out.reshape(out.shape[0], -1)
-    lay = ShardLayout.row_wise((sum(rows), flat.shape[1]), rows, dtype=out.dtype)
+    members = [int(r) for r in mesh.mesh.tolist()]
+    lay = ShardLayout.row_wise((sum(rows), flat.shape[1]), rows, ranks=members, dtype=out.dtype)
     if len(shape) != 2:
         raise NotImplementedError("uneven Shard(0) batches of a multi-dim sharded_embedding input are not supported")
     return dtensor_from_local_shards(lay, [out.detach()], device_mesh=mesh)
@@ -142,7 +161,7 @@ def _rows_dtensor(out: torch.Tensor, rows: list[int], mesh: Any) -> DTensor:
 
 def _split_bags(bags: Bags, world: int, rank: int) -> Bags:
     """This rank's ``torch.chunk`` share of a replicated batch's bags."""
-    counts = _chunk_rows(bags.num_bags, world)
+    counts = chunk_sizes(bags.num_bags, world)
     b0 = sum(counts[:rank])
     starts = torch.cat([bags.lengths.new_zeros(1), torch.cumsum(bags.lengths, 0)])
     i0, i1 = int(starts[b0]), int(starts[b0 + counts[rank]])
@@ -151,46 +170,48 @@ def _split_bags(bags: Bags, world: int, rank: int) -> Bags:
 
 
 def _even_columns(layout: ShardLayout, world: int) -> bool:
-    """The weight's blocks are exactly ``Shard(1)``'s even split in rank order, one per rank."""
-    d = layout.global_shape[1]
-    block = -(-d // world)
-    want = sorted((r, (0, min(r * block, d)), (layout.global_shape[0], max(0, min(block, d - min(r * block, d)))))
-                  for r in range(world))
+    """The weight's blocks (group ranks) are exactly ``Shard(1)``'s even split in rank order, one per rank."""
+    n, d = layout.global_shape
+    widths = chunk_sizes(d, world)
+    want = sorted((r, (0, sum(widths[:r])), (n, widths[r])) for r in range(world))
     return sorted((s.rank, s.offsets, s.sizes) for s in layout.shards) == want
 
 
 def _replicated_input(
-    weight: DTensor, bags: Bags, mesh: Any, *, mode: str, padding: int | None, skip_padding: bool,
+    table: ResolvedTable, bags: Bags, *, mode: str, padding: int | None, skip_padding: bool,
     max_norm: float | None, norm_type: float,
-) -> tuple[torch.Tensor, list, str] | None:
-    """The zero-communication lookups of a replicated batch: (local output, placements, kind) with kind
-    ``"columns"`` (local output is this rank's columns), ``"full"`` (Replicate/Partial, full width); or
-    ``None`` for the fallback (max on a layout that would need a Partial max)."""
-    layout = layout_of(weight)
-    if layout.dtype is None:
-        layout = dataclasses.replace(layout, dtype=weight.dtype)
-    world = dist.get_world_size()
-    strategy = strategy_for(layout, world)
-    columns = strategy is Strategy.COLUMNS and _even_columns(layout, world)
-    if mode == "max" and strategy is not Strategy.LOCAL and not columns:
+) -> tuple[torch.Tensor, list, bool] | None:
+    """The communication-free lookups of an agreed replicated batch: (local output, placements, whether the
+    output is this rank's columns); or ``None`` for the fallback (max on a layout that would need a Partial
+    max)."""
+    group, layout, world = table.group, table.layout, table.group.size
+    columns = table.strategy is Strategy.COLUMNS and _even_columns(layout, world)
+    if mode == "max" and table.strategy is not Strategy.LOCAL and not columns:
         return None
-    shards = local_shards_of(weight)
+    rank = group.rank
+    assert rank is not None
     if max_norm is not None:
-        renormalize(layout, layout.shards_on(dist.get_rank()), shards, bags.ids, max_norm, norm_type, None)
+        renormalize(layout, layout.shards_on(rank), list(table.shards), bags.ids, max_norm, norm_type, group.group)
+    strategy = Strategy.REDUCE if table.strategy is Strategy.COLUMNS and not columns else table.strategy
     plan = LookupPlan(
-        layout=layout, shards=shards, batch=bags, num_bags=[bags.num_bags] * world, max_mode=mode == "max",
-        padding_idx=padding, skip_padding=skip_padding, track=weight.requires_grad and torch.is_grad_enabled(),
-        local_only=True,
+        layout=layout, shards=list(table.shards), batch=bags, num_bags=[bags.num_bags] * world,
+        max_mode=mode == "max", padding_idx=padding, skip_padding=skip_padding,
+        track=table.weight.requires_grad and torch.is_grad_enabled(), group=group.group, local_only=True,
+        table_layout=table.table_layout, strategy=strategy,
     )
-    if strategy is Strategy.COLUMNS and not columns:
-        plan.strategy = Strategy.REDUCE  # same blocks compute; summed into a partial instead
-    (out,) = pooled_lookup([plan], [weight])
+    (out,) = pooled_lookup([plan], [table.weight])
     out = finish(out, bags, mode, padding)
-    if strategy is Strategy.LOCAL:
-        return out, [Replicate()], "full"
+    if table.strategy is Strategy.LOCAL:
+        return out, [Replicate()], False
     if columns:
-        return out, [Shard(1)], "columns"
-    return out, [Partial()], "full"
+        return out, [Shard(1)], True
+    return out, [Partial()], False
+
+
+def _table_codes(op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
+                 shape: tuple[int, ...], dtype: torch.dtype | None, table: ResolvedTable | None) -> TableCodes:
+    return TableCodes.of(op, mode, padding, max_norm, norm_type, shape, dtype,
+                         -1 if table is None else table.digest)
 
 
 def sharded_embedding_bag(
@@ -206,8 +227,9 @@ def sharded_embedding_bag(
     norm_type: float = 2.0,
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
+    process_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """``F.embedding_bag`` over a DTensor table of any layout; *collective*.
+    """``F.embedding_bag`` over a DTensor table of any layout; *collective* over the weight's group.
 
     ``input`` (with ``offsets``/``per_sample_weights``) is THIS rank's own batch;
     ranks may pass batches of different sizes. The result is this rank's own
@@ -217,15 +239,22 @@ def sharded_embedding_bag(
     the gradient of all ranks' batches. ``max_norm`` renormalises the stored rows
     referenced by any rank, in place.
 
-    A DTensor ``input`` (``Replicate()`` or ``Shard(0)`` on a 1-D mesh over all
-    ranks) gives a DTensor result: ``Shard(0)`` for a batch-sharded input;
+    Every rank of the weight's group calls it: the group of its mesh (on a 2-D
+    mesh ``(replica, shard)`` the shard axis, whose replica axis must hold
+    identical data - each replica group looks up on its own), or
+    ``process_group`` when given (needed for a table on a one-rank mesh inside
+    a sub-mesh; such a table otherwise uses the default group).
+
+    A DTensor ``input`` (``Replicate()`` or ``Shard(0)`` on a 1-D mesh over the
+    same group) gives a DTensor result: ``Shard(0)`` for a batch-sharded input;
     for a replicated input ``Replicate()``/``Shard(1)``/``Partial()`` by the
-    weight's layout, with no collective in forward or backward (see the module
-    docstring).
+    weight's layout, with no data collective in forward or backward (see the
+    module docstring).
 
     Raises:
         TypeError, ValueError, NotImplementedError: on every rank, when any rank's
-            arguments are invalid (SPEC §4) or the ranks disagree on an option.
+            arguments are invalid (SPEC §4), the ranks disagree on an option, on
+            the weight's layout or on the input's kind or (replicated) values.
 
     Example::
 
@@ -233,43 +262,46 @@ def sharded_embedding_bag(
         >>> out.sum().backward()  # dt_weight.grad: a DTensor like dt_weight
     """
     fn = "sharded_embedding_bag"
-    error, bags, padding, kind, mesh = None, None, None, None, None
-    shape: tuple[int, ...] = ()
-    dtype: torch.dtype | None = None
-    try:
-        w = _check_weight(fn, weight)
-        shape, dtype = tuple(w.shape), w.dtype
-        kind, input, local, mesh = _dtensor_inputs(fn, input, offsets=offsets, per_sample_weights=per_sample_weights)
-        offsets, per_sample_weights = local["offsets"], local["per_sample_weights"]
-        padding = check_options(
-            fn, shape, mode=mode, padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
-            scale_grad_by_freq=scale_grad_by_freq, sparse=sparse,
-        )
-        bags = bags_from_input(
-            fn, input, offsets, per_sample_weights, rows=shape[0], mode=mode,
-            include_last_offset=include_last_offset, weight_dtype=w.dtype,
-        )
-    except RejectedArguments as e:
-        if kind == _REPLICATE:
-            raise e.kind(e.message) from None  # the same input on every rank: every rank raises alike
-        error = e
-    if kind == _REPLICATE:
-        assert bags is not None
-        done = _replicated_input(weight, bags, mesh, mode=mode, padding=padding, skip_padding=True,
+    group, kind, mesh, table, error = _edge(fn, weight, input, process_group)
+    bags, padding = None, None
+    shape = tuple(weight.shape) if isinstance(weight, DTensor) else ()
+    dtype = weight.dtype if isinstance(weight, DTensor) else None
+    if error is None:
+        try:
+            input, local = _local_inputs(fn, input, offsets=offsets, per_sample_weights=per_sample_weights)
+            offsets, per_sample_weights = local["offsets"], local["per_sample_weights"]
+            padding = check_options(
+                fn, shape, mode=mode, padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
+                scale_grad_by_freq=scale_grad_by_freq, sparse=sparse,
+            )
+            bags = bags_from_input(
+                fn, input, offsets, per_sample_weights, rows=shape[0], mode=mode,
+                include_last_offset=include_last_offset, weight_dtype=dtype or torch.float32,
+            )
+        except RejectedArguments as e:
+            error = e
+    codes = [_table_codes(0, mode, padding, max_norm, norm_type, shape, dtype, table)]
+    if kind is InputKind.REPLICATE:
+        digest = 0 if bags is None else batch_digest(bags)
+        agree(fn, error, None if bags is None else [bags], codes, group, kind=kind, digest=digest)
+        assert bags is not None and table is not None
+        done = _replicated_input(table, bags, mode=mode, padding=padding, skip_padding=True,
                                  max_norm=max_norm, norm_type=norm_type)
         if done is not None:
             out, placements, _ = done
             gshape = torch.Size((bags.num_bags, shape[1]))
             return DTensor.from_local(out, mesh, placements, run_check=False, shape=gshape,
                                       stride=contiguous_strides(gshape))
-        bags = _split_bags(bags, dist.get_world_size(), dist.get_rank())
+        assert group.rank is not None
+        bags = _split_bags(bags, group.size, group.rank)
     opts = [TableOptions(mode, padding, max_norm, norm_type)]
-    infos, routes = agree_and_route(fn, error, [weight], None if bags is None else [bags], opts,
-                                    [option_codes(0, mode, padding, max_norm, norm_type, shape, dtype)])
+    tables = [] if table is None else [table]
+    infos, routes = agree_and_route(fn, error, tables, None if bags is None else [bags], opts, codes, group,
+                                    kind=InputKind.PLAIN if kind is InputKind.REPLICATE else kind)
     assert bags is not None
-    (out,) = run_tables([weight], [bags], infos, opts, routes, skip_padding=True)
+    (out,) = run_tables(tables, [bags], infos, opts, routes, skip_padding=True)
     out = finish(out, bags, mode, padding)
-    if kind is None:
+    if kind is InputKind.PLAIN:
         return out
     return _rows_dtensor(out, [i.num_bags for i in infos[0]], mesh)
 
@@ -283,56 +315,59 @@ def sharded_embedding(
     *,
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
+    process_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """``F.embedding`` over a DTensor table of any layout; *collective*.
+    """``F.embedding`` over a DTensor table of any layout; *collective* over the weight's group.
 
     ``input`` (ids of any shape) is THIS rank's own batch; the result is
     ``input.shape + (embedding_dim,)`` as a plain tensor, equal to
     ``F.embedding(input, full_weight, ...)``; the ``padding_idx`` row is looked
-    up but receives no gradient, as in torch. A DTensor ``input`` gives a
-    DTensor result, as for :func:`sharded_embedding_bag` (a column-cut output is
-    ``Shard`` on the last dim).
+    up but receives no gradient, as in torch. The group, DTensor inputs and
+    errors are as for :func:`sharded_embedding_bag` (a column-cut output of a
+    replicated input is ``Shard`` on the last dim).
 
     Example::
 
         >>> rows = sharded_embedding(ids, dt_weight)  # (*ids.shape, dim)
     """
     fn = "sharded_embedding"
-    error, bags, padding, kind, mesh = None, None, None, None, None
-    shape: tuple[int, ...] = ()
-    dtype: torch.dtype | None = None
-    try:
-        w = _check_weight(fn, weight)
-        shape, dtype = tuple(w.shape), w.dtype
-        kind, input, _, mesh = _dtensor_inputs(fn, input)
-        padding = check_options(
-            fn, shape, mode="sum", padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
-            scale_grad_by_freq=scale_grad_by_freq, sparse=sparse,
-        )
-        bags = bags_for_embedding(fn, input, shape[0])
-    except RejectedArguments as e:
-        if kind == _REPLICATE:
-            raise e.kind(e.message) from None  # the same input on every rank: every rank raises alike
-        error = e
-    if kind == _REPLICATE:
-        assert bags is not None and isinstance(input, torch.Tensor)
-        done = _replicated_input(weight, bags, mesh, mode="sum", padding=padding, skip_padding=False,
+    group, kind, mesh, table, error = _edge(fn, weight, input, process_group)
+    bags, padding = None, None
+    shape = tuple(weight.shape) if isinstance(weight, DTensor) else ()
+    dtype = weight.dtype if isinstance(weight, DTensor) else None
+    if error is None:
+        try:
+            input, _ = _local_inputs(fn, input)
+            padding = check_options(
+                fn, shape, mode="sum", padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
+                scale_grad_by_freq=scale_grad_by_freq, sparse=sparse,
+            )
+            bags = bags_for_embedding(fn, input, shape[0])
+        except RejectedArguments as e:
+            error = e
+    codes = [_table_codes(1, "sum", padding, max_norm, norm_type, shape, dtype, table)]
+    if kind is InputKind.REPLICATE:
+        digest = 0 if bags is None else batch_digest(bags)
+        agree(fn, error, None if bags is None else [bags], codes, group, kind=kind, digest=digest)
+        assert bags is not None and table is not None and isinstance(input, torch.Tensor)
+        done = _replicated_input(table, bags, mode="sum", padding=padding, skip_padding=False,
                                  max_norm=max_norm, norm_type=norm_type)
         assert done is not None  # only max falls back
-        out, placements, how = done
+        out, placements, columns = done
         gshape = torch.Size(tuple(input.shape) + (shape[1],))
         out = out.view(tuple(input.shape) + (out.shape[1],))
-        if how == "columns":
+        if columns:
             placements = [Shard(input.dim())]
         return DTensor.from_local(out, mesh, placements, run_check=False, shape=gshape,
                                   stride=contiguous_strides(gshape))
     opts = [TableOptions("sum", padding, max_norm, norm_type)]
-    infos, routes = agree_and_route(fn, error, [weight], None if bags is None else [bags], opts,
-                                    [option_codes(1, "sum", padding, max_norm, norm_type, shape, dtype)])
+    tables = [] if table is None else [table]
+    infos, routes = agree_and_route(fn, error, tables, None if bags is None else [bags], opts, codes, group,
+                                    kind=kind)
     assert bags is not None and isinstance(input, torch.Tensor)
-    (out,) = run_tables([weight], [bags], infos, opts, routes, skip_padding=False)
+    (out,) = run_tables(tables, [bags], infos, opts, routes, skip_padding=False)
     out = out.view(tuple(input.shape) + (shape[1],))
-    if kind is None:
+    if kind is InputKind.PLAIN:
         return out
     per_row = max(1, int(torch.Size(input.shape[1:]).numel()))
     return _rows_dtensor(out, [i.num_bags // per_row for i in infos[0]], mesh)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import ShardLayout, ShardSpec
-from .validate import Bags
+from .bags import Bags
 
 __all__ = ["Block", "LookupPlan", "Strategy", "partial_output", "strategy_for"]
 
@@ -60,6 +60,11 @@ class LookupPlan:
             still all-reduce their gradient.
         routed: ``batch`` holds only the ids inside this rank's computing blocks' rows
             (:mod:`.route`): a rank that computes one block pools them unfiltered.
+        table_layout: the weight's whole layout in global ranks (its gradient carries it);
+            ``layout`` is the group's part in group ranks. Default: ``layout``.
+        strategy: given by the caller's resolved table, else worked out from ``layout``.
+
+    Ranks (``rank``, ``layout``'s, ``num_bags``' order) are ranks of ``group``.
     """
 
     layout: ShardLayout
@@ -73,16 +78,18 @@ class LookupPlan:
     group: dist.ProcessGroup | None = None
     local_only: bool = False
     routed: bool = False
+    table_layout: ShardLayout | None = None
+    strategy: Strategy | None = None
     rank: int = field(init=False)
     world: int = field(init=False)
-    strategy: Strategy = field(init=False)
     mine: tuple[ShardSpec, ...] = field(init=False)
     computes: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        self.strategy = strategy_for(self.layout, self.world)
+        if self.strategy is None:
+            self.strategy = strategy_for(self.layout, self.world)
         self.mine = self.layout.shards_on(self.rank)
         if self.strategy is Strategy.LOCAL:
             whole = [s.sizes == self.layout.global_shape for s in self.mine]

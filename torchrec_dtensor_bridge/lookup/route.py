@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import ShardLayout
-from .validate import Bags
+from .bags import Bags
 
 __all__ = ["Route", "route_for"]
 

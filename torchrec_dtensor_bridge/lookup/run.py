@@ -1,9 +1,12 @@
-"""What every lookup shares once its arguments are validated: the options, steps 3-6 of a lookup.
+"""What every lookup shares once its arguments are validated: the options, steps 2-6 of a lookup.
 
+:func:`agree_and_route` is the agreement step (with the routed counts);
 :func:`run_tables` runs the lookups of one or several tables together (see
 :mod:`.functional` for the order of work): the ids of every table that needs
-them travel in ONE ``all_to_all`` (routed, :mod:`.route`), ``max_norm`` renormalises, and
-:func:`.algorithms.pooled_lookup` fuses the tables' output exchanges.
+them travel in ONE ``all_to_all`` (routed, :mod:`.route`), ``max_norm``
+renormalises, and :func:`.algorithms.pooled_lookup` fuses the tables' output
+exchanges. Both work from :class:`.resolve.ResolvedTable` objects resolved at
+the API edge, on the call's group.
 """
 
 from __future__ import annotations
@@ -11,17 +14,17 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from ..convert.dtensor import layout_of, local_shards_of
-from .algorithms import LookupPlan, Strategy, pooled_lookup, strategy_for
+from ..convert.groups import CommGroup
+from .algorithms import LookupPlan, Strategy, pooled_lookup
+from .bags import Bags
 from .exchange import gather_bags
 from .renorm import renormalize
+from .resolve import ResolvedTable
 from .route import Route, route_for
-from .validate import DTYPES, MODES, Bags, RankInfo, RejectedArguments, agree
+from .validate import InputKind, RankInfo, RejectedArguments, TableCodes, agree
 
-__all__ = ["TableOptions", "agree_and_route", "finish", "option_codes", "routes_for", "run_tables"]
+__all__ = ["TableOptions", "agree_and_route", "finish", "routes_for", "run_tables"]
 
 
 def finish(out: torch.Tensor, bags: Bags, mode: str, padding: int | None) -> torch.Tensor:
@@ -35,21 +38,6 @@ def finish(out: torch.Tensor, bags: Bags, mode: str, padding: int | None) -> tor
     return out.masked_fill(sizes == 0, 0.0)
 
 
-def option_codes(op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
-                 shape: tuple[int, ...], dtype: torch.dtype | None) -> dict[str, float]:
-    """The numbers every rank must agree on for one table (see :func:`.validate.agree`)."""
-    return {
-        "dtype": float(DTYPES.index(dtype)) if dtype in DTYPES else float("nan"),
-        "op": float(op),
-        "mode": float(MODES.index(mode)) if mode in MODES else float("nan"),
-        "padding_idx": -1.0 if padding is None else float(padding),
-        "max_norm": 0.0 if max_norm is None else float(max_norm),
-        "norm_type": float(norm_type) if isinstance(norm_type, (int, float)) else float("nan"),
-        "num_embeddings": float(shape[0]) if len(shape) == 2 else float("nan"),
-        "embedding_dim": float(shape[1]) if len(shape) == 2 else float("nan"),
-    }
-
-
 @dataclasses.dataclass(frozen=True)
 class TableOptions:
     """One table's validated options."""
@@ -60,77 +48,78 @@ class TableOptions:
     norm_type: float
 
 
-def routes_for(weights: list[DTensor], bags: list[Bags], options: list[TableOptions]) -> list[Route | None]:
+def routes_for(tables: list[ResolvedTable], bags: list[Bags], options: list[TableOptions]) -> list[Route | None]:
     """Per table, where this rank's ids go (:mod:`.route`); ``None`` for a replicated table that needs none."""
-    world = dist.get_world_size()
     out: list[Route | None] = []
-    for w, b, o in zip(weights, bags, options):
-        layout = layout_of(w)
-        if strategy_for(layout, world) is Strategy.LOCAL and o.max_norm is None:
+    for t, b, o in zip(tables, bags, options):
+        if t.strategy is Strategy.LOCAL and o.max_norm is None:
             out.append(None)
         else:
-            out.append(route_for(layout, b, world, everyone=o.max_norm is not None))
+            out.append(route_for(t.layout, b, t.group.size, everyone=o.max_norm is not None))
     return out
 
 
 def agree_and_route(
-    fn: str, error: RejectedArguments | None, weights: list[DTensor], bags: list[Bags] | None,
-    options: list[TableOptions], codes: list[dict[str, float]],
+    fn: str, error: RejectedArguments | None, tables: list[ResolvedTable], bags: list[Bags] | None,
+    options: list[TableOptions], codes: list[TableCodes], group: CommGroup, *,
+    kind: InputKind = InputKind.PLAIN, digest: int = 0,
 ) -> tuple[list[list[RankInfo]], list[Route | None]]:
     """Routes for validated arguments (a failure becomes this rank's verdict), then the agreement step that
-    also carries the routed counts; *collective*, raises on every rank when any rank failed."""
+    also carries the routed counts; *collective* over ``group``, raises on every rank when any rank failed."""
     routes: list[Route | None] = []
     if error is None and bags is not None:
         try:
-            routes = routes_for(weights, bags, options)
+            routes = routes_for(tables, bags, options)
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement step
-            kind = type(e) if type(e) in (TypeError, ValueError, NotImplementedError) else RuntimeError
-            error, bags = RejectedArguments(kind, f"{fn}: {e}"), None
+            exc = type(e) if type(e) in (TypeError, ValueError, NotImplementedError) else RuntimeError
+            error, bags = RejectedArguments(exc, f"{fn}: {e}"), None
     sends = [None if r is None else r.counts for r in routes] if routes else None
-    infos = agree(fn, error, bags, codes, sends=sends)
+    infos = agree(fn, error, bags, codes, group, sends=sends, kind=kind, digest=digest)
     return infos, routes
 
 
 def run_tables(
-    weights: list[DTensor], bags: list[Bags], infos: list[list[RankInfo]], options: list[TableOptions],
+    tables: list[ResolvedTable], bags: list[Bags], infos: list[list[RankInfo]], options: list[TableOptions],
     routes: list[Route | None], *, skip_padding: bool,
 ) -> list[torch.Tensor]:
     """Steps 3-5 for validated arguments, all tables at once; per table the pooled (sum or raw max) output of
     this rank's bags. Ids of every table that needs them travel in one exchange (``routes``, agreed in
     ``infos``), outputs in fused collectives."""
-    layouts = [layout_of(w) for w in weights]
-    layouts = [lay if lay.dtype is not None else dataclasses.replace(lay, dtype=w.dtype)
-               for lay, w in zip(layouts, weights)]
-    shards = [local_shards_of(w) for w in weights]
-    rank, world = dist.get_rank(), dist.get_world_size()
+    group = tables[0].group
+    rank = group.rank
+    assert rank is not None, "the call group holds this rank"
     need = [t for t, r in enumerate(routes) if r is not None]
-    dtypes = {weights[t].dtype for t in need}
+    dtypes = {tables[t].weight.dtype for t in need}
     float_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
     gathered = dict(zip(need, gather_bags(
-        [bags[t] for t in need], [infos[t] for t in need], None, float_dtype=float_dtype,
-        rows=max((lay.global_shape[0] for lay in layouts), default=0),
+        [bags[t] for t in need], [infos[t] for t in need], group.group, float_dtype=float_dtype,
+        rows=max((t.layout.global_shape[0] for t in tables), default=0),
         routes=[r for r in routes if r is not None],
     )))
     for t, g in gathered.items():
-        if g.weights is not None and g.weights.dtype != weights[t].dtype:
-            gathered[t] = Bags(g.ids, g.lengths, g.weights.to(weights[t].dtype))
+        table = tables[t]
+        if g.weights is not None and g.weights.dtype != table.weight.dtype:
+            gathered[t] = Bags(g.ids, g.lengths, g.weights.to(table.weight.dtype))
         o = options[t]
         if o.max_norm is not None:
-            renormalize(layouts[t], layouts[t].shards_on(rank), shards[t], gathered[t].ids, o.max_norm, o.norm_type,
-                        None)
+            renormalize(table.layout, table.layout.shards_on(rank), table.shards, gathered[t].ids, o.max_norm,
+                        o.norm_type, group.group)
     track = torch.is_grad_enabled()
     plans = [
         LookupPlan(
-            layout=layouts[t],
-            shards=shards[t],
-            batch=bags[t] if strategy_for(layouts[t], world) is Strategy.LOCAL else gathered[t],
+            layout=tables[t].layout,
+            shards=list(tables[t].shards),
+            batch=bags[t] if tables[t].strategy is Strategy.LOCAL else gathered[t],
             num_bags=[i.num_bags for i in infos[t]],
             max_mode=o.mode == "max",
             padding_idx=o.padding,
             skip_padding=skip_padding,
-            track=weights[t].requires_grad and track,
+            track=tables[t].weight.requires_grad and track,
+            group=group.group,
             routed=routes[t] is not None and o.max_norm is None,
+            table_layout=tables[t].table_layout,
+            strategy=tables[t].strategy,
         )
         for t, o in enumerate(options)
     ]
-    return pooled_lookup(plans, weights)
+    return pooled_lookup(plans, [t.weight for t in tables])

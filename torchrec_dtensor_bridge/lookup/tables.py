@@ -31,8 +31,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .run import TableOptions, agree_and_route, finish, option_codes, run_tables
-from .validate import Bags, RejectedArguments, bags_from_input, check_options
+import torch.distributed as dist
+
+from ..convert.groups import CommGroup
+from .bags import Bags
+from .resolve import ResolvedTable, call_group, resolve_table
+from .run import TableOptions, agree_and_route, finish, run_tables
+from .validate import RejectedArguments, TableCodes, bags_from_input, check_options
 
 __all__ = ["sharded_embedding_bags"]
 
@@ -49,15 +54,20 @@ def _per_table(name: str, value: Any, n: int, scalar: tuple[type, ...]) -> list[
     return list(value)
 
 
-def _validate(
-    inputs: Any, weights: Any, offsets: Any, per_sample_weights: Any, *, mode: Any, padding_idx: Any,
-    include_last_offset: bool, max_norm: Any, norm_type: Any,
-) -> tuple[list[DTensor], list[Bags], list[TableOptions], list[dict[str, float]]]:
-    """Every table's canonical batch and options; raises :class:`RejectedArguments` (local)."""
-    if not isinstance(inputs, Sequence) or isinstance(inputs, torch.Tensor):
-        raise RejectedArguments(TypeError, f"{_FN}: inputs must be a list of Tensors, got {type(inputs).__name__}")
+def _weights(weights: Any) -> list[Any]:
+    """The weights as a list (a refusal here is recorded; the group is then taken from nothing)."""
     if not isinstance(weights, Sequence) or isinstance(weights, torch.Tensor):
         raise RejectedArguments(TypeError, f"{_FN}: weights must be a list of DTensors, got {type(weights).__name__}")
+    return list(weights)
+
+
+def _validate(
+    inputs: Any, weights: list[Any], offsets: Any, per_sample_weights: Any, group: CommGroup, *, mode: Any,
+    padding_idx: Any, include_last_offset: bool, max_norm: Any, norm_type: Any,
+) -> tuple[list[ResolvedTable], list[Bags], list[TableOptions], list[TableCodes]]:
+    """Every table resolved, its canonical batch and options; raises :class:`RejectedArguments` (local)."""
+    if not isinstance(inputs, Sequence) or isinstance(inputs, torch.Tensor):
+        raise RejectedArguments(TypeError, f"{_FN}: inputs must be a list of Tensors, got {type(inputs).__name__}")
     n = len(weights)
     if n == 0 or len(inputs) != n:
         raise RejectedArguments(
@@ -70,12 +80,11 @@ def _validate(
     pads = _per_table("padding_idx", padding_idx, n, (int,))
     norms = _per_table("max_norm", max_norm, n, (int, float))
     ptypes = _per_table("norm_type", norm_type, n, (int, float))
+    tables = [resolve_table(f"{_FN} (table {t})", w, group) for t, w in enumerate(weights)]
     bags, options, codes = [], [], []
     for t in range(n):
         fn = f"{_FN} (table {t})"
-        w = weights[t]
-        if not isinstance(w, DTensor):
-            raise RejectedArguments(TypeError, f"{fn}: weight must be a DTensor, got {type(w).__name__}")
+        w = tables[t].weight
         if isinstance(inputs[t], DTensor):
             raise RejectedArguments(
                 NotImplementedError, f"{fn}: DTensor inputs are not supported here; pass each rank's own batch as "
@@ -87,8 +96,8 @@ def _validate(
         bags.append(bags_from_input(fn, inputs[t], offs[t], psws[t], rows=shape[0], mode=modes[t],
                                     include_last_offset=include_last_offset, weight_dtype=w.dtype))
         options.append(TableOptions(modes[t], padding, norms[t], ptypes[t]))
-        codes.append(option_codes(2, modes[t], padding, norms[t], ptypes[t], shape, w.dtype))
-    return list(weights), bags, options, codes
+        codes.append(TableCodes.of(2, modes[t], padding, norms[t], ptypes[t], shape, w.dtype, tables[t].digest))
+    return tables, bags, options, codes
 
 
 def sharded_embedding_bags(
@@ -102,6 +111,7 @@ def sharded_embedding_bags(
     include_last_offset: bool = False,
     max_norm: float | None | Sequence[float | None] = None,
     norm_type: float | Sequence[float] = 2.0,
+    process_group: dist.ProcessGroup | None = None,
 ) -> list[torch.Tensor]:
     """:func:`sharded_embedding_bag` of several tables in one call, with fused collectives; *collective*.
 
@@ -111,8 +121,10 @@ def sharded_embedding_bags(
     ``norm_type`` are one value for all tables or one per table. Returns, per
     table, this rank's ``(num_bags, embedding_dim)`` output, equal to
     ``F.embedding_bag(inputs[t], full_weight_t, ...)``; gradients flow to every
-    weight as with :func:`sharded_embedding_bag`. Every rank passes the same
-    tables in the same order.
+    weight as with :func:`sharded_embedding_bag`. Every rank of the call's
+    group passes the same tables in the same order: the group of the weights'
+    meshes (all on one group; tables on one-rank meshes join it), or
+    ``process_group``.
 
     Raises:
         TypeError, ValueError, NotImplementedError: on every rank, naming the
@@ -125,18 +137,25 @@ def sharded_embedding_bags(
         >>> torch.cat(outs, dim=1)  # like a KeyedTensor's values
     """
     error: RejectedArguments | None = None
-    tables: list[DTensor] = []
+    tables: list[ResolvedTable] = []
     bags: list[Bags] | None = None
     options: list[TableOptions] = []
-    codes: list[dict[str, float]] = []
+    codes: list[TableCodes] = []
+    listed: list[Any] = []
     try:
-        tables, bags, options, codes = _validate(
-            inputs, weights, offsets, per_sample_weights, mode=mode, padding_idx=padding_idx,
-            include_last_offset=include_last_offset, max_norm=max_norm, norm_type=norm_type,
-        )
+        listed = _weights(weights)
     except RejectedArguments as e:
         error = e
-    infos, routes = agree_and_route(_FN, error, tables, bags, options, codes)
+    group = call_group(_FN, listed, process_group, None)
+    if error is None:
+        try:
+            tables, bags, options, codes = _validate(
+                inputs, listed, offsets, per_sample_weights, group, mode=mode, padding_idx=padding_idx,
+                include_last_offset=include_last_offset, max_norm=max_norm, norm_type=norm_type,
+            )
+        except RejectedArguments as e:
+            error = e
+    infos, routes = agree_and_route(_FN, error, tables, bags, options, codes, group)
     assert bags is not None
     outs = run_tables(tables, bags, infos, options, routes, skip_padding=True)
     return [finish(out, b, o.mode, o.padding) for out, b, o in zip(outs, bags, options)]

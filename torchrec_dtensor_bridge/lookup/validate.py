@@ -1,12 +1,13 @@
-"""Argument checks for the sharded lookups, and the cross-rank agreement step.
+"""Argument checks for the sharded lookups, and the lookups' agreement step.
 
 Every check of SPEC §4 runs locally first and never raises directly: a rank
-that finds a problem records it, and :func:`agree` then runs ONE small
-``all_gather`` in which every rank reports its verdict, its batch sizes and
-its options. If any rank failed, or the ranks disagree on an option, every
-rank raises (the failing rank's own message is shared with a second,
-error-path-only ``all_gather_object``). A bad input on one rank therefore
-makes every rank raise instead of leaving the others waiting in a collective.
+that finds a problem records it, and :func:`agree` then runs the package's
+agreement step (:mod:`..agreement`: ONE small ``all_gather`` on the lookup's
+group) in which every rank reports its verdict, its batch sizes, its options,
+a digest of each weight's layout and the kind (and, for a ``Replicate()``
+input, a digest) of its input. If any rank failed, or the ranks disagree on
+any of these, every rank raises. A bad input on one rank therefore makes
+every rank raise instead of leaving the others waiting in a collective.
 
 The same step exchanges the per-rank batch sizes the lookup needs anyway, so
 agreement costs no extra round trip on the happy path.
@@ -14,62 +15,24 @@ agreement costs no extra round trip on the happy path.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import hashlib
 import math
-from collections.abc import Mapping, Sequence
+import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["Bags", "RejectedArguments", "RankInfo", "agree", "bags_from_input", "check_options"]
+from .. import agreement
+from ..agreement import RejectedArguments, float_code
+from ..convert.groups import CommGroup
+from .bags import Bags
+
+__all__ = ["InputKind", "RankInfo", "RejectedArguments", "TableCodes", "agree", "bags_from_input", "check_options"]
 
 MODES = ("sum", "mean", "max")
-
-# Exception kinds travel between ranks as small integers.
-_KINDS: tuple[type[Exception], ...] = (TypeError, ValueError, NotImplementedError, RuntimeError)
-
-
-class RejectedArguments(Exception):
-    """A validation failure recorded on this rank, raised later on every rank."""
-
-    def __init__(self, kind: type[Exception], message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-
-
-@dataclass(frozen=True)
-class Bags:
-    """One rank's batch in canonical form.
-
-    Attributes:
-        ids: 1-D int64 ids of every bag, back to back.
-        lengths: number of ids in each bag (``int64``, one per bag).
-        weights: per-sample weights aligned with ``ids``, or ``None``.
-    """
-
-    ids: torch.Tensor
-    lengths: torch.Tensor
-    weights: torch.Tensor | None
-
-    @property
-    def num_bags(self) -> int:
-        return int(self.lengths.numel())
-
-    def count_per_bag(self, mask: torch.Tensor) -> torch.Tensor:
-        """For every bag, how many of its ids ``mask`` (one bool per id) selects: segment sums of a
-        prefix sum (~7x faster here than ``bincount`` of the selected ids' bags)."""
-        prefix = torch.zeros(mask.numel() + 1, dtype=torch.int64, device=mask.device)
-        torch.cumsum(mask, 0, out=prefix[1:])
-        bounds = torch.zeros(self.num_bags + 1, dtype=torch.int64, device=mask.device)
-        torch.cumsum(self.lengths, 0, out=bounds[1:])
-        return prefix[bounds[1:]] - prefix[bounds[:-1]]
-
-    def bag_of_id(self) -> torch.Tensor:
-        """For every id, the index of its bag."""
-        return torch.repeat_interleave(
-            torch.arange(self.num_bags, device=self.ids.device), self.lengths, output_size=self.ids.numel()
-        )
 
 
 @dataclass(frozen=True)
@@ -85,6 +48,28 @@ class RankInfo:
 
 def _fail(kind: type[Exception], message: str) -> RejectedArguments:
     return RejectedArguments(kind, message)
+
+
+class InputKind(enum.Enum):
+    """How a rank passed its batch; ranks must agree (a ``Replicate()`` input is one batch for all)."""
+
+    PLAIN = 0
+    REPLICATE = 1
+    SHARD = 2
+
+    def describe(self) -> str:
+        return {InputKind.PLAIN: "a plain tensor", InputKind.REPLICATE: "a Replicate() DTensor",
+                InputKind.SHARD: "a Shard(0) DTensor"}[self]
+
+
+def batch_digest(bags: Bags) -> int:
+    """62 bits of a batch's ids, bag lengths and weights: ranks holding one ``Replicate()`` batch compare it."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in (bags.ids, bags.lengths, bags.weights):
+        if t is not None:
+            h.update(str(t.dtype).encode())
+            h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 2
 
 
 def check_options(
@@ -220,109 +205,154 @@ def bags_for_embedding(fn: str, input: object, rows: int) -> Bags:
     return Bags(ids, torch.ones_like(ids), None)
 
 
-# Option fields compared across ranks, in the order they travel.
-_AGREED = ("mode", "padding_idx", "max_norm", "norm_type", "num_embeddings", "embedding_dim", "dtype", "op")
-
 # Weight dtypes travel as their index in this (process-independent) order.
 DTYPES: tuple[torch.dtype, ...] = tuple(sorted(
     {v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str
 ))
-_FIELDS = 3 + len(_AGREED)  # num_bags, num_ids, has_weights, then the options
+
+
+@dataclass(frozen=True)
+class TableCodes:
+    """What every rank must agree on for one table, as exact integers.
+
+    Attributes:
+        op: which public lookup (0 ``embedding_bag``, 1 ``embedding``, 2 ``embedding_bags``).
+        mode: index in :data:`MODES` (-1: invalid).
+        padding_idx: non-negative padding row, -1 for none.
+        max_norm: IEEE bits of ``max_norm`` (0 for none).
+        norm_type: IEEE bits of ``norm_type``.
+        num_embeddings, embedding_dim: the weight's shape (-1: not 2-D).
+        dtype: index of the weight's dtype in :data:`DTYPES`.
+        layout: ``ShardLayout.digest()`` of the weight's layout in the group (-1: unknown).
+    """
+
+    op: int
+    mode: int
+    padding_idx: int
+    max_norm: int
+    norm_type: int
+    num_embeddings: int
+    embedding_dim: int
+    dtype: int
+    layout: int
+
+    @classmethod
+    def of(cls, op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
+           shape: tuple[int, ...], dtype: torch.dtype | None, layout: int = -1) -> TableCodes:
+        two_d = len(shape) == 2
+        return cls(
+            op, MODES.index(mode) if mode in MODES else -1, -1 if padding is None else int(padding),
+            0 if max_norm is None else float_code(max_norm),
+            float_code(norm_type) if isinstance(norm_type, (int, float)) else -1,
+            int(shape[0]) if two_d else -1, int(shape[1]) if two_d else -1,
+            DTYPES.index(dtype) if dtype in DTYPES else -1, layout,
+        )
+
+    def values(self) -> list[int]:
+        return [getattr(self, f.name) for f in _CODE_FIELDS]
+
+
+_CODE_FIELDS = dataclasses.fields(TableCodes)
+_SIZES = 3  # num_bags, num_ids, has_weights
+_HEADER = 3  # number of tables, input kind, input digest
 FIRST_MESSAGE_TABLES = 16
 """Tables whose sizes and options travel in the agreement's first (fixed-size) message."""
 
 
-def _table_fields(bags: Bags | None, options: Mapping[str, float], sends: Sequence[int] | None,
-                  world: int) -> list[float]:
-    sizes = [0.0, 0.0, 0.0] if bags is None else [
-        float(bags.num_bags), float(bags.ids.numel()), float(bags.weights is not None)
-    ]
-    routed = [math.nan] * world if sends is None else [float(c) for c in sends]
-    return sizes + [float(options[k]) for k in _AGREED] + routed
+def _table_fields(bags: Bags | None, codes: TableCodes, sends: Sequence[int] | None, world: int) -> list[int]:
+    sizes = [0, 0, 0] if bags is None else [bags.num_bags, int(bags.ids.numel()), int(bags.weights is not None)]
+    routed = [-1] * world if sends is None else [int(c) for c in sends]
+    return sizes + codes.values() + routed
 
 
-def _all_rows(mine: list[float], group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Every rank's ``mine`` (the same length on every rank) as a ``(world, len)`` float64 table."""
-    t = torch.tensor(mine, dtype=torch.float64)
-    rows = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, t, group=group)
-    return torch.stack(rows)
+def _float(code: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", code))[0])
 
 
-def _check_same(fn: str, fields: torch.Tensor, table: int | None) -> list[RankInfo]:
-    """Compare one table's options across ranks (``fields``: ``(world, _FIELDS + world)``); its per-rank
-    sizes."""
+def _shown(name: str, column: list[int]) -> list[object]:
+    if name == "mode":
+        return [MODES[c] if 0 <= c < len(MODES) else "?" for c in column]
+    if name in ("max_norm", "norm_type"):
+        return [None if name == "max_norm" and c == 0 else _float(c) for c in column]
+    if name == "padding_idx":
+        return [None if c < 0 else c for c in column]
+    return list(column)
+
+
+def _check_same(fn: str, rows: list[list[int]], table: int | None) -> list[RankInfo]:
+    """Compare one table's codes across ranks (``rows``: per rank, its fields); its per-rank sizes."""
     where = "" if table is None else f" for table {table}"
-    for i, key in enumerate(_AGREED):
-        col = fields[:, 3 + i]
-        if not bool((col == col[0]).all()) and not bool(col.isnan().all()):
-            if key == "dtype":
-                names = [str(DTYPES[int(c)]) if c == c else "?" for c in col.tolist()]
-                raise ValueError(
-                    f"{fn}: the weight's dtype differs between ranks{where}: {names} (rank order); a rank "
-                    "holding no shard of a table must still build its DTensor with the table's dtype "
-                    "(give the ShardLayout a dtype)"
-                )
+    for i, f in enumerate(_CODE_FIELDS):
+        column = [r[_SIZES + i] for r in rows]
+        if f.name == "dtype" and any(c != column[0] for c in column):
+            names = [str(DTYPES[c]) if c >= 0 else "?" for c in column]
             raise ValueError(
-                f"{fn}: ranks disagree on {key}{where}: {col.tolist()} (rank order); every rank must pass the same"
+                f"{fn}: the weight's dtype differs between ranks{where}: {names} (rank order); a rank "
+                "holding no shard of a table must still build its DTensor with the table's dtype "
+                "(give the ShardLayout a dtype)"
             )
-    return [
-        RankInfo(int(r[0]), int(r[1]), bool(r[2]),
-                 None if math.isnan(r[_FIELDS]) else tuple(int(c) for c in r[_FIELDS:]))
-        for r in fields.tolist()
-    ]
+        if f.name == "layout" and any(c != column[0] for c in column):
+            raise ValueError(
+                f"{fn}: the weight's layout differs between ranks{where} (layout digests {column}, rank "
+                "order); every rank must hold the same DTensor: the same blocks on the same ranks"
+            )
+        agreement.check_same(fn, f.name + where, column, shown=_shown(f.name, column))
+    nf = _SIZES + len(_CODE_FIELDS)
+    return [RankInfo(r[0], r[1], bool(r[2]), None if r[nf] < 0 else tuple(r[nf:])) for r in rows]
 
 
 def agree(
     fn: str,
     error: RejectedArguments | None,
     bags: Sequence[Bags] | None,
-    options: Sequence[Mapping[str, float]],
-    group: dist.ProcessGroup | None = None,
+    codes: Sequence[TableCodes],
+    group: CommGroup,
     sends: Sequence[Sequence[int] | None] | None = None,
+    *,
+    kind: InputKind = InputKind.PLAIN,
+    digest: int = 0,
 ) -> list[list[RankInfo]]:
-    """The agreement step for a lookup of one or several tables; *collective*.
+    """The agreement step for a lookup of one or several tables; *collective* over ``group``.
 
-    Returns ``infos[table][rank]``: every rank's batch sizes for each table.
-    ONE ``all_gather`` carries the verdict, the number of tables and the sizes
-    and options of the first :data:`FIRST_MESSAGE_TABLES` tables, padded to
-    that many - the same size whatever the call, so ranks that disagree even
-    on the number of tables still meet in it and raise. Only a lookup of more
-    tables needs a second ``all_gather`` for the others.
+    Returns ``infos[table][rank]``: every rank's batch sizes for each table
+    (ranks are group ranks). ONE ``all_gather`` (:func:`..agreement.agree`)
+    carries the verdict, the number of tables, the input's kind and digest and
+    the sizes and codes of the first :data:`FIRST_MESSAGE_TABLES` tables,
+    padded to that many - the same size whatever the call, so ranks that
+    disagree even on the number of tables or on the input's kind still meet in
+    it and raise. Only a lookup of more tables needs a second ``all_gather``.
 
     Args:
         fn: public function name, for messages.
         error: this rank's validation failure, if any.
         bags: this rank's canonical batch per table (``None`` when ``error`` is set).
-        options: per table, the numeric codes every rank must agree on (keys of ``_AGREED``).
-        group: process group (default: the world).
+        codes: per table, what every rank must agree on.
+        group: the lookup's group.
         sends: per table, how many ids this rank will send to each rank (:mod:`.route`), or ``None``.
+        kind: how this rank passed its batch.
+        digest: for a ``Replicate()`` input, :func:`batch_digest` of it (0 otherwise).
 
     Raises:
         The failing rank's exception kind on every rank, or ``ValueError`` when ranks disagree.
     """
-    code = 0 if error is None else 1 + _KINDS.index(error.kind if error.kind in _KINDS else RuntimeError)
-    n, world = len(options), dist.get_world_size(group)
+    n, world = len(codes), group.size
     per_table = [None] * n if bags is None else list(bags)
     routes = [None] * n if sends is None or bags is None else list(sends)
-    nf = _FIELDS + world
-    fields = [x for b, o, r in zip(per_table, options, routes) for x in _table_fields(b, o, r, world)]
-    head = fields[: FIRST_MESSAGE_TABLES * nf]
-    head += [math.nan] * (FIRST_MESSAGE_TABLES * nf - len(head))  # always the same size
-    table = _all_rows([float(code), float(n)] + head, group)
-    codes = table[:, 0].to(torch.int64).tolist()
-    if any(codes):
-        messages: list[object] = [None] * world
-        dist.all_gather_object(messages, None if error is None else error.message, group=group)
-        if error is not None:
-            raise error.kind(error.message)
-        bad = next(r for r, c in enumerate(codes) if c)
-        raise _KINDS[codes[bad] - 1](f"{fn}: rank {bad} rejected its arguments: {messages[bad]}")
-    counts = table[:, 1].to(torch.int64).tolist()
+    nf = _SIZES + len(_CODE_FIELDS) + world
+    fields = [x for b, c, r in zip(per_table, codes, routes) for x in _table_fields(b, c, r, world)]
+    header = [n, kind.value, digest if kind is InputKind.REPLICATE else 0]
+    width = _HEADER + FIRST_MESSAGE_TABLES * nf
+    rows = agreement.agree(fn, None if error is None else error.problem, header + fields, group, width=width)
+    counts = [r[0] for r in rows]
     if len(set(counts)) > 1:
         raise ValueError(f"{fn}: ranks passed different numbers of tables: {counts} (rank order)")
-    rows = table[:, 2:]
+    agreement.check_same(fn, "the input's kind", [r[1] for r in rows],
+                         shown=[InputKind(r[1]).describe() for r in rows],
+                         hint="every rank must pass its input alike")
+    agreement.check_same(fn, "the Replicate() input's values (digests)", [r[2] for r in rows],
+                         hint="a Replicate() input must be the same batch on every rank")
+    tables = [r[_HEADER:] for r in rows]
     if n > FIRST_MESSAGE_TABLES:
-        rows = torch.cat([rows, _all_rows(fields[FIRST_MESSAGE_TABLES * nf :], group)], dim=1)
-    return [_check_same(fn, rows[:, t * nf : (t + 1) * nf], t if n > 1 else None) for t in range(n)]
-
+        more = agreement.exchange(fields[FIRST_MESSAGE_TABLES * nf :], group)
+        tables = [t + m for t, m in zip(tables, more)]
+    return [_check_same(fn, [t[i * nf : (i + 1) * nf] for t in tables], i if n > 1 else None) for i in range(n)]

@@ -8,12 +8,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..agreement import RejectedArguments
 from ..convert.dtensor import dtensor_from_local_shards
+from ..convert.groups import CommGroup
 from ..layout import LayoutKind, ShardLayout
-from ..lookup.validate import RejectedArguments
-from .checks import PlanEntry, agree, resolve_plan
+from .checks import PlanEntry, agree, mesh_group, resolve_plan
 from .ebc import ebc_forward, ebc_owners
-from .modules import GATHER_OUTPUT_ATTR, forward_for, install_forward
+from .modules import GATHER_OUTPUT_ATTR, GROUP_ATTR, forward_for, install_forward
 from .scatter import scatter_blocks
 
 __all__ = ["shard_module"]
@@ -24,9 +25,9 @@ def _mesh_for(layout: ShardLayout, device_mesh: DeviceMesh) -> DeviceMesh | None
     return None if layout.kind is LayoutKind.TABLE_WISE and len(layout.shards) == 1 else device_mesh
 
 
-def _sharded_parameter(entry: PlanEntry, device_mesh: DeviceMesh, src_rank: int) -> nn.Parameter:
+def _sharded_parameter(entry: PlanEntry, device_mesh: DeviceMesh, src_rank: int, group: CommGroup) -> nn.Parameter:
     with torch.no_grad():
-        shards = scatter_blocks(entry.param.detach(), entry.layout, src_rank)
+        shards = scatter_blocks(entry.param.detach(), entry.layout, src_rank, group.members)
     dt = dtensor_from_local_shards(
         entry.layout, shards, device_mesh=_mesh_for(entry.layout, device_mesh), device=entry.param.device
     )
@@ -44,13 +45,14 @@ def shard_module(
     """Shard ``module``'s embedding tables as ``plan`` says, with ``src_rank``'s values; *collective*.
 
     Mirrors PyTorch's older ``torch.distributed._shard.shard_module``. Every
-    rank calls it with the same ``plan`` and ``src_rank``. Steps, the same on
-    every rank:
+    rank of ``device_mesh`` calls it with the same ``plan`` and ``src_rank``;
+    its collectives, and those of the sharded module's forwards, run on the
+    mesh's group (other ranks take no part). Steps, the same on every rank:
 
-    1. check the call locally (below) and agree on the verdict, the plan (a
-       digest per entry), ``src_rank`` and the parameters' dtypes in one
-       ``all_gather_object``; on any failure or disagreement every rank raises
-       and the module is left unchanged;
+    1. check the call locally (below) and agree on the verdict, the plan,
+       ``src_rank`` and the parameters' dtypes (digests) in one agreement
+       ``all_gather``; on any failure or disagreement every rank raises and
+       the module is left unchanged;
     2. for each entry in plan order, ``src_rank`` sends every rank exactly the
        blocks the layout gives it (point to point, never the whole table);
        other ranks' values of the table are ignored;
@@ -77,11 +79,12 @@ def shard_module(
         module: the unsharded module; modified in place.
         plan: parameter name (as in ``module.named_parameters()``, e.g.
             ``"weight"``, ``"emb.weight"``, ``"embedding_bags.t0.weight"``) ->
-            layout of that table over global ranks.
-        device_mesh: a 1-D mesh over every rank (the lookups run on the
-            default group). A table held by one rank lives on that rank's
-            one-rank mesh, as everywhere in this package.
-        src_rank: the rank whose values are scattered.
+            layout of that table over global ranks (ranks of ``device_mesh``).
+        device_mesh: a 1-D mesh holding this rank: the whole world or a
+            sub-mesh. A table held by one rank lives on that rank's one-rank
+            mesh, as everywhere in this package; the module's lookups still run
+            on ``device_mesh``'s group.
+        src_rank: the (global) rank whose values are scattered; a rank of the mesh.
         gather_output: the output hook. ``False`` (default): each rank gets
             only the local part - its own batch's output, a plain tensor.
             ``True``: the output is resharded to a full copy - every rank gets
@@ -111,6 +114,7 @@ def shard_module(
         >>> out = emb(ids, offsets)      # this rank's bags; emb.weight is a DTensor
         >>> out.sum().backward()         # emb.weight.grad: a DTensor like emb.weight
     """
+    group = mesh_group(device_mesh)
     error, entries = None, None
     try:
         if not isinstance(gather_output, bool):
@@ -118,9 +122,9 @@ def shard_module(
         entries = resolve_plan(module, plan, device_mesh, src_rank)
     except RejectedArguments as e:
         error = e
-    agree(plan, src_rank, entries, error)
-    assert entries is not None
-    params = [_sharded_parameter(e, device_mesh, src_rank) for e in entries]
+    agree(plan, src_rank, entries, error, group)
+    assert entries is not None and isinstance(src_rank, int)
+    params = [_sharded_parameter(e, device_mesh, src_rank, group) for e in entries]
     # Nothing above touched the module; from here on nothing can fail.
     owners = ebc_owners(module)
     for entry, param in zip(entries, params):
@@ -129,5 +133,8 @@ def shard_module(
         ebc = owners.get(id(entry.owner))
         if ebc is not None:
             install_forward(ebc, ebc_forward)
+        for holder in (entry.owner, ebc):
+            if holder is not None:
+                setattr(holder, GROUP_ATTR, group.group)
         setattr(ebc if ebc is not None else entry.owner, GATHER_OUTPUT_ATTR, gather_output)
     return module

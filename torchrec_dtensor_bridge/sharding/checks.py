@@ -5,9 +5,14 @@ Order of work (every rank, the same steps, so no rank can be left waiting):
 1. :func:`resolve_plan` checks this rank's arguments locally - the mesh, the
    source rank, each plan entry against the module - and stops at the first
    failure with a :class:`RejectedArguments`, which the caller holds for step 2;
-2. :func:`agree` runs ONE ``all_gather_object`` carrying every rank's verdict,
-   a digest of its plan (one per entry), its ``src_rank`` and the dtype of
-   each named parameter; any failure or disagreement raises on every rank.
+2. :func:`agree` runs the package's agreement step (:mod:`..agreement`: ONE
+   ``all_gather`` on the mesh's group) carrying every rank's verdict, a digest
+   of its plan, its ``src_rank`` and a digest of the named parameters' dtypes;
+   any failure or disagreement raises on every rank (a plan or dtype mismatch
+   then gathers the per-entry details to name them, on that error path only).
+
+Ranks are global ranks (as a ``DeviceMesh`` lists them): the mesh may be any
+1-D mesh holding this rank, ``src_rank`` and every block's rank are ranks of it.
 """
 
 from __future__ import annotations
@@ -22,13 +27,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .. import agreement
+from ..agreement import RejectedArguments
+from ..convert.groups import CommGroup, of_group
 from ..layout import ShardLayout
-from ..lookup.validate import RejectedArguments
 
-__all__ = ["PlanEntry", "agree", "resolve_plan"]
-
-# Exception kinds travel between ranks by name.
-_KINDS: dict[str, type[Exception]] = {k.__name__: k for k in (TypeError, ValueError, NotImplementedError)}
+__all__ = ["PlanEntry", "agree", "mesh_group", "resolve_plan"]
 
 
 @dataclass(frozen=True)
@@ -56,19 +60,34 @@ def _mesh_ranks(mesh: DeviceMesh) -> list[int]:
     return [int(r) for r in mesh.mesh.flatten().tolist()]
 
 
-def _check_mesh(device_mesh: object, src_rank: object) -> None:
-    world = dist.get_world_size()
+def mesh_group(device_mesh: object) -> CommGroup:
+    """The group ``shard_module`` agrees on and its modules' lookups run on: the 1-D mesh's group.
+
+    Raises ``TypeError``/``ValueError`` directly (there is no group to agree on)
+    for a mesh that is not 1-D or does not hold this rank: structure every
+    rank sees alike.
+    """
     if not isinstance(device_mesh, DeviceMesh):
-        raise _fail(TypeError, f"device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
+        raise TypeError(f"shard_module: device_mesh must be a DeviceMesh, got {type(device_mesh).__name__}")
     ranks = _mesh_ranks(device_mesh)
-    if device_mesh.ndim != 1 or sorted(ranks) != list(range(world)):
-        raise _fail(
-            ValueError,
-            f"device_mesh must be a 1-D mesh over every rank of the world ({world} ranks): the sharded "
-            f"lookups run on the default group; got a {device_mesh.ndim}-D mesh over ranks {ranks}",
+    if device_mesh.ndim != 1:
+        raise ValueError(
+            f"shard_module: device_mesh must be a 1-D mesh (the sharded lookups run on its group); got a "
+            f"{device_mesh.ndim}-D mesh over ranks {ranks}"
         )
-    if isinstance(src_rank, bool) or not isinstance(src_rank, int) or not 0 <= src_rank < world:
-        raise _fail(ValueError, f"src_rank must be a rank in [0, {world}), got {src_rank!r}")
+    me = dist.get_rank()
+    if me not in ranks:
+        raise ValueError(f"shard_module: rank {me} is not in device_mesh's ranks {ranks}; only they call it")
+    group = device_mesh.get_group() if len(ranks) > 1 else None
+    g = of_group(group, device_mesh.device_type)
+    return CommGroup(g.group, tuple(ranks), g.device, device_mesh)
+
+
+def _check_mesh(device_mesh: DeviceMesh, src_rank: object) -> None:
+    ranks = _mesh_ranks(device_mesh)
+    if isinstance(src_rank, bool) or not isinstance(src_rank, int) or src_rank not in ranks:
+        where = f"in [0, {len(ranks)})" if ranks == list(range(len(ranks))) else f"of device_mesh {ranks}"
+        raise _fail(ValueError, f"src_rank must be a rank {where}, got {src_rank!r}")
 
 
 def _lookup_param(module: nn.Module, name: str) -> tuple[nn.Module, nn.Parameter]:
@@ -120,7 +139,7 @@ def _check_param(name: str, owner: nn.Module, param: torch.Tensor, mesh: DeviceM
         )
 
 
-def _check_layout(name: str, layout: object, param: torch.Tensor, world: int) -> ShardLayout:
+def _check_layout(name: str, layout: object, param: torch.Tensor, ranks: list[int]) -> ShardLayout:
     if not isinstance(layout, ShardLayout):
         raise _fail(TypeError, f"plan entry {name!r}: expected a ShardLayout, got {type(layout).__name__}")
     layout = layout.with_name(name)
@@ -136,11 +155,12 @@ def _check_layout(name: str, layout: object, param: torch.Tensor, world: int) ->
             f"plan entry {name!r}: the layout's dtype {layout.dtype} differs from the parameter's {param.dtype}",
         )
     for i, s in enumerate(layout.shards):
-        if s.rank is None or not 0 <= s.rank < world:
+        if s.rank is None or s.rank not in ranks:
+            where = f"[0, {len(ranks)})" if ranks == list(range(len(ranks))) else str(ranks)
             raise _fail(
                 ValueError,
                 f"plan entry {name!r}: shard {i} (offsets {list(s.offsets)}, sizes {list(s.sizes)}) is on "
-                f"rank {s.rank}, outside the mesh's ranks [0, {world})",
+                f"rank {s.rank}, outside the mesh's ranks {where}",
             )
     try:
         layout.validate()
@@ -184,70 +204,72 @@ def resolve_plan(
         raise _fail(TypeError, f"module must be an nn.Module, got {type(module).__name__}")
     if not isinstance(plan, Mapping):
         raise _fail(TypeError, f"plan must be a mapping of parameter names to ShardLayouts, got {type(plan).__name__}")
+    assert isinstance(device_mesh, DeviceMesh), "mesh_group checked it"
     _check_mesh(device_mesh, src_rank)
-    assert isinstance(device_mesh, DeviceMesh)
-    world = dist.get_world_size()
+    ranks = _mesh_ranks(device_mesh)
     entries = []
     for name, layout in plan.items():
         if not isinstance(name, str):
             raise _fail(TypeError, f"plan keys must be parameter names (str), got {name!r}")
         owner, param = _lookup_param(module, name)
         _check_param(name, owner, param, device_mesh)
-        entries.append(PlanEntry(name, owner, param, _check_layout(name, layout, param, world)))
+        entries.append(PlanEntry(name, owner, param, _check_layout(name, layout, param, ranks)))
     _check_aliases(module, entries)
     return entries
 
 
-def _entry_digest(name: object, layout: object) -> str:
+def _entry_digest(name: object, layout: object) -> int:
     if isinstance(layout, ShardLayout):
         blocks = [(s.rank, s.offsets, s.sizes) for s in layout.shards]
         text = repr((name, layout.global_shape, str(layout.dtype), blocks))
     else:
         text = repr((name, type(layout).__name__))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return _digest(text)
 
 
-def _plan_digests(plan: object) -> dict[str, str] | None:
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def _plan_digests(plan: object) -> dict[str, int] | None:
     if not isinstance(plan, Mapping):
         return None
     return {str(k): _entry_digest(k, v) for k, v in plan.items()}
 
 
-def agree(plan: object, src_rank: object, entries: list[PlanEntry] | None, error: RejectedArguments | None) -> None:
-    """Step 2: every rank's verdict and plan digest in one ``all_gather_object``; *collective*.
+def agree(
+    plan: object, src_rank: object, entries: list[PlanEntry] | None, error: RejectedArguments | None,
+    group: CommGroup,
+) -> None:
+    """Step 2: every rank's verdict and digests in one agreement ``all_gather``; *collective* over ``group``.
 
     Raises:
         TypeError, ValueError, NotImplementedError: on every rank, when any
             rank's checks failed (its own kind and message) or the ranks passed
             different plans, ``src_rank`` values or parameter dtypes.
     """
-    mine = {
-        "error": None if error is None else (error.kind.__name__, error.message),
-        "plan": _plan_digests(plan),
-        "src_rank": src_rank if isinstance(src_rank, int) else repr(src_rank),
-        "dtypes": None if entries is None else {e.name: str(e.param.dtype) for e in entries},
-    }
-    everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, mine)
-    if error is not None:
-        raise error.kind(error.message)
-    for r, theirs in enumerate(everyone):
-        if theirs["error"] is not None:
-            kind, message = theirs["error"]
-            raise _KINDS.get(kind, RuntimeError)(f"shard_module: rank {r} refused the call: {message}")
-    srcs = [theirs["src_rank"] for theirs in everyone]
-    if len(set(map(repr, srcs))) > 1:
-        raise ValueError(f"shard_module: ranks passed different src_rank values {srcs} (rank order)")
-    plans = [theirs["plan"] for theirs in everyone]
-    if any(p != plans[0] for p in plans):
+    digests = _plan_digests(plan)
+    dtypes = None if entries is None else {e.name: str(e.param.dtype) for e in entries}
+    src = src_rank if isinstance(src_rank, int) and not isinstance(src_rank, bool) else -1
+    mine = [src, _digest(repr(sorted((digests or {}).items()))), _digest(repr(sorted((dtypes or {}).items())))]
+    rows = agreement.agree("shard_module", None if error is None else error.problem, mine, group,
+                           refused="refused the call")
+    if any(r[0] != rows[0][0] for r in rows):
+        raise ValueError(f"shard_module: ranks passed different src_rank values {[r[0] for r in rows]} (rank order)")
+    if any(r[1] != rows[0][1] for r in rows):
+        plans: list[dict[str, int]] = [p or {} for p in agreement.gather_objects(digests, group)]
         keys = sorted({k for p in plans for k in p})
         differ = [k for k in keys if len({p.get(k) for p in plans}) > 1]
         raise ValueError(
             f"shard_module: ranks passed different plans; entries that differ: {differ} "
             f"(a missing entry or a different layout); every rank must pass the same plan"
         )
-    dtypes = [theirs["dtypes"] for theirs in everyone]
-    for name in dtypes[0]:
-        seen = [d[name] for d in dtypes]
-        if len(set(seen)) > 1:
-            raise ValueError(f"shard_module: parameter {name!r} has different dtypes on the ranks: {seen} (rank order)")
+    if any(r[2] != rows[0][2] for r in rows):
+        seen_all: list[dict[str, str]] = [d or {} for d in agreement.gather_objects(dtypes, group)]
+        for name in seen_all[0]:
+            seen = [d.get(name) for d in seen_all]
+            if len(set(seen)) > 1:
+                raise ValueError(
+                    f"shard_module: parameter {name!r} has different dtypes on the ranks: {seen} (rank order)"
+                )
+        raise ValueError("shard_module: the ranks' parameters differ in dtype")

@@ -27,10 +27,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..agreement import RejectedArguments
 from ..lookup import sharded_embedding_bags
-from ..lookup.validate import RejectedArguments, agree
+from ..lookup.resolve import call_group
+from ..lookup.validate import agree
 from ..torchrec_plan import embedding_bag_collection_type, jagged_types
-from .modules import GATHER_OUTPUT_ATTR, gather_output
+from .modules import GATHER_OUTPUT_ATTR, gather_output, group_of
+
 
 __all__ = ["ebc_forward", "ebc_owners"]
 
@@ -69,10 +72,12 @@ def _check_features(ebc: Any, features: object, kjt_type: type) -> dict[str, Any
 
 def _refuse_everywhere(ebc: Any, error: RejectedArguments) -> NoReturn:
     """Take part, as a failing rank, in the agreement step of the lookup the other ranks are entering."""
-    if any(isinstance(bag.weight, DTensor) for bag in ebc.embedding_bags.values()):
+    weights = [bag.weight for bag in ebc.embedding_bags.values() if isinstance(bag.weight, DTensor)]
+    if weights:
         # raises ``error`` here once the other ranks have heard of it
-        agree("sharded_embedding_bags", error, None, [])
-    raise error.kind(error.message)
+        group = call_group("sharded_embedding_bags", weights, group_of(ebc), None)
+        agree("sharded_embedding_bags", error, None, [], group)
+    raise error.problem.error()
 
 
 def _table_input(bag: nn.EmbeddingBag, jagged: list[Any], weighted: bool) -> dict[str, Any]:
@@ -120,6 +125,7 @@ def ebc_forward(self: Any, features: Any) -> Any:
             padding_idx=[bag.padding_idx for bag in bags],
             max_norm=[bag.max_norm for bag in bags],
             norm_type=[bag.norm_type for bag in bags],
+            process_group=group_of(self),
         )
         outs.update(zip(sharded, results))
     pooled: list[torch.Tensor] = []
@@ -128,5 +134,5 @@ def ebc_forward(self: Any, features: Any) -> Any:
         pooled.extend(out.reshape(len(names), out.shape[0] // max(len(names), 1), out.shape[1]).unbind(0))
     values = torch.cat(pooled, dim=1)
     if getattr(self, GATHER_OUTPUT_ATTR, False):
-        values = gather_output(values)
+        values = gather_output(values, group_of(self))
     return KeyedTensor(keys=self._embedding_names, values=values, length_per_key=self._lengths_per_embedding)

@@ -27,10 +27,17 @@ from torch import nn
 from ..lookup import sharded_embedding, sharded_embedding_bag
 from ..lookup.exchange import gather_rows, reduce_scatter_rows
 
-__all__ = ["GATHER_OUTPUT_ATTR", "forward_for", "gather_output", "install_forward", "is_sharded_class"]
+__all__ = [
+    "GATHER_OUTPUT_ATTR", "GROUP_ATTR", "forward_for", "gather_output", "group_of", "install_forward",
+    "is_sharded_class",
+]
 
 GATHER_OUTPUT_ATTR = "_tdb_gather_output"
 """Instance attribute telling a sharded module to gather its output (see :func:`gather_output`)."""
+
+GROUP_ATTR = "_tdb_process_group"
+"""Instance attribute holding the process group of the mesh a module was sharded on: its lookups and
+output gathers run there (``None``: the default group)."""
 
 _SHARDED_CLASSES: dict[type, type] = {}
 
@@ -39,32 +46,38 @@ class _GatherRows(torch.autograd.Function):
     """All ranks' rows in rank order; backward sums every rank's gradient of this rank's rows."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, local: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         n = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
-        counts_t = [torch.empty_like(n) for _ in range(dist.get_world_size())]
-        dist.all_gather(counts_t, n)
+        counts_t = [torch.empty_like(n) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(counts_t, n, group=group)
         counts = [int(c.item()) for c in counts_t]
-        ctx.counts = counts
-        return gather_rows(local.contiguous(), counts, None)
+        ctx.counts, ctx.group = counts, group
+        return gather_rows(local.contiguous(), counts, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return reduce_scatter_rows(grad.contiguous(), ctx.counts, None, dist.ReduceOp.SUM)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return reduce_scatter_rows(grad.contiguous(), ctx.counts, ctx.group, dist.ReduceOp.SUM), None
 
 
-def gather_output(local: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``local`` (first dim = that rank's batch) concatenated in rank order; *collective*.
+def gather_output(local: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's ``local`` (first dim = that rank's batch) concatenated in rank order; *collective*
+    over ``group`` (the module's mesh group; ``None``: the default group).
 
     The output "resharded" from per-rank batches to a full copy on every rank.
     Differentiable: the gradient of a rank's rows is the sum of the gradients
     every rank computed for them (one ``reduce_scatter``), matching the
     convention that the loss is the sum of the ranks' losses.
     """
-    return _GatherRows.apply(local)
+    return _GatherRows.apply(local, group)
+
+
+def group_of(module: nn.Module) -> dist.ProcessGroup | None:
+    """The process group a sharded module's collectives run on."""
+    return getattr(module, GROUP_ATTR, None)
 
 
 def _finish(module: nn.Module, out: torch.Tensor) -> torch.Tensor:
-    return gather_output(out) if getattr(module, GATHER_OUTPUT_ATTR, False) else out
+    return gather_output(out, group_of(module)) if getattr(module, GATHER_OUTPUT_ATTR, False) else out
 
 
 def _embedding_bag_forward(
@@ -84,6 +97,7 @@ def _embedding_bag_forward(
         include_last_offset=self.include_last_offset,
         max_norm=self.max_norm,
         norm_type=self.norm_type,
+        process_group=group_of(self),
     )
     return _finish(self, out)
 
@@ -91,7 +105,8 @@ def _embedding_bag_forward(
 def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     """``nn.Embedding.forward`` on the sharded weight; *collective* (each rank passes its own ids)."""
     weight = self.weight  # a DTensor parameter
-    out = sharded_embedding(input, weight, self.padding_idx, self.max_norm, self.norm_type)  # type: ignore[arg-type]
+    out = sharded_embedding(input, weight, self.padding_idx, self.max_norm, self.norm_type,  # type: ignore[arg-type]
+                            process_group=group_of(self))
     return _finish(self, out)
 
 

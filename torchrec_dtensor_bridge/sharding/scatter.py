@@ -11,6 +11,8 @@ pad every message to the largest rank's share.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -27,7 +29,9 @@ def _pack(table: torch.Tensor, layout: ShardLayout, rank: int) -> torch.Tensor:
     return torch.cat([b.reshape(-1) for b in blocks]) if blocks else table.new_empty(0)
 
 
-def scatter_blocks(table: torch.Tensor, layout: ShardLayout, src_rank: int) -> list[torch.Tensor]:
+def scatter_blocks(
+    table: torch.Tensor, layout: ShardLayout, src_rank: int, ranks: Sequence[int] | None = None
+) -> list[torch.Tensor]:
     """This rank's blocks of ``layout``, with ``src_rank``'s values of ``table``; *collective*.
 
     Only ``src_rank`` reads ``table``'s values; every rank uses its dtype and
@@ -37,7 +41,8 @@ def scatter_blocks(table: torch.Tensor, layout: ShardLayout, src_rank: int) -> l
     Args:
         table: the whole table (its values matter on ``src_rank`` only).
         layout: a validated layout whose ranks are global ranks.
-        src_rank: the rank whose values are scattered.
+        src_rank: the (global) rank whose values are scattered.
+        ranks: the global ranks taking part (a mesh's; default every rank).
     """
     rank = dist.get_rank()
     mine = layout.shards_on(rank)
@@ -45,7 +50,7 @@ def scatter_blocks(table: torch.Tensor, layout: ShardLayout, src_rank: int) -> l
     if rank == src_rank:
         own = [table[s.slices()].clone(memory_format=torch.contiguous_format) for s in mine]
         ops = []
-        for q in range(dist.get_world_size()):
+        for q in range(dist.get_world_size()) if ranks is None else ranks:
             if q != src_rank and any(s.numel for s in layout.shards_on(q)):
                 ops.append(dist.P2POp(dist.isend, _pack(table.detach(), layout, q), q))
         _wait(ops)
