@@ -14,9 +14,9 @@ from torch.distributed.tensor import DTensor
 from .._compat import ShardedTensor, make_sharded_tensor, sharded_tensor_process_group
 from ..layout import LayoutKind, ShardLayout, ShardSpec, contiguous_strides
 from ..wrapper import LocalShardsWrapper
-from .groups import CommGroup, comm_group, sharding_axis
+from .groups import CommGroup, comm_group, of_group, sharding_axis
 from .metadata import layout_from_sharded_tensor, layout_to_sharded_tensor_metadata
-from .placements import layout_from_placements, placement_for_layout
+from .placements import layout_from_placements, placement_for_layout, world_mesh
 
 __all__ = [
     "dtensor_from_local_shards",
@@ -99,7 +99,8 @@ def to_dtensor(
     """The DTensor view of a ShardedTensor; not collective, zero-copy.
 
     The result's local shards are the ShardedTensor's local tensors (same
-    ``data_ptr``). Works for every TorchRec sharding type; layouts DTensor's
+    ``data_ptr``). A ShardedTensor of a sub-group gives a DTensor on that
+    group's mesh (also a table held by one rank), so its collectives stay there. Works for every TorchRec sharding type; layouts DTensor's
     placements cannot express are carried by a :class:`LocalShardsWrapper`.
 
     Example::
@@ -111,12 +112,12 @@ def to_dtensor(
         raise TypeError(f"to_dtensor expects a ShardedTensor, got {type(sharded_tensor).__name__}")
     layout = layout_from_sharded_tensor(sharded_tensor, name=name or "table")
     tensors = _in_layout_order(sharded_tensor, layout.shards_on(_rank()))
-    return dtensor_from_local_shards(
-        layout,
-        tensors,
-        device_mesh=device_mesh,
-        process_group=sharded_tensor_process_group(sharded_tensor),
-    )
+    group = sharded_tensor_process_group(sharded_tensor)
+    if device_mesh is None and group is not None and of_group(group).members != of_group(None).members:
+        # a ShardedTensor of a sub-group stays on that group's mesh (a one-rank mesh would send the
+        # table's collectives to the default group)
+        device_mesh = world_mesh(_device_of_layout(layout).type if not tensors else tensors[0].device.type, group)
+    return dtensor_from_local_shards(layout, tensors, device_mesh=device_mesh, process_group=group)
 
 
 def _is_shards_wrapper(t: Any) -> bool:

@@ -28,30 +28,24 @@ __all__ = [
 ]
 
 
-def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
-    if group is None or group is dist.GroupMember.WORLD or not dist.is_initialized():
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
-
-
-def _group_rank(group: dist.ProcessGroup | None, global_rank: int) -> int:
-    if group is None or group is dist.GroupMember.WORLD or not dist.is_initialized():
-        return global_rank
-    return dist.get_group_rank(group, global_rank)
-
-
 def layout_from_sharded_tensor_metadata(
     md: ShardedTensorMetadata,
     *,
     process_group: dist.ProcessGroup | None = None,
     name: str = "table",
 ) -> ShardLayout:
-    """Layout of a ShardedTensor from its global metadata; ranks become global ranks."""
+    """Layout of a ShardedTensor from its global metadata.
+
+    A ShardedTensor's placement ranks are global ranks whatever its process
+    group (torch checks them against ``get_process_group_ranks``), as are a
+    layout's: they are taken as they are. ``process_group`` is accepted for
+    symmetry and not needed.
+    """
+    del process_group
     shards = []
     for sm in md.shards_metadata:
         placement = sm.placement
-        group_rank = None if placement is None else placement.rank()
-        rank = None if group_rank is None else _global_rank(process_group, group_rank)
+        rank = None if placement is None else placement.rank()
         device = None if placement is None else str(placement.device())
         shards.append(ShardSpec(rank, tuple(sm.shard_offsets), tuple(sm.shard_sizes), device))
     dtype = md.tensor_properties.dtype if md.tensor_properties is not None else None
@@ -76,7 +70,8 @@ def layout_to_sharded_tensor_metadata(
     device: torch.device | None = None,
     requires_grad: bool = False,
 ) -> ShardedTensorMetadata:
-    """ShardedTensor metadata for ``layout``; placement ranks are group ranks of ``process_group``.
+    """ShardedTensor metadata for ``layout``; placement ranks are the layout's global ranks (torch's
+    convention for a ShardedTensor of any process group; ``process_group`` is not needed).
 
     A shard's device is the one recorded in the layout, else ``device`` (``cuda``
     gets the index ``rank % device_count``, as TorchRec places shards).
@@ -88,6 +83,7 @@ def layout_to_sharded_tensor_metadata(
         )
     if layout.dtype is None:
         raise ValueError(f"table {layout.name!r}: layout has no dtype")
+    del process_group
     dev = torch.device(device or "cpu")
     shards_md = []
     for s in layout.shards:
@@ -103,7 +99,7 @@ def layout_to_sharded_tensor_metadata(
             ShardMetadata(
                 shard_offsets=list(s.offsets),
                 shard_sizes=list(s.sizes),
-                placement=shard_placement(f"rank:{_group_rank(process_group, s.rank)}/{d}"),
+                placement=shard_placement(f"rank:{s.rank}/{d}"),
             )
         )
     props = ShardedTensorProperties(dtype=layout.dtype, requires_grad=requires_grad)
