@@ -80,6 +80,12 @@ def visualize_sharding(
 ) -> str:
     """The rank-to-rows/columns picture of ``t``; correct for uneven and multi-shard layouts.
 
+    Ranks are global ranks. Collective-free, except for a DTensor over a shards
+    wrapper without a layout (TorchRec's) on several ranks: then, as
+    :func:`~torchrec_dtensor_bridge.layout_of`, every rank of the DTensor's group
+    (its mesh's sharding axis) calls it. A DTensor on a 2-D mesh shows every
+    replica's blocks.
+
     Example::
 
         >>> tdb.visualize_sharding(dt, name="t0", print=True)

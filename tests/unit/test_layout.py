@@ -498,3 +498,35 @@ def test_random_invalid_layouts(table, data):
     assert expect in msg and also in msg, (expect, also, msg)
     # the unperturbed layout is fine
     ShardLayout.from_shards(shape, shards, name=name)
+
+
+def test_chunk_span_is_torch_chunk():
+    from torchrec_dtensor_bridge.layout import chunk_sizes, chunk_span
+
+    for extent in range(0, 13):
+        for parts in range(1, 6):
+            pieces = [len(p) for p in torch.arange(extent).chunk(parts)] if extent else []
+            pieces += [0] * (parts - len(pieces))  # torch.chunk drops trailing empty pieces
+            assert chunk_sizes(extent, parts) == pieces, (extent, parts)
+            starts = [chunk_span(extent, parts, i)[0] for i in range(parts)]
+            assert all(s + z <= extent for s, z in zip(starts, pieces))
+
+
+def test_on_ranks_renumbers_the_groups_blocks():
+    lay = ShardLayout.from_shards((10, 4), [(0, (0, 0), (5, 4)), (1, (5, 0), (5, 4)),
+                                            (2, (0, 0), (5, 4)), (3, (5, 0), (5, 4))], name="t")
+    part = lay.on_ranks([2, 3])
+    assert [(s.rank, s.offsets) for s in part.shards] == [(0, (0, 0)), (1, (5, 0))]
+    part.validate()
+    assert lay.on_ranks([3, 2]).shards[0].rank == 1  # group-rank order, not sorted
+    assert lay.on_ranks([0]).shards == (ShardSpec(0, (0, 0), (5, 4)),)
+
+
+def test_digest_tells_layouts_apart():
+    a = ShardLayout.row_wise((97, 4), [60, 37], dtype=torch.float32)
+    b = ShardLayout.row_wise((97, 4), [70, 27], dtype=torch.float32)
+    assert a.digest() == ShardLayout.row_wise((97, 4), [60, 37], dtype=torch.float32, name="other").digest()
+    assert a.digest() != b.digest()
+    assert a.digest() != ShardLayout.row_wise((97, 4), [60, 37], dtype=torch.float64).digest()
+    assert a.digest() != ShardLayout.row_wise((97, 4), [60, 37], ranks=[1, 0], dtype=torch.float32).digest()
+    assert 0 <= a.digest() < 2**62

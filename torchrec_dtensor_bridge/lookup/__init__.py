@@ -1,8 +1,10 @@
 """Embedding lookups on DTensor-sharded tables: fbgemm TBE locally, torch.distributed between ranks.
 
 Modules: ``functional`` (the public functions), ``tables`` (several tables in one call),
+``resolve`` (each weight resolved once at the API edge: layout, local shards, the
+call's group - the weight's mesh - and strategy), ``bags`` (a batch in canonical form),
 ``run`` (what every lookup shares after validation), ``validate`` (argument checks
-and the cross-rank agreement step), ``plan`` (per-layout strategies and what a
+and the lookups' agreement step, on :mod:`..agreement`), ``plan`` (per-layout strategies and what a
 lookup needs), ``algorithms`` (the autograd Function), ``fused`` (one collective
 for all tables that combine alike), ``route`` (which ids go to which rank),
 ``exchange`` (collectives for uneven batches),
