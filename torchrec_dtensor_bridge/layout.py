@@ -302,7 +302,11 @@ class ShardLayout:
 
     def digest(self) -> int:
         """A 62-bit digest of the geometry (shape, dtype, every block and its rank), equal on every
-        process for equal layouts: what ranks compare to agree they see one layout."""
+        process for equal layouts: what ranks compare to agree they see one layout (computed once)."""
+        return self._digest
+
+    @cached_property
+    def _digest(self) -> int:
         text = repr((self.global_shape, str(self.dtype), [(s.rank, s.offsets, s.sizes) for s in self.shards]))
         return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
