@@ -102,16 +102,19 @@ def from_rank0(obj: Any, group: dist.ProcessGroup | None) -> Any:
     return box[0]
 
 
-def problems_text(everyone: list[list[Problem]]) -> tuple[Kind | None, str]:
-    """The kind every rank raises (``None`` if no problem) and one message listing each problem with its ranks."""
+def problems_text(everyone: list[list[Problem]], common: list[Problem] | None = None) -> tuple[Kind | None, str]:
+    """The kind every rank raises (``None`` if no problem) and one message listing each problem with its ranks;
+    ``common``: problems every rank found from the gathered values (listed without ranks)."""
     flat = [(r, p) for r, probs in enumerate(everyone) for p in probs]
-    if not flat:
+    shared = list(common or [])
+    if not flat and not shared:
         return None, ""
     seen: dict[str, list[int]] = {}
     for r, p in flat:
         seen.setdefault(p.message, []).append(r)
-    text = "\n  ".join(f"{msg} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for msg, rs in seen.items())
-    kinds = {p.kind for _, p in flat}
+    lines = [f"{msg} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for msg, rs in seen.items()]
+    text = "\n  ".join(lines + [p.message for p in shared])
+    kinds = {p.kind for _, p in flat} | {p.kind for p in shared}
     kind = kinds.pop() if len(kinds) == 1 else Kind.IO
     return kind, text
 

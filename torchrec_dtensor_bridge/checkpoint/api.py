@@ -147,11 +147,15 @@ def default_process_group(state_dict: Mapping[str, Any]) -> dist.ProcessGroup | 
 
 
 # -------------------------------------------------------------------- save
+def _global_shape(v: torch.Tensor) -> tuple[int, ...]:
+    return tuple(v.global_shape) if isinstance(v, LocalShardsWrapper) else tuple(v.shape)
+
+
 def _signature(state_dict: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...], str]]:
     out = {}
     for fqn, v in _leaves(state_dict):
         if isinstance(v, torch.Tensor):
-            out[fqn] = (type(v).__name__, tuple(v.shape), str(v.dtype))
+            out[fqn] = (type(v).__name__, _global_shape(v), str(v.dtype))
     return out
 
 
@@ -221,7 +225,7 @@ def save(
     everyone = _gather((save_id, problems, _signature(state_dict)), group)
     save_id = everyone[0][0]
     gen = generation_dir(path, save_id)
-    kind, text = problems_text([p for _, p, _ in everyone] + [_disagreements([s for _, _, s in everyone])])
+    kind, text = problems_text([p for _, p, _ in everyone], common=_disagreements([s for _, _, s in everyone]))
     try:
         if kind is not None:
             if rank == 0 and gen_lock is not None:
@@ -340,9 +344,9 @@ def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool) -> tuple[list
             if not isinstance(m, TensorStorageMetadata):
                 problems.append(Problem(Kind.VALUE, f"key {fqn!r} was saved as an object, the destination is a tensor"))
                 continue
-            if tuple(m.size) != tuple(value.shape):
+            if tuple(m.size) != _global_shape(value):
                 problems.append(Problem(
-                    Kind.VALUE, f"key {fqn!r}: saved shape {list(m.size)}, destination shape {list(value.shape)}"))
+                    Kind.VALUE, f"key {fqn!r}: saved shape {list(m.size)}, destination shape {list(_global_shape(value))}"))
             if m.properties.dtype != value.dtype:
                 problems.append(Problem(
                     Kind.VALUE, f"key {fqn!r}: saved dtype {m.properties.dtype}, destination dtype {value.dtype}"))
@@ -474,7 +478,7 @@ def _open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify
         idents = [i for _, _, i in everyone]
         mixed = [] if len(set(idents)) == 1 else [
             Problem(Kind.CORRUPT, f"ranks read different saves of {path}: {idents} (rank order)")]
-        kind, text = problems_text([p for _, p, _ in everyone] + [mixed])
+        kind, text = problems_text([p for _, p, _ in everyone], common=mixed)
         if kind is not None:
             assert lock is not None
             lock.release()
@@ -484,12 +488,38 @@ def _open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify
     raise CheckpointError(f"{what}: {path} changed under the load {_RESOLVE_ATTEMPTS} times in a row")
 
 
+class _GlobalView:
+    """A bare ``LocalShardsWrapper`` as DCP's load planning should see it: the whole table's size, its chunks."""
+
+    def __init__(self, wrapper: LocalShardsWrapper) -> None:
+        self._w = wrapper
+
+    def size(self) -> torch.Size:
+        return self._w.global_shape
+
+    def __create_chunk_list__(self) -> Any:
+        return self._w.__create_chunk_list__()
+
+
 class _SafeObjectPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` whose non-tensor items are unpickled with ``weights_only=True`` unless trusted."""
+    """``DefaultLoadPlanner`` whose non-tensor items are unpickled with ``weights_only=True`` unless trusted,
+    and which plans a bare ``LocalShardsWrapper`` by its global shape (DCP's planner compares local sizes)."""
 
     def __init__(self, trusted: bool) -> None:
         super().__init__()
         self._trusted = trusted
+        self._bare: dict[str, LocalShardsWrapper] = {}
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        for fqn, v in list(self.state_dict.items()):
+            if isinstance(v, LocalShardsWrapper):
+                self._bare[fqn] = v
+                self.state_dict[fqn] = _GlobalView(v)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        bare = self._bare.get(index.fqn)
+        return bare.__get_tensor_shard__(index) if bare is not None else super().lookup_tensor(index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         if not self._trusted:  # re-serialised from allow-listed types only, then handed to DCP
