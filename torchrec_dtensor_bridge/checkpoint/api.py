@@ -58,7 +58,6 @@ from torch.distributed.tensor import DTensor
 
 from .._compat import ShardedTensor
 from ..convert import layout_of
-from ..layout import boxes_overlap
 from ..wrapper import LocalShardsWrapper
 from .agree import Kind, Problem, problem_from, problems_text, raise_for
 from .agree import dist_info as _dist
@@ -79,7 +78,8 @@ from .commit import (
     sweep,
 )
 from .manifest import Checksums, item_key, read_manifest, write_manifest
-from .reader import VerifiedReader
+from .plan import needed_chunks
+from .reader import ReadStats, VerifiedReader
 from .validate import item_record, parse_metadata, read_metadata
 from .writer import ChecksummingWriter
 
@@ -368,9 +368,7 @@ def _needed_items(leaves: list[tuple[str, Any]], md: Metadata, rank: int) -> lis
             out.append(MetadataIndex(fqn))
             continue
         boxes = _local_boxes(value, rank) if isinstance(value, torch.Tensor) else []
-        for chunk in m.chunks:
-            if any(boxes_overlap(chunk.offsets, chunk.sizes, o, s) for o, s in boxes) or not chunk.sizes:
-                out.append(MetadataIndex(fqn, chunk.offsets))
+        out += [MetadataIndex(fqn, c.offsets) for c in needed_chunks(m.chunks, boxes)]
     return out
 
 
@@ -539,7 +537,7 @@ def load(
     staging_bytes: int | None = DEFAULT_STAGING_BYTES,
     trusted_pickles: bool = False,
     process_group: dist.ProcessGroup | None = None,
-) -> None:
+) -> ReadStats:
     """Load the checkpoint at ``path`` in place into ``state_dict``; *collective*.
 
     Destinations may be DTensors, ShardedTensors, bare ``LocalShardsWrapper``\\ s
@@ -571,6 +569,9 @@ def load(
             ``weights_only=True`` (tensors, containers, numbers, strings).
         process_group: the group to load over; ``None``: see :func:`default_process_group`.
 
+    Returns:
+        What this rank read: ``bytes_read`` from data files (every pass) and ``files_opened``.
+
     Example::
 
         >>> tdb.checkpoint.load(tdb.state_dict_to_dtensor(model.state_dict()), "/ckpt/step100")
@@ -592,3 +593,4 @@ def load(
                  process_group=group)
     finally:
         opened.lock.release()
+    return reader.stats

@@ -188,8 +188,10 @@ class Checksums:
         sums = self._files.get(rel)
         if sums is None or end > sums.size:
             raise KeyError(f"bytes {start}-{end} of {rel} have no checksum in the manifest")
+        from .plan import block_span
+
         b = sums.block
-        return [Block(k * b, min((k + 1) * b, sums.size), sums.digest(k)) for k in range(start // b, -(-end // b))]
+        return [Block(k * b, min((k + 1) * b, sums.size), sums.digest(k)) for k in block_span(start, end, b)]
 
 
 def checksum_items(root: Path, md: Metadata, indexes: list[MetadataIndex]) -> dict[str, ItemSum]:

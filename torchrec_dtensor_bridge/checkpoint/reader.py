@@ -37,7 +37,6 @@ import io
 import mmap
 import os
 from collections.abc import Iterator
-from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +51,10 @@ from torch.futures import Future
 from .agree import Kind, Problem, raise_if_any
 from .commit import CheckpointError
 from .manifest import BLOCK, Checksums
+from .plan import ItemPlace, request_span, staged_bytes, zip_spans
 from .savedtensor import Unreadable, parse_layout
 
-__all__ = ["VerifiedReader"]
+__all__ = ["ReadStats", "VerifiedReader"]
 
 _SCRATCH = 8 << 20  # bytes of rows per piece when streaming (verify-first loads)
 
@@ -77,11 +77,20 @@ def _buffer(n: int) -> memoryview:
     return memoryview(mmap.mmap(-1, n, flags=_POPULATE)) if n else memoryview(bytearray())
 
 
+class ReadStats:
+    """What a reader read: bytes read from data files (every pass) and data files opened."""
+
+    def __init__(self) -> None:
+        self.bytes_read = 0
+        self.files_opened = 0
+
+
 class _VerifiedFile:
     """Byte ranges of one data file, each read once and checked block by block against the manifest."""
 
-    def __init__(self, root: Path, rel: str, checksums: Checksums | None) -> None:
+    def __init__(self, root: Path, rel: str, checksums: Checksums | None, stats: ReadStats | None = None) -> None:
         self.rel = rel
+        self._stats = stats if stats is not None else ReadStats()
         self._checksums = checksums
         self._cache: dict[int, memoryview] = {}  # verified block start -> its bytes
         try:
@@ -91,6 +100,7 @@ class _VerifiedFile:
         except OSError as e:
             raise _Bad(f"data file {rel} cannot be opened: {e}") from None
         self.size = os.fstat(self._fd).st_size
+        self._stats.files_opened += 1
 
     def close(self) -> None:
         os.close(self._fd)
@@ -102,6 +112,7 @@ class _VerifiedFile:
         done = 0
         while done < len(buf):
             n = os.preadv(self._fd, [buf[done:]], offset + done)
+            self._stats.bytes_read += n
             if n == 0:
                 raise _Bad(f"data file {self.rel} is truncated: {self.size} bytes, {who} needs bytes up to "
                            f"{offset + len(buf)}")
@@ -231,6 +242,7 @@ class VerifiedReader(dcp.FileSystemReader):
         self._what = what
         self._md: Metadata | None = None
         self.staged: bool | None = None  # how the last read_data ran (for tests and benchmarks)
+        self.stats = ReadStats()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._given_md is None:
@@ -266,8 +278,7 @@ class VerifiedReader(dcp.FileSystemReader):
                 total += info.length
                 continue
             dtype, size = self._chunk(idx)
-            row = prod(size[1:]) * dtype.itemsize
-            total += sum(r.lengths[0] * row if size else dtype.itemsize for r in reqs)
+            total += staged_bytes(dtype.itemsize, size, (r.lengths[0] if size else 1 for r in reqs))
         return total
 
     def _pieces(self, vf: _VerifiedFile, idx: MetadataIndex, reqs: list[ReadItem],
@@ -302,18 +313,21 @@ class VerifiedReader(dcp.FileSystemReader):
             t = torch.load(io.BytesIO(whole), map_location="cpu", weights_only=True)
             yield from ((r, 0, _narrow(t, r.storage_offsets, r.lengths)) for r in reqs)
             return
+        place = ItemPlace(vf.rel, info.offset, info.length, lay.data_start, size, dtype.itemsize)
+        for a, b in zip_spans(place):  # all of the zip's records (parse_layout read parts of them): cached
+            vf.read(a, b, who)
         for r in reqs:
             if not size:
-                a = info.offset + lay.data_start
-                raw = vf.read(a, a + dtype.itemsize, who)
+                a, b = request_span(place, 0, 1)
+                raw = vf.read(a, b, who)
                 yield r, 0, torch.frombuffer(raw, dtype=dtype).clone().view(())
                 continue
             step = r.lengths[0] if scratch is None else max(1, _SCRATCH // max(lay.row_bytes, 1))
             for row in range(0, max(r.lengths[0], 1), step):
                 n = min(step, r.lengths[0] - row)
-                a = info.offset + lay.data_start + (r.storage_offsets[0] + row) * lay.row_bytes
+                a, b = request_span(place, r.storage_offsets[0] + row, n)
                 big = scratch is not None and n * lay.row_bytes + 2 * BLOCK > len(scratch)
-                raw = vf.read(a, a + n * lay.row_bytes, who, into=None if big else scratch)
+                raw = vf.read(a, b, who, into=None if big else scratch)
                 t = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
                 yield r, row, _narrow(t.view(n, *size[1:]), r.storage_offsets, r.lengths, first=1)
 
@@ -334,7 +348,7 @@ class VerifiedReader(dcp.FileSystemReader):
         scratch = None if stage else memoryview(bytearray(_SCRATCH + 3 * BLOCK))
         for rel, items in per_file.items():
             try:
-                vf = _VerifiedFile(self._root, rel, self._checksums)
+                vf = _VerifiedFile(self._root, rel, self._checksums, self.stats)
             except _Bad as e:
                 keys = sorted({idx.fqn for idx in items})
                 problems.append(Problem(Kind.CORRUPT, f"{e} (needed for {keys})"))
