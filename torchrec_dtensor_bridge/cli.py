@@ -22,7 +22,11 @@ Accepted SRC:
     its chunks must cover every tensor exactly (a missing row is an error);
   * a directory of per-rank torch.save files of state_dicts, one per rank, named
     like rank0.pt, model_rank_1.pt (extensions .pt/.pth/.bin). One local gloo
-    process per file loads it (ShardedTensors need their process group).
+    process per file loads it (ShardedTensors need their process group), with
+    torch.load(weights_only=True): no code in the files runs; --trusted-pickles
+    lifts that for files you trust.
+SRC is untrusted input: only regular files inside SRC are read (no absolute or
+.. paths, no symlinks), only DST's new generation is written.
 DST must not exist, or be a checkpoint written by this tool (it is replaced atomically).
 """
 
@@ -42,6 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("src")
     m.add_argument("dst")
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m.add_argument("--trusted-pickles", action="store_true",
+                   help="load per-rank files with weights_only=False (they can run code: trusted files only)")
     return parser
 
 
@@ -57,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(checkpoint.format_report(args.path))
         else:
-            summary = checkpoint.migrate(args.src, args.dst, progress=not args.no_progress)
+            summary = checkpoint.migrate(args.src, args.dst, progress=not args.no_progress,
+                                         trusted_pickles=args.trusted_pickles)
             print(f"migrated {summary['keys']} keys ({summary['bytes'] / 2**20:.2f} MiB) from "
                   f"{summary['source']} {args.src} to {args.dst} (save id {summary['save_id']})")
     except (ValueError, TypeError, OSError, RuntimeError) as e:

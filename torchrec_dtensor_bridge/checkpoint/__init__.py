@@ -7,8 +7,18 @@
 """
 
 from .api import load, save
-from .commit import CheckpointError, IncompleteCheckpointError
+from .commit import CheckpointBusyError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from .inspect import format_report, inspect
 from .migrate import migrate
 
-__all__ = ["CheckpointError", "IncompleteCheckpointError", "format_report", "inspect", "load", "migrate", "save"]
+__all__ = [
+    "CheckpointBusyError",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "format_report",
+    "inspect",
+    "load",
+    "migrate",
+    "save",
+]

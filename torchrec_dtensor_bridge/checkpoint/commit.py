@@ -1,4 +1,4 @@
-"""Atomic commits of a checkpoint directory.
+"""Atomic commits of a checkpoint directory, and the locks that keep savers and readers apart.
 
 A checkpoint at ``path`` is a symlink to a generation directory next to it,
 ``.<name>.tdb-<save_id>``. A save writes a new generation (never touching the
@@ -12,19 +12,42 @@ spare, and the next save renames it to its own name and rewrites its files in
 place. On the disks measured here rewriting existing files is 2-3x faster than
 allocating new ones (BENCHMARKS.md); the price is a second generation on disk
 between saves (``keep_spare=False`` removes it).
+
+Locks (``flock``: the kernel drops them when their holder dies, so a killed
+process never leaves one stuck):
+
+* one save at a time per path: rank 0 of a save holds ``.<name>.tdb_lock``
+  exclusively; a second save raises :class:`CheckpointBusyError` at once;
+* readers hold a shared lock on the generation directory they read; a save
+  reuses a spare, and a save removes an old generation, only under an
+  exclusive lock it gets without waiting — a generation being read is never
+  rewritten nor removed (the save takes a fresh directory instead, and the
+  next save removes it). A reader that finds its generation renamed or
+  locked resolves the link again.
+
+Names are never used as patterns: generations are found by prefix on the
+directory listing, so ``run[1]`` and ``run1`` never see each other's files.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import shutil
 from pathlib import Path
 
 __all__ = [
+    "CheckpointBusyError",
     "CheckpointError",
+    "CorruptCheckpointError",
+    "DirLock",
     "IncompleteCheckpointError",
+    "SaveLock",
     "commit",
     "generation_dir",
+    "generations",
+    "lock_generation",
     "prepare_generation",
     "prune",
     "resolve",
@@ -32,6 +55,7 @@ __all__ = [
 ]
 
 _TAG = ".tdb-"
+_LOCK = ".tdb_lock"
 
 
 class CheckpointError(RuntimeError):
@@ -42,9 +66,21 @@ class IncompleteCheckpointError(CheckpointError):
     """No committed checkpoint exists at the path (never saved, or every save was interrupted)."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint's files are damaged, inconsistent or hostile; the message names the file and key."""
+
+
+class CheckpointBusyError(CheckpointError):
+    """Another save to the same path is in progress."""
+
+
 def generation_dir(path: Path, save_id: str) -> Path:
     """Where the generation ``save_id`` of the checkpoint at ``path`` is written."""
     return path.parent / f".{path.name}{_TAG}{save_id}"
+
+
+def _is_ours(path: Path, p: Path) -> bool:
+    return p.name.startswith(f".{path.name}{_TAG}")
 
 
 def _fsync_dir(d: Path) -> None:
@@ -53,6 +89,48 @@ def _fsync_dir(d: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class DirLock:
+    """An ``flock`` on a directory (or file) taken without waiting; ``held`` says whether it was granted."""
+
+    def __init__(self, target: Path, *, exclusive: bool, create: bool = False) -> None:
+        self.target = target
+        flags = os.O_RDWR | os.O_CREAT if create else os.O_RDONLY
+        self._fd: int | None = os.open(target, flags, 0o644)
+        try:
+            fcntl.flock(self._fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            self.held = True
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                self.release()
+                raise
+            self.held = False
+
+    def same_inode_as(self, p: Path) -> bool:
+        """Whether ``p`` still names the locked directory (not renamed, removed or replaced)."""
+        try:
+            return self._fd is not None and os.stat(p).st_ino == os.fstat(self._fd).st_ino
+        except OSError:
+            return False
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the lock
+            self._fd = None
+
+
+class SaveLock(DirLock):
+    """Held by rank 0 for a save's duration; raises :class:`CheckpointBusyError` if another save holds it."""
+
+    def __init__(self, path: Path) -> None:
+        lock = path.parent / f".{path.name}{_LOCK}"
+        super().__init__(lock, exclusive=True, create=True)
+        if not self.held:
+            self.release()
+            raise CheckpointBusyError(
+                f"another save to {path} is in progress (it holds {lock.name}); two jobs cannot save to one path"
+            )
 
 
 def commit(path: Path, gen: Path) -> Path | None:
@@ -72,37 +150,69 @@ def commit(path: Path, gen: Path) -> Path | None:
     return previous
 
 
-def resolve(path: Path) -> Path:
-    """The committed directory behind ``path``; raises if there is none."""
+def committed_name(path: Path) -> str:
+    """The name of the generation ``path`` links to, ``""`` for a plain DCP directory; raises if none."""
     if path.is_symlink():
-        target = path.parent / os.readlink(path)
-        if not target.is_dir():
-            raise IncompleteCheckpointError(f"{path} points at {target.name}, which is missing")
+        target = os.readlink(path)
+        if "/" in target or not _is_ours(path, path.parent / target):
+            raise CheckpointError(f"{path} links to {target!r}, which is not one of its generations")
+        if not (path.parent / target).is_dir():
+            raise IncompleteCheckpointError(f"{path} points at {target}, which is missing")
         return target
     if path.is_dir():
-        return path  # a plain DCP directory
-    stray = sorted(p.name for p in path.parent.glob(f".{path.name}{_TAG}*")) if path.parent.is_dir() else []
+        return ""
+    stray = sorted(p.name for p in generations(path)) if path.parent.is_dir() else []
     detail = f"; uncommitted generations {stray} are from interrupted saves" if stray else ""
     raise IncompleteCheckpointError(f"no committed checkpoint at {path}{detail}")
 
 
-def _generations(path: Path) -> list[Path]:
-    return [p for p in path.parent.glob(f".{path.name}{_TAG}*") if p.is_dir() and not p.is_symlink()]
+def resolve(path: Path) -> Path:
+    """The committed directory behind ``path``; raises if there is none."""
+    name = committed_name(path)
+    return path.parent / name if name else path
 
 
-def prepare_generation(path: Path, gen: Path, *, reuse: bool) -> bool:
-    """Create ``gen``; with ``reuse``, by renaming an uncommitted generation of ``path``
-    (whose files the save then overwrites in place). Returns whether one was reused."""
+def lock_generation(path: Path, name: str) -> DirLock | None:
+    """A shared lock on the generation ``name`` of ``path`` (``""``: ``path`` itself, a plain DCP directory),
+    or ``None`` if it was renamed, removed or is being rewritten (resolve the link again)."""
+    root = path.parent / name if name else path
+    try:
+        lock = DirLock(root, exclusive=False)
+    except FileNotFoundError:
+        return None
+    if not lock.held or not lock.same_inode_as(root):
+        lock.release()
+        return None
+    return lock
+
+
+def generations(path: Path) -> list[Path]:
+    """Generation directories and leftover links of ``path`` (matched by prefix, never as a pattern)."""
+    return [p for p in path.parent.iterdir() if _is_ours(path, p)]
+
+
+def _dirs(path: Path) -> list[Path]:
+    return [p for p in generations(path) if p.is_dir() and not p.is_symlink()]
+
+
+def prepare_generation(path: Path, gen: Path, *, reuse: bool) -> tuple[bool, DirLock]:
+    """Create ``gen`` and hold it exclusively; with ``reuse``, by renaming an uncommitted generation of
+    ``path`` that no reader holds (the save then overwrites its files in place). Returns whether one was
+    reused, and the lock (release it after the commit)."""
     current = (path.parent / os.readlink(path)).resolve() if path.is_symlink() else None
     if reuse:
-        spares = [p for p in _generations(path) if p.resolve() != current]
-        if spares:
-            os.rename(max(spares, key=lambda p: p.stat().st_mtime), gen)
+        spares = sorted((p for p in _dirs(path) if p.resolve() != current), key=lambda p: -p.stat().st_mtime)
+        for spare in spares:
+            lock = DirLock(spare, exclusive=True)
+            if not lock.held or not lock.same_inode_as(spare):
+                lock.release()
+                continue  # a reader holds it: leave it alone
+            os.rename(spare, gen)
             for marker in (".metadata", "tdb_manifest.json"):  # never looks complete while rewritten
                 (gen / marker).unlink(missing_ok=True)
-            return True
+            return True, lock
     gen.mkdir()
-    return False
+    return False, DirLock(gen, exclusive=True)
 
 
 def prune(gen: Path, keep: set[str]) -> list[str]:
@@ -115,16 +225,32 @@ def prune(gen: Path, keep: set[str]) -> list[str]:
     return removed
 
 
+def remove_generation(gen: Path) -> bool:
+    """Remove a generation unless a reader holds it; whether it was removed."""
+    try:
+        lock = DirLock(gen, exclusive=True)
+    except FileNotFoundError:
+        return True
+    try:
+        if not lock.held:
+            return False
+        shutil.rmtree(gen, ignore_errors=True)
+        return True
+    finally:
+        lock.release()
+
+
 def sweep(path: Path, keep: Path | None, spare: Path | None = None) -> list[str]:
-    """Remove generations of ``path`` other than ``keep`` and ``spare`` (interrupted or superseded saves)."""
+    """Remove generations of ``path`` other than ``keep`` and ``spare`` (interrupted or superseded saves),
+    except those a reader holds (a later save removes them)."""
     removed = []
     kept = {p.resolve() for p in (keep, spare) if p is not None}
-    for p in path.parent.glob(f".{path.name}{_TAG}*"):
+    for p in generations(path):
         if p.resolve() in kept and not p.is_symlink():
             continue
         if p.is_symlink() or p.is_file():
             p.unlink(missing_ok=True)
-        else:
-            shutil.rmtree(p, ignore_errors=True)
+        elif not remove_generation(p):
+            continue
         removed.append(p.name)
     return removed

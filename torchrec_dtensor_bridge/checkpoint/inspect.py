@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .commit import resolve
 from .manifest import read_manifest
+from .validate import read_metadata
 
 __all__ = ["format_report", "inspect"]
 
@@ -18,7 +18,9 @@ def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
     """Per saved key: ``shape``, ``dtype``, ``shards`` (``offsets``, ``sizes``) and ``bytes``.
 
     Non-tensor entries appear with ``{"type": "object"}``. Works on checkpoints
-    written by :func:`save` and on plain DCP directories.
+    written by :func:`save` and on plain DCP directories. Read-only and safe on
+    untrusted checkpoints: the manifest and ``.metadata`` are verified and parsed
+    without running code (:mod:`.validate`); nothing else is read.
 
     Example::
 
@@ -26,7 +28,7 @@ def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
         [1000, 64]
     """
     root = resolve(Path(path).absolute())
-    md = dcp.FileSystemReader(root).read_metadata()
+    md = read_metadata(root, read_manifest(root))
     out: dict[str, dict[str, Any]] = {}
     for fqn in sorted(md.state_dict_metadata):
         m = md.state_dict_metadata[fqn]

@@ -9,6 +9,14 @@ verifies exactly the blocks it reads: a rank that needs a few rows of a saved
 chunk reads and checks a few blocks, never the whole chunk. (xxh3 hashes at
 memory speed, ~3x faster than ``zlib.crc32`` here.)
 
+Format 3 (written since, with everything of format 2) covers the checkpoint's
+own records: the manifest file starts with a header line holding the xxh3-64
+and length of its JSON body, and the body holds the size and xxh3-64 of
+``.metadata``. Both are verified before either is parsed (:mod:`.validate`),
+so a damaged byte in either is reported naming the file, never parsed.
+Format 2 manifests are plain JSON (still read; their ``.metadata`` is
+unprotected, but still parsed with the restricted unpickler).
+
 Format 1 (older checkpoints, still read): one xxh3-64 per storage item (one
 chunk of one tensor, or one pickled object); a load reads and verifies whole
 items. :class:`Checksums` answers "which byte ranges must I read, and what
@@ -48,7 +56,10 @@ __all__ = [
 ]
 
 MANIFEST = "tdb_manifest.json"
-FORMAT = 2
+FORMAT = 3
+MAX_MANIFEST_BYTES = 2 << 30
+"""Larger manifests are refused before being read (a 1 TiB checkpoint's is ~70 MB)."""
+_HEADER = b"TDBMANIFEST"
 BLOCK = 256 << 10
 """Bytes per checksummed block. A ranged read of one saved chunk reads at most four blocks more than its
 rows: the partial blocks at either end, and the blocks holding the zip's head and central directory."""
@@ -177,8 +188,10 @@ class Checksums:
         sums = self._files.get(rel)
         if sums is None or end > sums.size:
             raise KeyError(f"bytes {start}-{end} of {rel} have no checksum in the manifest")
+        from .plan import block_span
+
         b = sums.block
-        return [Block(k * b, min((k + 1) * b, sums.size), sums.digest(k)) for k in range(start // b, -(-end // b))]
+        return [Block(k * b, min((k + 1) * b, sums.size), sums.digest(k)) for k in block_span(start, end, b)]
 
 
 def checksum_items(root: Path, md: Metadata, indexes: list[MetadataIndex]) -> dict[str, ItemSum]:
@@ -193,18 +206,24 @@ def checksum_items(root: Path, md: Metadata, indexes: list[MetadataIndex]) -> di
     return out
 
 
-def _write(root: Path, body: dict[str, Any]) -> None:
-    """Write the manifest atomically and durably (temporary file, fsync, rename)."""
+def _write(root: Path, body: dict[str, Any], *, header: bool = True) -> None:
+    """Write the manifest atomically and durably (temporary file, fsync, rename); ``header``: format 3's
+    checksummed header line before the JSON body."""
     tmp = root / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(body, f)
+    data = json.dumps(body).encode()
+    if header:
+        data = b"%s %s %d\n" % (_HEADER, xxhash.xxh3_64(data).hexdigest().encode(), len(data)) + data
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / MANIFEST)
 
 
-def write_manifest(root: Path, save_id: str, md: Metadata, files: dict[str, FileSums], extra: dict[str, Any]) -> None:
-    """Write a format-2 manifest: block checksums of ``files`` and where each item of ``md`` lives.
+def write_manifest(root: Path, save_id: str, md: Metadata, files: dict[str, FileSums], extra: dict[str, Any],
+                   metadata: bytes | None = None) -> None:
+    """Write a format-3 manifest: block checksums of ``files``, where each item of ``md`` lives, and the size and
+    checksum of ``.metadata`` (its bytes: ``metadata``, else read from ``root``).
 
     Raises ``ValueError`` if an item's bytes lie outside the checksummed files.
     """
@@ -217,10 +236,13 @@ def write_manifest(root: Path, save_id: str, md: Metadata, files: dict[str, File
     blocks = {s.block for s in files.values()}
     if len(blocks) > 1:
         raise ValueError(f"files hashed with different block sizes {sorted(blocks)}")
+    if metadata is None:
+        metadata = (root / ".metadata").read_bytes()
     body = {
         "format": FORMAT,
         "checksum": "xxh3_64",
         "save_id": save_id,
+        "metadata": {"size": len(metadata), "xxh3_64": xxhash.xxh3_64(metadata).hexdigest()},
         "block": blocks.pop() if blocks else BLOCK,
         "files": {rel: {"size": s.size, "blocks": s.blocks} for rel, s in sorted(files.items())},
         "items": dict(sorted(items.items())),
@@ -238,15 +260,47 @@ def write_manifest_v1(root: Path, save_id: str, items: dict[str, ItemSum], extra
         "items": {k: vars(v) for k, v in sorted(items.items())},
         **extra,
     }
-    _write(root, body)
+    _write(root, body, header=False)
 
 
 def read_manifest(root: Path) -> dict[str, Any] | None:
-    """The manifest of a checkpoint directory, or ``None`` for a plain DCP directory."""
+    """The manifest of a checkpoint directory, verified and checked for shape, or ``None`` for a plain DCP
+    directory; raises :class:`~.commit.CorruptCheckpointError` naming the file (see :mod:`.validate`)."""
+    from .validate import parse_manifest
+
     p = root / MANIFEST
-    if not p.is_file():
+    try:
+        size = os.lstat(p).st_size
+    except FileNotFoundError:
         return None
-    body = json.loads(p.read_text())
-    if body.get("format") not in (1, FORMAT):
-        raise ValueError(f"{p}: unknown manifest format {body.get('format')!r}")
+    from .commit import CorruptCheckpointError
+
+    if not os.path.isfile(p) or os.path.islink(p):
+        raise CorruptCheckpointError(f"manifest {p} is not a regular file")
+    if size > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"manifest {p} has {size} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
+    with open(p, "rb") as f:
+        data = f.read(MAX_MANIFEST_BYTES + 1)
+    return parse_manifest(data, str(p))
+
+
+def split_header(data: bytes, where: str) -> bytes:
+    """The JSON body of a manifest's bytes, its header's checksum verified (format 3); legacy plain JSON
+    (formats 1 and 2) is returned as is."""
+    from .commit import CorruptCheckpointError
+
+    if data[:1] == b"{":
+        return data
+    nl = data.find(b"\n", 0, 128)
+    head = data[:nl].split(b" ") if nl > 0 else []
+    if len(head) != 3 or head[0] != _HEADER or len(head[1]) != _HEX or not head[2].isdigit():
+        raise CorruptCheckpointError(f"manifest {where} is corrupt: no valid header line")
+    body = data[nl + 1 :]
+    if int(head[2]) != len(body):
+        raise CorruptCheckpointError(f"manifest {where} is truncated or corrupt: its header says {int(head[2])} "
+                                     f"bytes of body, it has {len(body)}")
+    got = xxhash.xxh3_64(body).hexdigest()
+    if got.encode() != head[1]:
+        raise CorruptCheckpointError(f"manifest {where} is corrupt: its body's checksum is {got}, its header "
+                                     f"says {head[1].decode(errors='replace')}")
     return body

@@ -12,6 +12,16 @@ Two kinds of source are accepted:
   file per rank, named ``...rank<N>...``): unpickling a ShardedTensor needs its
   process group, so one local gloo process per file loads its file, converts
   it to DTensors (zero-copy) and joins a collective :func:`save`.
+
+The source is untrusted input. ``migrate`` reads only regular files inside
+``src`` (data file names must be plain names: no absolute path, no ``..``, no
+symlink), parses ``.metadata`` with the restricted unpickler of
+:mod:`.validate` (no code runs; every tensor's chunks must tile it exactly,
+0-d and 1-D tensors included), loads per-rank files with
+``torch.load(weights_only=True)`` and an allow-list of the ShardedTensor
+classes they need, and writes only inside ``dst``'s new generation.
+``trusted_pickles=True`` unpickles per-rank files without that restriction
+(they can run code: only for files you trust).
 """
 
 from __future__ import annotations
@@ -28,12 +38,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+import stat
 
-from ..convert.metadata import layout_from_storage_metadata
-from .commit import CheckpointError, commit, generation_dir, resolve, sweep
-from .manifest import BlockHasher, FileSums, write_manifest
+from .commit import CheckpointError, CorruptCheckpointError, SaveLock, commit, generation_dir, resolve, sweep
+from .manifest import BlockHasher, FileSums, read_manifest, write_manifest
+from .validate import check_file_name, read_metadata
 
 __all__ = ["migrate", "rank_files"]
 
@@ -52,6 +61,9 @@ def rank_files(src: Path) -> list[Path]:
     found: dict[int, Path] = {}
     for p in sorted(src.iterdir()):
         m = _RANK.search(p.name)
+        if m and p.suffix in (".pt", ".pth", ".bin") and p.is_symlink():
+            raise ValueError(f"{src}: per-rank file {p.name} is a symlink; migrate reads only regular files "
+                             f"inside the source directory")
         if p.is_file() and m and p.suffix in (".pt", ".pth", ".bin"):
             r = int(m.group(1))
             if r in found:
@@ -65,12 +77,21 @@ def rank_files(src: Path) -> list[Path]:
     return [found[r] for r in range(len(found))]
 
 
-def migrate(src: str | Path, dst: str | Path, *, progress: bool = True) -> dict[str, Any]:
+def migrate(src: str | Path, dst: str | Path, *, progress: bool = True, trusted_pickles: bool = False
+            ) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` into a committed checkpoint at ``dst``.
 
     Returns a summary: ``{"source": kind, "keys": n, "bytes": n, "save_id": id}``.
-    Raises ``ValueError`` (naming the key or file) for an incomplete or
-    inconsistent source; ``dst`` is untouched unless the migration completes.
+    Raises ``ValueError`` or :class:`.CorruptCheckpointError` (naming the key or
+    file) for an incomplete, inconsistent or hostile source; ``dst`` is
+    untouched unless the migration completes. Reads only inside ``src``, writes
+    only inside ``dst``'s directory, runs no code from the source unless
+    ``trusted_pickles`` (per-rank files loaded with ``weights_only=False``).
+
+    Example::
+
+        >>> tdb.checkpoint.migrate("/old/step100", "/ckpt/step100")["keys"]
+        12
     """
     src, dst = Path(src).absolute(), Path(dst).absolute()
     if dst.exists() and not dst.is_symlink():
@@ -78,52 +99,66 @@ def migrate(src: str | Path, dst: str | Path, *, progress: bool = True) -> dict[
     if not src.exists():
         raise ValueError(f"migrate: source {src} does not exist")
     root = resolve(src) if src.is_symlink() else src
-    if (root / ".metadata").is_file():
+    if (root / ".metadata").exists() or (root / ".metadata").is_symlink():
         return _migrate_dcp(root, dst, progress)
     if root.is_dir():
-        return _migrate_rank_files(rank_files(root), dst, progress)
+        return _migrate_rank_files(rank_files(root), dst, progress, trusted_pickles)
     raise ValueError(f"migrate: {src} is neither a DCP directory nor a directory of per-rank files")
 
 
 def _migrate_dcp(root: Path, dst: Path, progress: bool) -> dict[str, Any]:
-    md = dcp.FileSystemReader(root).read_metadata()
-    for fqn, m in md.state_dict_metadata.items():
-        if isinstance(m, TensorStorageMetadata):
-            layout_from_storage_metadata(m, name=fqn)  # coverage: a checkpoint missing rows is an error
-    files = sorted({info.relative_path for info in md.storage_data.values()})
+    # restricted unpickler, tiling of every tensor (a checkpoint missing rows is an error), plain file names
+    md = read_metadata(root, read_manifest(root))
+    files = sorted({check_file_name(info.relative_path, str(root / ".metadata"))
+                    for info in md.storage_data.values()})
     for rel in files:
-        if not (root / rel).is_file():
+        p = root / rel
+        if p.is_symlink():
+            raise CorruptCheckpointError(f"migrate: {root} references data file {rel}, which is a symlink; migrate "
+                                         "reads only regular files inside the source")
+        if not p.is_file():
             raise ValueError(f"migrate: {root} references data file {rel}, which is missing")
     save_id = uuid.uuid4().hex
     gen = generation_dir(dst, save_id)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    gen.mkdir()
+    lock = SaveLock(dst)
     try:
-        total = sum((root / rel).stat().st_size for rel in files)
-        sums: dict[str, FileSums] = {}
-        with _bar(total, "copy", progress) as bar:
-            _copy_durably(root / ".metadata", gen / ".metadata", bar)
-            for rel in files:
-                sums[rel] = _copy_durably(root / rel, gen / rel, bar)
-        dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
-        write_manifest(gen, save_id, md, sums, {"world_size": None, "dcp_save_id": dcp_id,
-                                                "migrated_from": str(root)})
-        commit(dst, gen)
-    except BaseException:
-        shutil.rmtree(gen, ignore_errors=True)
-        raise
-    sweep(dst, keep=gen)
+        gen.mkdir()
+        try:
+            total = sum((root / rel).stat().st_size for rel in files)
+            sums: dict[str, FileSums] = {}
+            with _bar(total, "copy", progress) as bar:
+                _copy_durably(root, ".metadata", gen, bar)
+                for rel in files:
+                    sums[rel] = _copy_durably(root, rel, gen, bar)
+            dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
+            write_manifest(gen, save_id, md, sums, {"world_size": None, "dcp_save_id": dcp_id,
+                                                    "migrated_from": str(root)})
+            commit(dst, gen)
+        except BaseException:
+            shutil.rmtree(gen, ignore_errors=True)
+            raise
+        sweep(dst, keep=gen)
+    finally:
+        lock.release()
     return {"source": "dcp", "keys": len(md.state_dict_metadata), "bytes": total, "save_id": save_id}
 
 
-def _copy_durably(a: Path, b: Path, bar: Any) -> FileSums:
-    """Copy ``a`` to ``b`` with fsync; the block checksums of the bytes written (no read back)."""
+def _copy_durably(root: Path, rel: str, gen: Path, bar: Any) -> FileSums:
+    """Copy ``root/rel`` (a regular file, not followed through a symlink) to a new file ``gen/rel`` with fsync;
+    the block checksums of the bytes written (no read back)."""
+    a, b = root / rel, gen / rel
     hasher = BlockHasher()
-    with open(a, "rb") as fa, open(b, "wb") as fb:
+    fd = os.open(a, os.O_RDONLY | os.O_NOFOLLOW)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"migrate: {a} is not a regular file")
+    out = os.open(b, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with open(fd, "rb") as fa, open(out, "wb") as fb:
         while block := fa.read(_COPY_BLOCK):
             fb.write(block)
             hasher.update(block)
-            if a.name != ".metadata":
+            if rel != ".metadata":
                 bar.update(len(block))
         fb.flush()
         os.fsync(fb.fileno())
@@ -136,7 +171,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_worker(rank: int, world: int, port: int, files: list[str], dst: str, progress: bool, out: Any) -> None:
+def _safe_sharded_globals() -> list[Any]:
+    """The classes a ``torch.save`` of a state_dict of ShardedTensors refers to, for ``weights_only`` loads."""
+    from .. import _compat
+
+    import importlib
+    import pickle
+
+    st = _compat.ShardedTensor
+    spec_module = importlib.import_module("torch.distributed._shard.sharding_spec")
+    st_metadata = importlib.import_module(_compat.ShardedTensorMetadata.__module__)
+
+    def nested_class(owner: Any, name: str) -> Any:  # the pickles name ShardedTensor.ProcessGroupState so
+        if owner is st and name == "ProcessGroupState":
+            return st.ProcessGroupState
+        raise pickle.UnpicklingError(f"getattr({owner!r}, {name!r}) is not allowed")
+
+    return [st, st.ProcessGroupState, _compat.ShardedTensorShard, _compat.ShardMetadata, _compat.ShardedTensorMetadata,
+            _compat.ShardedTensorProperties, _compat.EnumerableShardingSpec, _compat._remote_device,
+            spec_module.ChunkShardingSpec, st_metadata.MEM_FORMAT_ENCODING, (nested_class, "builtins.getattr")]
+
+
+def _rank_worker(rank: int, world: int, port: int, files: list[str], dst: str, progress: bool, out: Any,
+                 trusted: bool) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -148,7 +205,20 @@ def _rank_worker(rank: int, world: int, port: int, files: list[str], dst: str, p
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))
         with _bar(3, "migrate", progress and rank == 0, unit="step") as bar:
-            sd = torch.load(files[rank], weights_only=False, map_location="cpu")
+            if trusted:
+                sd = torch.load(files[rank], weights_only=False, map_location="cpu")
+            else:
+                try:
+                    with torch.serialization.safe_globals(_safe_sharded_globals()):
+                        sd = torch.load(files[rank], weights_only=True, map_location="cpu")
+                except Exception as e:  # a hostile or unusual pickle: named, and nothing of it ran
+                    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+                    why = [ln for ln in lines if "Unsupported" in ln or "GLOBAL" in ln] or lines[-1:]
+                    raise CorruptCheckpointError(
+                        f"{files[rank]} cannot be loaded with weights_only=True ({type(e).__name__}: "
+                        f"{' '.join(why[:2])}); migrate(..., trusted_pickles=True) or --trusted-pickles "
+                        "unpickles files you trust"
+                    ) from None
             bar.update(1)
             dts = state_dict_to_dtensor(sd)
             bar.update(1)
@@ -176,12 +246,12 @@ def _tensors(sd: Any) -> list[Any]:
     return out
 
 
-def _migrate_rank_files(files: list[Path], dst: Path, progress: bool) -> dict[str, Any]:
+def _migrate_rank_files(files: list[Path], dst: Path, progress: bool, trusted: bool) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_worker, args=(r, len(files), port, [str(f) for f in files], str(dst), progress, out))
+        ctx.Process(target=_rank_worker, args=(r, len(files), port, [str(f) for f in files], str(dst), progress, out, trusted))
         for r in range(len(files))
     ]
     for p in procs:

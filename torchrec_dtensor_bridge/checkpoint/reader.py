@@ -37,7 +37,6 @@ import io
 import mmap
 import os
 from collections.abc import Iterator
-from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +44,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .agree import raise_if_any
+from .agree import Kind, Problem, raise_if_any
 from .commit import CheckpointError
 from .manifest import BLOCK, Checksums
+from .plan import ItemPlace, request_span, staged_bytes, zip_spans
 from .savedtensor import Unreadable, parse_layout
 
-__all__ = ["VerifiedReader"]
+__all__ = ["ReadStats", "VerifiedReader"]
 
 _SCRATCH = 8 << 20  # bytes of rows per piece when streaming (verify-first loads)
 
@@ -77,11 +77,20 @@ def _buffer(n: int) -> memoryview:
     return memoryview(mmap.mmap(-1, n, flags=_POPULATE)) if n else memoryview(bytearray())
 
 
+class ReadStats:
+    """What a reader read: bytes read from data files (every pass) and data files opened."""
+
+    def __init__(self) -> None:
+        self.bytes_read = 0
+        self.files_opened = 0
+
+
 class _VerifiedFile:
     """Byte ranges of one data file, each read once and checked block by block against the manifest."""
 
-    def __init__(self, root: Path, rel: str, checksums: Checksums | None) -> None:
+    def __init__(self, root: Path, rel: str, checksums: Checksums | None, stats: ReadStats | None = None) -> None:
         self.rel = rel
+        self._stats = stats if stats is not None else ReadStats()
         self._checksums = checksums
         self._cache: dict[int, memoryview] = {}  # verified block start -> its bytes
         try:
@@ -91,6 +100,7 @@ class _VerifiedFile:
         except OSError as e:
             raise _Bad(f"data file {rel} cannot be opened: {e}") from None
         self.size = os.fstat(self._fd).st_size
+        self._stats.files_opened += 1
 
     def close(self) -> None:
         os.close(self._fd)
@@ -102,6 +112,7 @@ class _VerifiedFile:
         done = 0
         while done < len(buf):
             n = os.preadv(self._fd, [buf[done:]], offset + done)
+            self._stats.bytes_read += n
             if n == 0:
                 raise _Bad(f"data file {self.rel} is truncated: {self.size} bytes, {who} needs bytes up to "
                            f"{offset + len(buf)}")
@@ -201,6 +212,9 @@ class VerifiedReader(dcp.FileSystemReader):
         staging_bytes: stage at most this many bytes per rank (``None``: no limit); above it,
             verify first and read again to copy.
         what: how error messages name the load.
+        metadata: the checkpoint's metadata, already read and checked (:mod:`.validate`); ``read_metadata``
+            returns it instead of unpickling ``.metadata`` again.
+        trusted_pickles: check non-tensor items with ``torch.load(weights_only=False)`` instead of ``True``.
 
     Example::
 
@@ -215,8 +229,12 @@ class VerifiedReader(dcp.FileSystemReader):
         process_group: dist.ProcessGroup | None = None,
         staging_bytes: int | None = None,
         what: str = "checkpoint.load",
+        metadata: Metadata | None = None,
+        trusted_pickles: bool = False,
     ) -> None:
         super().__init__(path)
+        self._given_md = metadata
+        self._trusted = trusted_pickles
         self._root = Path(path)
         self._checksums = checksums
         self._group = process_group
@@ -224,6 +242,18 @@ class VerifiedReader(dcp.FileSystemReader):
         self._what = what
         self._md: Metadata | None = None
         self.staged: bool | None = None  # how the last read_data ran (for tests and benchmarks)
+        self.stats = ReadStats()
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._given_md is None:
+            from .validate import read_metadata
+
+            self._given_md = read_metadata(self._root, None)
+        md = self._given_md
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -248,8 +278,7 @@ class VerifiedReader(dcp.FileSystemReader):
                 total += info.length
                 continue
             dtype, size = self._chunk(idx)
-            row = prod(size[1:]) * dtype.itemsize
-            total += sum(r.lengths[0] * row if size else dtype.itemsize for r in reqs)
+            total += staged_bytes(dtype.itemsize, size, (r.lengths[0] if size else 1 for r in reqs))
         return total
 
     def _pieces(self, vf: _VerifiedFile, idx: MetadataIndex, reqs: list[ReadItem],
@@ -267,6 +296,12 @@ class VerifiedReader(dcp.FileSystemReader):
                        f"{info.offset + info.length}")
         if reqs[0].type == LoadItemType.BYTE_IO:
             data = vf.read(info.offset, info.offset + info.length, who)
+            try:  # refused here, before the agreement, rather than half-way through the copy
+                torch.load(io.BytesIO(data), weights_only=not self._trusted)
+            except Exception as e:  # noqa: BLE001 - hostile or damaged object
+                raise _Bad(f"data file {vf.rel}, {who}: the object cannot be loaded with weights_only="
+                           f"{not self._trusted} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                           "load(..., trusted_pickles=True) unpickles trusted objects") from None
             yield from ((r, 0, data) for r in reqs)
             return
         dtype, size = self._chunk(idx)
@@ -278,18 +313,21 @@ class VerifiedReader(dcp.FileSystemReader):
             t = torch.load(io.BytesIO(whole), map_location="cpu", weights_only=True)
             yield from ((r, 0, _narrow(t, r.storage_offsets, r.lengths)) for r in reqs)
             return
+        place = ItemPlace(vf.rel, info.offset, info.length, lay.data_start, size, dtype.itemsize)
+        for a, b in zip_spans(place):  # all of the zip's records (parse_layout read parts of them): cached
+            vf.read(a, b, who)
         for r in reqs:
             if not size:
-                a = info.offset + lay.data_start
-                raw = vf.read(a, a + dtype.itemsize, who)
+                a, b = request_span(place, 0, 1)
+                raw = vf.read(a, b, who)
                 yield r, 0, torch.frombuffer(raw, dtype=dtype).clone().view(())
                 continue
             step = r.lengths[0] if scratch is None else max(1, _SCRATCH // max(lay.row_bytes, 1))
             for row in range(0, max(r.lengths[0], 1), step):
                 n = min(step, r.lengths[0] - row)
-                a = info.offset + lay.data_start + (r.storage_offsets[0] + row) * lay.row_bytes
+                a, b = request_span(place, r.storage_offsets[0] + row, n)
                 big = scratch is not None and n * lay.row_bytes + 2 * BLOCK > len(scratch)
-                raw = vf.read(a, a + n * lay.row_bytes, who, into=None if big else scratch)
+                raw = vf.read(a, b, who, into=None if big else scratch)
                 t = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
                 yield r, row, _narrow(t.view(n, *size[1:]), r.storage_offsets, r.lengths, first=1)
 
@@ -303,17 +341,17 @@ class VerifiedReader(dcp.FileSystemReader):
         return per_file
 
     def _read(self, per_file: dict[str, dict[MetadataIndex, list[ReadItem]]], planner: LoadPlanner | None,
-              stage: bool, problems: list[tuple[str, str]]) -> list[tuple[ReadItem, int, Any]]:
+              stage: bool, problems: list[Problem]) -> list[tuple[ReadItem, int, Any]]:
         """Read and verify every item: copy each piece into place if ``planner`` is given, else
         return the values if ``stage``, else only verify (through a reused scratch buffer)."""
         staged: list[tuple[ReadItem, int, Any]] = []
         scratch = None if stage else memoryview(bytearray(_SCRATCH + 3 * BLOCK))
         for rel, items in per_file.items():
             try:
-                vf = _VerifiedFile(self._root, rel, self._checksums)
+                vf = _VerifiedFile(self._root, rel, self._checksums, self.stats)
             except _Bad as e:
                 keys = sorted({idx.fqn for idx in items})
-                problems.append(("io", f"{e} (needed for {keys})"))
+                problems.append(Problem(Kind.CORRUPT, f"{e} (needed for {keys})"))
                 continue
             try:
                 for idx, reqs in items.items():
@@ -324,9 +362,9 @@ class VerifiedReader(dcp.FileSystemReader):
                             elif stage:
                                 staged.append(piece)
                     except _Bad as e:
-                        problems.append(("io", str(e)))
+                        problems.append(Problem(Kind.CORRUPT, str(e)))
                     except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
-                        problems.append(("io", f"data file {rel}, key {idx.fqn!r}: {type(e).__name__}: {e}"))
+                        problems.append(Problem(Kind.CORRUPT, f"data file {rel}, key {idx.fqn!r}: {type(e).__name__}: {e}"))
                     if not stage:
                         vf.drop_cache()
             finally:
@@ -336,16 +374,16 @@ class VerifiedReader(dcp.FileSystemReader):
     # -- the StorageReader step
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read, verify, agree with every rank, then copy (see the module docstring); *collective*."""
-        problems: list[tuple[str, str]] = []
+        problems: list[Problem] = []
         delegate = any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items)
         if delegate and self._checksums is not None:
-            problems.append(("io", "the checkpoint's data files use DCP stream transforms, which checksummed "
-                                   "loads do not support; pass verify=False"))
+            problems.append(Problem(Kind.VALUE, "the checkpoint's data files use DCP stream transforms, which "
+                                                "checksummed loads do not support; pass verify=False"))
         per_file = self._per_file(plan) if not delegate else {}
         try:
             estimate = self._estimate({k: v for items in per_file.values() for k, v in items.items()})
         except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
-            problems.append(("io", f"{type(e).__name__}: {e}"))
+            problems.append(Problem(Kind.CORRUPT, f"{type(e).__name__}: {e}"))
             estimate = 0
         self.staged = self._staging_bytes is None or estimate <= self._staging_bytes
         staged = self._read(per_file, None, self.staged, problems) if not problems else []
@@ -355,11 +393,11 @@ class VerifiedReader(dcp.FileSystemReader):
         if self.staged:
             _copy(staged, planner)
         else:
-            late: list[tuple[str, str]] = []
+            late: list[Problem] = []
             self._read(per_file, planner, False, late)
             if late:
                 raise CheckpointError(f"{self._what}: the data changed between verification and copy; "
-                                      "destinations may be partly written:\n  " + "\n  ".join(m for _, m in late))
+                                      "destinations may be partly written:\n  " + "\n  ".join(p.message for p in late))
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -33,16 +33,22 @@ __all__ = ["ChecksummingWriter"]
 class _HashingStream(io.RawIOBase):
     """Passes writes to ``raw`` and hashes what it accepted; refuses to seek (the hashes assume appends)."""
 
-    def __init__(self, raw: Any, hasher: BlockHasher) -> None:
+    def __init__(self, raw: Any, hasher: BlockHasher, errors: list[tuple[str, OSError]], name: str) -> None:
         super().__init__()
         self._raw = raw
         self._hasher = hasher
+        self._errors = errors
+        self._name = name
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
-        n = self._raw.write(b)
+        try:
+            n = self._raw.write(b)
+        except OSError as e:  # kept: torch.save's zip writer reports it as "unexpected pos"
+            self._errors.append((self._name, e))
+            raise
         n = len(memoryview(b).cast("B")) if n is None else n
         self._hasher.update(memoryview(b).cast("B")[:n])
         return n
@@ -57,7 +63,11 @@ class _HashingStream(io.RawIOBase):
         return int(self._raw.fileno())
 
     def flush(self) -> None:
-        self._raw.flush()
+        try:
+            self._raw.flush()
+        except OSError as e:
+            self._errors.append((self._name, e))
+            raise
 
     def close(self) -> None:
         if not self.closed:
@@ -71,6 +81,7 @@ class _HashingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.sums: dict[str, FileSums] = {}
+        self.errors: list[tuple[str, OSError]] = []
         self._lock = threading.Lock()
 
     @contextmanager
@@ -84,7 +95,7 @@ class _HashingFileSystem(FileSystem):
         # them (BENCHMARKS.md). A file that comes out shorter is cut to size afterwards.
         hasher = BlockHasher()
         with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644), "wb") as stream:
-            yield _HashingStream(stream, hasher)
+            yield _HashingStream(stream, hasher, self.errors, Path(path).name)
         if os.stat(path).st_size > hasher.size:
             fd = os.open(path, os.O_WRONLY)
             try:
@@ -115,3 +126,8 @@ class ChecksummingWriter(dcp.FileSystemWriter):
     def file_sums(self) -> dict[str, FileSums]:
         """Block checksums of the data files this rank wrote, by file name."""
         return dict(self._hashing.sums)
+
+    @property
+    def os_errors(self) -> list[tuple[str, OSError]]:
+        """The OS errors (file name, error) this rank's data file writes met, e.g. a full disk."""
+        return list(self._hashing.errors)
