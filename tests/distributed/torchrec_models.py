@@ -69,8 +69,10 @@ def shard_ebc(
     plan_kinds: dict[str, str] | None = None,
     *,
     output_dtensor: bool = False,
+    process_group=None,
 ):
-    """``ebc`` sharded by TorchRec; ``output_dtensor=True``: its state_dict holds TorchRec's own DTensors."""
+    """``ebc`` sharded by TorchRec over ``process_group`` (default: every rank; ``world_size`` is its
+    size); ``output_dtensor=True``: its state_dict holds TorchRec's own DTensors."""
     kinds = plan_kinds or {n: k for n, (_, _, k) in tables.items()}
     plan = construct_module_sharding_plan(
         ebc,
@@ -79,7 +81,8 @@ def shard_ebc(
         world_size=world_size,
         device_type="cpu",
     )
-    env = ShardingEnv(world_size, dist.get_rank(), dist.group.WORLD, output_dtensor=output_dtensor)
+    pg = process_group or dist.group.WORLD
+    env = ShardingEnv(world_size, dist.get_rank(pg), pg, output_dtensor=output_dtensor)
     return shard(ebc, plan=plan, env=env, device=torch.device("cpu")), plan
 
 
