@@ -2,6 +2,10 @@
 
 Run with ``make demo`` (4 ranks) or
 ``torchrun --standalone --nproc_per_node=N examples/demo.py`` (N >= 2).
+On several nodes (or several launchers on one machine), every launcher runs
+``torchrun --nnodes=2 --nproc_per_node=2 --rdzv_backend=c10d
+--rdzv_endpoint=HOST:PORT --rdzv_id=demo examples/demo.py --checkpoint-dir DIR``
+with ``DIR`` on storage every node sees.
 
 1. Builds an EmbeddingBagCollection with one table per TorchRec sharding type
    and shards it with a hand-written plan (row-wise runs on CPU this way).
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -31,6 +36,7 @@ import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.distributed.comm import get_local_size
 from torchrec.distributed.shard import shard
 from torchrec.distributed.sharding_plan import (
     column_wise,
@@ -99,8 +105,10 @@ def build_model(seed: int = 0) -> EmbeddingBagCollection:
 def shard_model(ebc: EmbeddingBagCollection, generators: dict, group: dist.ProcessGroup):
     """Shard ``ebc`` over ``group`` with a hand-written TorchRec plan (row-wise works on CPU this way)."""
     world = dist.get_world_size(group)
+    # The ranks per node TorchRec itself assumes (torchrun's LOCAL_WORLD_SIZE when it divides
+    # ``world``): table-row-wise tables are cut within a node, so plan and runtime must agree.
     plan = construct_module_sharding_plan(
-        ebc, per_param_sharding=generators, local_size=world, world_size=world, device_type="cpu"
+        ebc, per_param_sharding=generators, local_size=get_local_size(world), world_size=world, device_type="cpu"
     )
     env = ShardingEnv(world, dist.get_rank(group), group)
     return shard(ebc, plan=plan, env=env, device=torch.device("cpu"))
@@ -116,7 +124,12 @@ def sample_batch(seed: int) -> KeyedJaggedTensor:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.parse_args(argv)
+    parser.add_argument(
+        "--checkpoint-dir", default=None,
+        help="where to save the checkpoint (a fresh temporary directory by default); on several nodes, "
+        "a directory on storage every node sees",
+    )
+    args = parser.parse_args(argv)
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo")
@@ -137,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             value.copy_(full[key])
 
     dts = tdb.state_dict_to_dtensor(sd)
-    say(f"== TorchRec EmbeddingBagCollection on {world} gloo ranks, state_dict as DTensors ==\n")
+    say(f"== TorchRec EmbeddingBagCollection on {world} gloo ranks, state_dict as DTensors ==")
+    nodes: list = [None] * world  # torchrun's node rank (GROUP_RANK) of every rank
+    dist.all_gather_object(nodes, os.environ.get("GROUP_RANK", "0"))
+    per_node = {n: [r for r, m in enumerate(nodes) if m == n] for n in sorted(set(nodes), key=int)}
+    say(f"{len(per_node)} node(s): " + "; ".join(f"node {n}: ranks {rs}" for n, rs in per_node.items()) + "\n")
     failures: list[str] = []
     rows = []
     for key, value in dts.items():
@@ -168,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, kind, placements, ok in rows:
         say(f"{name:<10} {kind:<30} {placements:<22} {'ok' if ok else 'MISMATCH'}")
     failures += lookup_phase(dts, full, rank, say)
-    failures += checkpoint_phase(dts, reference, full, rank, world, say)
+    failures += checkpoint_phase(dts, reference, full, rank, world, say, args.checkpoint_dir)
 
     verdicts = [None] * world
     dist.all_gather_object(verdicts, failures)
@@ -222,10 +239,16 @@ def lookup_phase(dts: dict, full: dict, rank: int, say) -> list[str]:
     return failures
 
 
-def checkpoint_phase(dts: dict, reference: EmbeddingBagCollection, full: dict, rank: int, world: int, say) -> list[str]:
-    """Save on every rank; load into plan B on a subgroup of ``world - 1`` ranks; verify."""
+def checkpoint_phase(
+    dts: dict, reference: EmbeddingBagCollection, full: dict, rank: int, world: int, say, where: str | None = None
+) -> list[str]:
+    """Save on every rank; load into plan B on a subgroup of ``world - 1`` ranks; verify.
+
+    The ranks that load (``0 .. world - 2``) read blocks other ranks wrote, across nodes
+    when there are several."""
     failures: list[str] = []
-    path = [tempfile.mkdtemp(prefix="tdb-demo-") + "/ckpt" if rank == 0 else None]
+    root = where if where is not None else tempfile.mkdtemp(prefix="tdb-demo-")
+    path = [str(Path(root) / "ckpt") if rank == 0 else None]
     dist.broadcast_object_list(path)
     tdb.checkpoint.save(dts, path[0])
     say(f"\n== checkpoint: saved on {world} ranks to {path[0]} ==")
@@ -251,7 +274,7 @@ def checkpoint_phase(dts: dict, reference: EmbeddingBagCollection, full: dict, r
                     kind = tdb.layout_of(value).kind.value
                     say(f"  {key.split('.')[-2]:<10} now {kind}")
     dist.barrier()
-    if rank == 0:
+    if rank == 0 and where is None:  # a directory the user named keeps its checkpoint
         shutil.rmtree(Path(path[0]).parent, ignore_errors=True)
     say(f"loaded into plan B on {load_world} ranks: "
         + ("tables bit-exact, forward == unsharded model" if not failures else "MISMATCH"))

@@ -44,6 +44,7 @@ def generators(world_size: int, kinds: dict[str, str]):
     make = {
         "row_wise": lambda: row_wise(),
         "table_wise": lambda: table_wise(rank=last),
+        "table_wise_rank0": lambda: table_wise(rank=0),
         "column_wise": lambda: column_wise(ranks=[r % world_size for r in range(4)]),
         "table_row_wise": lambda: table_row_wise(host_index=0),
         "table_column_wise": lambda: _table_column_wise([last, 0]),
@@ -61,7 +62,17 @@ def build_ebc(tables: dict[str, tuple[int, int, str]] = TABLES, seed: int = 0) -
     return EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
 
 
-def shard_ebc(ebc: EmbeddingBagCollection, world_size: int, tables=TABLES, plan_kinds: dict[str, str] | None = None):
+def shard_ebc(
+    ebc: EmbeddingBagCollection,
+    world_size: int,
+    tables=TABLES,
+    plan_kinds: dict[str, str] | None = None,
+    *,
+    output_dtensor: bool = False,
+    process_group=None,
+):
+    """``ebc`` sharded by TorchRec over ``process_group`` (default: every rank; ``world_size`` is its
+    size); ``output_dtensor=True``: its state_dict holds TorchRec's own DTensors."""
     kinds = plan_kinds or {n: k for n, (_, _, k) in tables.items()}
     plan = construct_module_sharding_plan(
         ebc,
@@ -70,7 +81,8 @@ def shard_ebc(ebc: EmbeddingBagCollection, world_size: int, tables=TABLES, plan_
         world_size=world_size,
         device_type="cpu",
     )
-    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    pg = process_group or dist.group.WORLD
+    env = ShardingEnv(world_size, dist.get_rank(pg), pg, output_dtensor=output_dtensor)
     return shard(ebc, plan=plan, env=env, device=torch.device("cpu")), plan
 
 
@@ -109,3 +121,88 @@ def shard_ebc_with_rowwise_adagrad(world_size: int, seed: int = 0):
     )
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     return shard(ebc, plan=plan, env=env, device=torch.device("cpu"), sharder=sharder), tables
+
+
+def mesh_2d(replicas: int, group_size: int):
+    """TorchRec's 2-D mesh (as ``DMPCollection`` builds it): dims ``("replicate", "shard")``,
+    sharding group ``g`` = ranks ``[g, g + replicas, g + 2 * replicas, ...]``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    peers = [[replicas * r + g for r in range(group_size)] for g in range(replicas)]
+    return DeviceMesh("cpu", peers, mesh_dim_names=("replicate", "shard"))
+
+
+def shard_ebc_2d(ebc: EmbeddingBagCollection, replicas: int, tables=TABLES, plan_kinds: dict[str, str] | None = None):
+    """``ebc`` sharded the way ``DMPCollection`` shards it, on CPU.
+
+    ``DMPCollection`` itself refuses CPU (``AssertionError: DMPCollection only
+    supports CUDA or MTIA``), so this does its three steps with TorchRec's own
+    public pieces: the 2-D mesh, a plan made for one sharding group and moved
+    onto this rank's group (each plan rank ``r`` -> global ``r * replicas +
+    group``), and ``shard`` under a ``ShardingEnv2D`` (whose state_dict is
+    TorchRec's 2-D DTensors: ``(Replicate(), <sharding>)``).
+    """
+    from torchrec.distributed.types import ShardingEnv2D
+
+    world = dist.get_world_size()
+    group_size = world // replicas
+    kinds = plan_kinds or {n: k for n, (_, _, k) in tables.items()}
+    plan = construct_module_sharding_plan(
+        ebc, per_param_sharding=generators(group_size, kinds), local_size=group_size, world_size=group_size,
+        device_type="cpu",
+    )
+    group = dist.get_rank() % replicas
+    for ps in plan.values():
+        ps.ranks = [r * replicas + group for r in ps.ranks] if ps.ranks else ps.ranks
+        for sm in getattr(ps.sharding_spec, "shards", None) or []:
+            sm.placement._rank = sm.placement.rank() * replicas + group
+    mesh = mesh_2d(replicas, group_size)
+    env = ShardingEnv2D(
+        sharding_pg=mesh.get_group("shard"), replica_pg=mesh.get_group("replicate"), global_pg=dist.group.WORLD,
+        device_mesh=mesh, node_group_size=group_size,
+    )
+    return shard(ebc, plan=plan, env=env, device=torch.device("cpu")), mesh
+
+
+def fill_module(module, tables: dict[str, torch.Tensor]) -> None:
+    """Write ``tables`` (state_dict key -> whole table) into a sharded module's own storage,
+    through whatever its state_dict holds: ShardedTensors, TorchRec's DTensors, plain tensors."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    for key, value in module.state_dict().items():
+        table = tables[key]
+        if isinstance(value, ShardedTensor):
+            pieces = [(s.tensor, s.metadata.shard_offsets) for s in value.local_shards()]
+        elif isinstance(value, DTensor):
+            local = value._local_tensor
+            pieces = list(zip(local.local_shards(), local.local_offsets()))
+        else:
+            pieces = [(value, [0] * value.dim())]
+        for t, off in pieces:
+            t.copy_(table[tuple(slice(o, o + z) for o, z in zip(off, t.shape))])
+
+
+def check_module(tables_cfg, module, tables: dict[str, torch.Tensor], rank: int, what: str) -> None:
+    """Every table of ``module`` equals ``tables`` (exactly), and its forward output equals an
+    unsharded ``EmbeddingBagCollection`` holding the same tables, on this rank's own batch."""
+    import torchrec_dtensor_bridge as tdb
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    sd = module.state_dict()
+    assert sorted(sd) == sorted(tables), (what, sorted(sd))
+    for key, table in tables.items():
+        value = sd[key]
+        got = tdb.full_tensor(value) if isinstance(value, (DTensor, ShardedTensor)) else value
+        assert torch.equal(got, table), f"{what}: {key} differs on rank {rank}"
+    ref = build_ebc(tables_cfg, seed=0)
+    with torch.no_grad():
+        for key, table in tables.items():
+            ref.embedding_bags[key.split(".")[1]].weight.copy_(table)
+    kjt = random_kjt(tables_cfg, batch=6, seed=40 + rank)
+    want = ref(kjt).to_dict()
+    got = module(kjt).wait().to_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], msg=lambda m: f"{what}: forward {k} on rank {rank}: {m}")

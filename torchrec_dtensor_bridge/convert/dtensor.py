@@ -41,10 +41,14 @@ def dtensor_from_local_shards(
     device_mesh: DeviceMesh | None = None,
     process_group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
+    wrap: bool = False,
 ) -> DTensor:
     """A DTensor over this rank's ``local_shards`` (in ``layout.shards_on(rank)`` order).
 
     Not collective and zero-copy: the DTensor's local shards are ``local_shards``.
+    The local tensor is a plain tensor where the placements describe the layout
+    exactly, else a :class:`LocalShardsWrapper` carrying the layout; ``wrap=True``
+    always gives the wrapper (the form TorchRec's ``load_state_dict`` reads).
     """
     rank = _rank()
     mine = layout.shards_on(rank)
@@ -66,7 +70,7 @@ def dtensor_from_local_shards(
     if layout.dtype is None:
         layout = ShardLayout(layout.global_shape, layout.shards, dtype, layout.name)
     where = placement_for_layout(layout, dev.type, device_mesh, process_group)
-    if where.exact and len(local_shards) <= 1:
+    if where.exact and len(local_shards) <= 1 and not wrap:
         local = local_shards[0] if local_shards else torch.empty(
             (0,) * layout.ndim, dtype=dtype, device=dev
         )
@@ -100,8 +104,11 @@ def to_dtensor(
 
     The result's local shards are the ShardedTensor's local tensors (same
     ``data_ptr``). A ShardedTensor of a sub-group gives a DTensor on that
-    group's mesh (also a table held by one rank), so its collectives stay there. Works for every TorchRec sharding type; layouts DTensor's
-    placements cannot express are carried by a :class:`LocalShardsWrapper`.
+    group's mesh (also a table held by one rank), so its collectives stay there.
+    Works for every TorchRec sharding type. The local tensor is always a
+    :class:`LocalShardsWrapper` carrying the whole layout (as in TorchRec's own
+    DTensors), so TorchRec's ``load_state_dict`` of a ShardedTensor or
+    ``output_dtensor=True`` module reads it directly.
 
     Example::
 
@@ -117,7 +124,7 @@ def to_dtensor(
         # a ShardedTensor of a sub-group stays on that group's mesh (a one-rank mesh would send the
         # table's collectives to the default group)
         device_mesh = world_mesh(_device_of_layout(layout).type if not tensors else tensors[0].device.type, group)
-    return dtensor_from_local_shards(layout, tensors, device_mesh=device_mesh, process_group=group)
+    return dtensor_from_local_shards(layout, tensors, device_mesh=device_mesh, process_group=group, wrap=True)
 
 
 def _is_shards_wrapper(t: Any) -> bool:
