@@ -23,7 +23,10 @@ from functools import cached_property
 
 import torch
 
-__all__ = ["LayoutKind", "ShardLayout", "ShardSpec", "boxes_overlap", "chunk_span", "chunk_sizes", "contiguous_strides"]
+__all__ = [
+    "LayoutKind", "ShardLayout", "ShardSpec", "box_intersection", "boxes_overlap", "chunk_span", "chunk_sizes",
+    "contiguous_strides",
+]
 
 
 @dataclass(frozen=True)
@@ -67,13 +70,22 @@ class LayoutKind(enum.Enum):
     GRID = "grid"  # cut along several dims
 
 
+def box_intersection(
+    a_offsets: Sequence[int], a_sizes: Sequence[int], b_offsets: Sequence[int], b_sizes: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(offsets, sizes) of the elements two blocks share, or ``None`` when they share none."""
+    lo = tuple(max(x, y) for x, y in zip(a_offsets, b_offsets))
+    hi = tuple(min(x + xs, y + ys) for x, xs, y, ys in zip(a_offsets, a_sizes, b_offsets, b_sizes))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi))
+
+
 def boxes_overlap(
     a_offsets: Sequence[int], a_sizes: Sequence[int], b_offsets: Sequence[int], b_sizes: Sequence[int]
 ) -> bool:
     """Whether two blocks share an element (an empty block shares none)."""
-    if not all(a_sizes) or not all(b_sizes):
-        return False
-    return all(ao < bo + bs and bo < ao + az for ao, az, bo, bs in zip(a_offsets, a_sizes, b_offsets, b_sizes))
+    return box_intersection(a_offsets, a_sizes, b_offsets, b_sizes) is not None
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -530,3 +530,23 @@ def test_digest_tells_layouts_apart():
     assert a.digest() != ShardLayout.row_wise((97, 4), [60, 37], dtype=torch.float64).digest()
     assert a.digest() != ShardLayout.row_wise((97, 4), [60, 37], ranks=[1, 0], dtype=torch.float32).digest()
     assert 0 <= a.digest() < 2**62
+
+
+def test_box_intersection_matches_a_mask_of_elements():
+    from torchrec_dtensor_bridge.layout import box_intersection
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        a_off, b_off = torch.randint(0, 5, (2,), generator=g).tolist(), torch.randint(0, 5, (2,), generator=g).tolist()
+        a_sz, b_sz = torch.randint(0, 4, (2,), generator=g).tolist(), torch.randint(0, 4, (2,), generator=g).tolist()
+        mask = torch.zeros(10, 10, dtype=torch.int64)
+        mask[a_off[0] : a_off[0] + a_sz[0], a_off[1] : a_off[1] + a_sz[1]] += 1
+        mask[b_off[0] : b_off[0] + b_sz[0], b_off[1] : b_off[1] + b_sz[1]] += 1
+        both = (mask == 2).nonzero()
+        got = box_intersection(a_off, a_sz, b_off, b_sz)
+        if not len(both):
+            assert got is None and not boxes_overlap(a_off, a_sz, b_off, b_sz)
+            continue
+        lo, hi = both.min(0).values.tolist(), (both.max(0).values + 1).tolist()
+        assert got == (tuple(lo), tuple(h - low for low, h in zip(lo, hi)))
+        assert boxes_overlap(a_off, a_sz, b_off, b_sz)

@@ -12,18 +12,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._compat import ShardedTensor
-from ..layout import ShardLayout, ShardSpec
+from ..layout import ShardLayout, ShardSpec, box_intersection
 from .dtensor import layout_of, local_shards_of
 
 __all__ = ["copy_into"]
 
 
 def _intersect(a: ShardSpec, b: ShardSpec) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    lo = tuple(max(x, y) for x, y in zip(a.offsets, b.offsets))
-    hi = tuple(min(x + xs, y + ys) for x, xs, y, ys in zip(a.offsets, a.sizes, b.offsets, b.sizes))
-    if any(h <= l for l, h in zip(lo, hi)):
-        return None
-    return lo, tuple(h - l for l, h in zip(lo, hi))
+    return box_intersection(a.offsets, a.sizes, b.offsets, b.sizes)
 
 
 def _view(t: torch.Tensor, owner: ShardSpec, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:

@@ -22,9 +22,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ..layout import ShardLayout, ShardSpec
+from ..layout import LayoutKind, ShardLayout, ShardSpec
 
 __all__ = ["renormalize"]
+
+_WHOLE_ROWS = frozenset({LayoutKind.REPLICATED, LayoutKind.TABLE_WISE, LayoutKind.ROW_WISE})
+"""Layout kinds whose every block spans whole rows (no column cut)."""
 
 
 def _rows_in(unique: torch.Tensor, spec: ShardSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,8 +50,7 @@ def renormalize(
     """Renormalise, in place, the rows of ``shards`` referenced by ``ids``; *collective*
     when rows are cut into column pieces (every rank must pass the same ``ids``)."""
     unique = torch.unique(ids)
-    dim = layout.global_shape[1]
-    if all(s.sizes[1] == dim for s in layout.shards if s.numel):
+    if layout.kind in _WHOLE_ROWS:
         for spec, t in zip(mine, shards):
             if t.numel():
                 _, local = _rows_in(unique, spec)
