@@ -419,7 +419,10 @@ class _Opened:
 def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool, verify: bool, rank: int,
              ) -> tuple[DirLock | None, dict[str, Any] | None, Metadata | None, list[Problem], str | None]:
     """One rank's look at generation ``name``: lock it, read and check everything short of the data."""
-    lock = lock_generation(path, name)
+    try:
+        lock = lock_generation(path, name)
+    except Exception as e:  # every rank must reach the agreement
+        return None, None, None, [problem_from(e, f"cannot open {name or path}")], None
     if lock is None:
         return None, None, None, [], None
     root = path.parent / name if name else path
@@ -467,19 +470,19 @@ def _open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify
             raise_for(first.kind, first.message, what + " refused, nothing was modified")
         assert name is not None
         lock, manifest, md, problems, ident = _examine(path, name, state_dict, strict, verify, rank)
-        everyone = _gather((lock is None, problems + extra, ident), group)
+        everyone = _gather((lock is None and not problems, problems + extra, ident), group)
         if any(moved for moved, _, _ in everyone):
             if lock is not None:
                 lock.release()
             time.sleep(0.005)
             continue  # the generation was superseded and reused under a rank: resolve again
         idents = [i for _, _, i in everyone]
-        mixed = [] if len(set(idents)) == 1 else [
+        mixed = [] if len(set(idents)) == 1 or None in idents else [
             Problem(Kind.CORRUPT, f"ranks read different saves of {path}: {idents} (rank order)")]
         kind, text = problems_text([p for _, p, _ in everyone], common=mixed)
         if kind is not None:
-            assert lock is not None
-            lock.release()
+            if lock is not None:
+                lock.release()
             raise_for(kind, text, what + " refused, nothing was modified")
         assert lock is not None and md is not None
         return _Opened(path.parent / name if name else path, lock, manifest, md)
