@@ -122,10 +122,11 @@ def _run_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
 def default_process_group(state_dict: Mapping[str, Any]) -> dist.ProcessGroup | None:
     """The group a save or load of ``state_dict`` runs on when none is given.
 
-    The group of the DTensors' device mesh when every DTensor shares one
-    one-dimensional mesh; for one n-dimensional mesh spanning every rank, or no
-    DTensor, or DTensors on different meshes, the default group. DTensors on a
-    submesh of a larger mesh: pass ``process_group`` explicitly.
+    The group of the DTensors' device mesh when every DTensor on more than one
+    rank shares one one-dimensional mesh (DTensors on a one-rank mesh, such as
+    table-wise tables, do not count); for one n-dimensional mesh spanning every
+    rank, or no such DTensor, or DTensors on different meshes, the default
+    group. DTensors on a submesh of a larger mesh: pass ``process_group``.
 
     Example::
 
@@ -133,7 +134,7 @@ def default_process_group(state_dict: Mapping[str, Any]) -> dist.ProcessGroup | 
     """
     meshes: list[Any] = []
     for _, v in _leaves(state_dict):
-        if isinstance(v, DTensor) and not any(v.device_mesh is m for m in meshes):
+        if isinstance(v, DTensor) and v.device_mesh.size() > 1 and not any(v.device_mesh == m for m in meshes):
             meshes.append(v.device_mesh)
     if len(meshes) != 1 or not dist.is_initialized():
         return None
