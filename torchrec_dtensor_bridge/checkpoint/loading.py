@@ -52,9 +52,9 @@ def _local_boxes(value: torch.Tensor, rank: int) -> list[tuple[tuple[int, ...], 
 
 def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool) -> tuple[list[Problem], list[tuple[str, Any]]]:
     problems: list[Problem] = []
-    leaves = list(leaves(sd))
+    flat = list(leaves(sd))
     saved = md.state_dict_metadata
-    for fqn, value in leaves:
+    for fqn, value in flat:
         m = saved.get(fqn)
         if m is None:
             problems.append(Problem(Kind.VALUE, f"key {fqn!r} is not in the checkpoint"))
@@ -70,16 +70,16 @@ def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool) -> tuple[list
                 problems.append(Problem(
                     Kind.VALUE, f"key {fqn!r}: saved dtype {m.properties.dtype}, destination dtype {value.dtype}"))
     if strict:
-        extra = sorted(set(saved) - {fqn for fqn, _ in leaves})
+        extra = sorted(set(saved) - {fqn for fqn, _ in flat})
         if extra:
             problems.append(Problem(Kind.VALUE, f"unexpected keys in the checkpoint {extra} (load(..., strict=False) "
                                                 "ignores them)"))
-    return problems, leaves
+    return problems, flat
 
 
-def _needed_items(leaves: list[tuple[str, Any]], md: Metadata, rank: int) -> list[MetadataIndex]:
+def _needed_items(flat: list[tuple[str, Any]], md: Metadata, rank: int) -> list[MetadataIndex]:
     out = []
-    for fqn, value in leaves:
+    for fqn, value in flat:
         m = md.state_dict_metadata.get(fqn)
         if m is None:
             continue
@@ -154,7 +154,7 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
             raise CorruptCheckpointError(f"manifest {root / 'tdb_manifest.json'} is from save {manifest['save_id']}, "
                                          f"not from the generation {name}")
         md = read_metadata(root, manifest)
-        key_problems, leaves = _check_keys(state_dict, md, strict)
+        key_problems, flat = _check_keys(state_dict, md, strict)
         problems += key_problems
         if verify and not key_problems:
             if manifest is None:
@@ -165,7 +165,7 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
                 if saved_id != manifest.get("dcp_save_id"):
                     problems.append(Problem(Kind.CORRUPT, f"{root}: .metadata is from save {saved_id}, the manifest "
                                                           f"from {manifest.get('dcp_save_id')}"))
-                problems += _check_items(root, manifest, md, _needed_items(leaves, md, rank))
+                problems += _check_items(root, manifest, md, _needed_items(flat, md, rank))
         ident = (manifest or {}).get("save_id") or (md.storage_meta.save_id if md.storage_meta is not None else "")
     except Exception as e:  # every rank must reach the agreement
         problems.append(problem_from(e))
