@@ -19,7 +19,17 @@ import torch.distributed as dist
 
 from .commit import CheckpointBusyError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
-__all__ = ["Kind", "Problem", "dist_info", "from_rank0", "gather", "problem_from", "raise_if_any"]
+__all__ = [
+    "Kind",
+    "Problem",
+    "dist_info",
+    "from_rank0",
+    "gather",
+    "problem_from",
+    "problems_text",
+    "raise_for",
+    "raise_if_any",
+]
 
 
 class Kind(enum.Enum):
@@ -30,7 +40,6 @@ class Kind(enum.Enum):
     CORRUPT = "corrupt"  # damaged, hostile or inconsistent files: CorruptCheckpointError
     BUSY = "busy"  # another save holds the path: CheckpointBusyError
     IO = "io"  # the file system refused (OSError, errno named): CheckpointError
-    RETRY = "retry"  # the generation moved under a reader: every rank tries again
 
 
 _EXCEPTIONS: dict[Kind, type[Exception]] = {
@@ -39,7 +48,6 @@ _EXCEPTIONS: dict[Kind, type[Exception]] = {
     Kind.CORRUPT: CorruptCheckpointError,
     Kind.BUSY: CheckpointBusyError,
     Kind.IO: CheckpointError,
-    Kind.RETRY: CheckpointError,
 }
 
 
