@@ -108,7 +108,8 @@ def test_no_shards(gshape, shape):
     w = LocalShardsWrapper([], [], gshape, dtype=torch.float16)
     assert w.shape == torch.Size(shape)
     assert w.is_empty_shard()
-    assert w.local_shards() == [] and w.local_offsets() == [] and w.local_sizes() == []
+    assert w.local_shards() == [] and w.local_offsets() == []
+    assert w.local_sizes() == [torch.Size([0] * len(shape))]  # one all-zero size, as torch's and TorchRec's
     assert w.local_chunks == []
     assert w.dtype == torch.float16
     if gshape is not None:

@@ -112,7 +112,14 @@ class LocalShardsWrapper(torch.Tensor):
         return list(self._offsets)
 
     def local_sizes(self) -> list[torch.Size]:
-        """Sizes of each local shard."""
+        """Sizes of each local shard.
+
+        A wrapper with no shard reports one all-zero size, as the wrappers of
+        torch and TorchRec do (TorchRec's ``EmbeddingCollection`` load reads
+        ``local_sizes()[0]`` before it looks at ``local_shards()``).
+        """
+        if not self._local_shards:
+            return [torch.Size([0] * self.dim())]
         return [s.size() for s in self._local_shards]
 
     @property
