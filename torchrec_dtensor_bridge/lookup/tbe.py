@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -157,3 +158,13 @@ def pool_rows_backward(
         max(int(weight.shape[0]).bit_length(), 1), ids, offsets, _POOL_SUM, per_sample_weights,
     )
     return flat.view(weight.shape)
+
+
+def update_rows_supported(bind: Any, plan: Any, block: Any) -> bool:
+    """Whether fbgemm's backward-with-optimizer kernel can update ``block``'s shard (see :func:`update_rows`)."""
+    return False
+
+
+def update_rows(bind: Any, plan: Any, block: Any, grad: torch.Tensor) -> None:
+    """Apply ``bind``'s optimizer to ``block``'s shard with fbgemm's backward-with-optimizer kernel."""
+    raise NotImplementedError
