@@ -288,3 +288,16 @@ def test_no_table_sized_buffer_per_step(pool, layout, kind):
     if layout == "row_wise" and kind == "adam":  # the measure sees a dense gradient: it can fail
         dense = pool.run(check_no_table_sized_buffer, layout, None)
         assert max(max(g) for g in dense) > shard_bytes // 2, (dense, shard_bytes)
+
+
+def check_psw_requires_grad_refused(rank: int, world: int) -> None:
+    """A per_sample_weights that requires grad on one rank: every rank raises, nothing silently None."""
+    w = _weight(LAYOUTS["grid"], _table(0), rank)
+    b = _batch(rank, 0, 0, psw=True)
+    psw = b["per_sample_weights"].requires_grad_(rank == 1)
+    with pytest.raises(NotImplementedError, match="per_sample_weights"):
+        tdb.sharded_embedding_bag(b["input"], w, b["offsets"], mode="sum", per_sample_weights=psw)
+
+
+def test_per_sample_weights_requires_grad_refused(pool):
+    pool.run(check_psw_requires_grad_refused)

@@ -200,6 +200,9 @@ def bags_from_input(
             )
         if per_sample_weights.dtype != weight_dtype:
             raise _fail(TypeError, f"{fn}: per_sample_weights has dtype {per_sample_weights.dtype}, weight has {weight_dtype}")
+        if per_sample_weights.requires_grad and torch.is_grad_enabled():
+            raise _fail(NotImplementedError, f"{fn}: per_sample_weights requires grad, but its gradient is not "
+                        "computed by the sharded lookups; pass per_sample_weights.detach()")
         weights = per_sample_weights.reshape(-1)
     return Bags(ids, lengths, weights)
 
