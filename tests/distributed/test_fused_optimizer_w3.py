@@ -301,3 +301,66 @@ def check_psw_requires_grad_refused(rank: int, world: int) -> None:
 
 def test_per_sample_weights_requires_grad_refused(pool):
     pool.run(check_psw_requires_grad_refused)
+
+
+RESUME = {  # table -> (kind, layout on 2 ranks before, layout on 3 ranks after)
+    "t0": ("rowwise_adagrad", ShardLayout.row_wise(SHAPE, 2), LAYOUTS["grid"]),
+    "t1": ("adam", ShardLayout.column_wise(SHAPE, [2, 4]), LAYOUTS["row_wise_uneven"]),
+}
+
+
+def _resume_setup(rank: int, after: bool) -> tuple[dict, dict]:
+    weights = {n: _weight((lay2 if after else lay1).with_name(n), _table(30 + t), rank)
+               for t, (n, (_, lay1, lay2)) in enumerate(RESUME.items())}
+    opts = {n: tdb.FusedOptimizer({n: weights[n]}, kind, lr=HYPER["lr"], eps=HYPER["eps"], beta1=HYPER["beta1"],
+                                  beta2=HYPER["beta2"]) for n, (kind, _, _) in RESUME.items()}
+    return weights, opts
+
+
+def _resume_step(rank: int, step: int, weights: dict, opts: dict) -> None:
+    for t, n in enumerate(RESUME):
+        b = _batch(rank, step, t)
+        out = tdb.sharded_embedding_bag(b["input"], weights[n], b["offsets"], mode="sum", optimizer=opts[n])
+        (out * _scale(rank, step, t, out.shape[0])).sum().backward()
+
+
+def check_resume_save(rank: int, world: int, path: str) -> None:
+    weights, opts = _resume_setup(rank, after=False)
+    for step in range(2):
+        _resume_step(rank, step, weights, opts)
+    sd = dict(weights)
+    for o in opts.values():
+        sd.update(o.state_dict())
+    tdb.checkpoint.save(sd, path)
+
+
+def check_resume_load(rank: int, world: int, path: str) -> None:
+    weights, opts = _resume_setup(rank, after=True)
+    with torch.no_grad():
+        for w in weights.values():
+            for s in tdb.convert.local_shards_of(w):
+                s.fill_(-9.0)
+    sd = dict(weights)
+    for o in opts.values():
+        sd.update(o.state_dict())
+    tdb.checkpoint.load(sd, path)
+    for o in opts.values():
+        o.load_state_dict({k: sd[k] for k in o.state_dict()})
+    _resume_step(rank, 2, weights, opts)
+    for t, (n, (kind, _, _)) in enumerate(RESUME.items()):
+        ref = Reference(_table(30 + t), kind)
+        for step, ranks in ((0, 2), (1, 2), (2, 3)):  # 2 steps on 2 ranks, then 1 on 3 ranks
+            _reference_step(ref, ranks, step, t, "sum", False)
+        torch.testing.assert_close(tdb.full_tensor(weights[n]), ref.w, msg=lambda m, n=n: f"{n}: {m}")
+        _check_state(opts[n], {n: ref})
+
+
+def test_resume_under_another_layout_and_world_size(pool, tmp_path):
+    from .harness import ProcessGroupPool
+
+    two = ProcessGroupPool(2)
+    try:
+        two.run(check_resume_save, str(tmp_path / "ckpt"))
+    finally:
+        two.close()
+    pool.run(check_resume_load, str(tmp_path / "ckpt"))
