@@ -17,6 +17,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.convert import local_shards_of
 from torchrec_dtensor_bridge.convert.placements import world_mesh
+from torchrec_dtensor_bridge.layout import ShardLayout
 from torchrec_dtensor_bridge.torchrec_plan import layouts_from_module_plan
 
 from .harness import make_pool_fixture
@@ -95,7 +96,63 @@ def check_same_training(rank: int, world: int, kind: str, steps: int = 3) -> int
             for off, t in _local(osd[f"embedding_bags.{n}.weight"][f"{n}.momentum1"]).items():
                 torch.testing.assert_close(got[off], t, msg=lambda m, n=n: f"{n} momentum1: {m}")
                 compared += 1
+    if kind == "rowwise_adagrad":
+        compared += _check_state_exchange(rank, theirs, opt, weights, layouts)
     return compared
+
+
+def _check_state_exchange(rank: int, theirs, opt, weights, layouts) -> int:
+    """TorchRec's fused optimizer state into ours and ours into TorchRec's (live tensors)."""
+    osd = theirs.fused_optimizer.state_dict()
+    ours = opt.state_dict()
+    want = {k: [t.clone() for t in local_shards_of(v)] for k, v in ours.items()}
+    with torch.no_grad():
+        for v in ours.values():
+            for t in local_shards_of(v):
+                t.fill_(-1.0)
+    opt.load_torchrec_state_dict(osd)
+    for k, v in ours.items():
+        for got, exp in zip(local_shards_of(v), want[k]):
+            torch.testing.assert_close(got, exp, msg=lambda m, k=k: f"import {k}: {m}")
+    stamp = {k: [t.clone() for t in local_shards_of(v)] for k, v in ours.items()}
+    with torch.no_grad():
+        for v in ours.values():
+            for t in local_shards_of(v):
+                t.mul_(2.0)
+    opt.copy_to_torchrec_state_dict(osd)
+    live = theirs.fused_optimizer.state_dict()["state"]  # TorchRec's own tensors now hold ours
+    n = 0
+    for key, per in live.items():
+        for sk, st in per.items():
+            table = sk.rpartition(".")[0]
+            mine = dict(zip([s.offsets[0] for s in layout_rows(ours[sk], rank)], stamp[sk]))
+            for off, t in _local(st).items():
+                torch.testing.assert_close(t, 2.0 * mine[off[0]], msg=lambda m, sk=sk: f"export {sk}: {m}")
+                n += 1
+            assert table in weights
+    return n
+
+
+def check_column_wise_refused(rank: int, world: int) -> None:
+    """TorchRec's row-wise Adagrad on a column-wise table keeps per-column-shard row state: refused."""
+    from .torchrec_models import shard_ebc_with_rowwise_adagrad
+
+    model, tables = shard_ebc_with_rowwise_adagrad(world)
+    osd = model.fused_optimizer.state_dict()
+    rows, dim, _ = tables["t_cw"]
+    w = tdb.convert.dtensor_from_local_shards(
+        ShardLayout.row_wise((rows, dim), world, dtype=torch.float32),
+        [torch.zeros(s.sizes) for s in ShardLayout.row_wise((rows, dim), world).shards_on(rank)],
+    ).requires_grad_()
+    opt = tdb.FusedOptimizer({"t_cw": w}, "rowwise_adagrad", lr=0.1)
+    with pytest.raises(ValueError, match=r"t_cw.momentum1: TorchRec's has shape \[36\], ours \[9\].*column shard"):
+        opt.load_torchrec_state_dict(osd)
+    with pytest.raises(ValueError, match="column shard"):
+        opt.copy_to_torchrec_state_dict(osd)
+
+
+def test_torchrec_column_wise_state_refused(pool):
+    pool.run(check_column_wise_refused)
 
 
 def layout_rows(state, rank: int):
