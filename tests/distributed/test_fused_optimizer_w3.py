@@ -348,6 +348,40 @@ def test_per_sample_weights_gradient_dtensor_input_refused(pool):
     pool.run(check_psw_grad_dtensor_input_refused)
 
 
+def check_replicated_input(rank: int, world: int, kind: str, names: list[str]) -> None:
+    """A Replicate() DTensor batch (the same on every rank, no exchange in forward): the update of that batch."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from torchrec_dtensor_bridge.convert.placements import world_mesh
+
+    mesh = world_mesh("cpu")
+    for t, n in enumerate(names):
+        table = _table(50 + t)
+        w = _weight(LAYOUTS[n].with_name(n), table, rank)
+        opt = tdb.FusedOptimizer([w], kind, lr=HYPER["lr"], eps=HYPER["eps"], beta1=HYPER["beta1"],
+                                 beta2=HYPER["beta2"])
+        ref = Reference(table, kind)
+        for step in range(2):
+            b = _batch(0, step, t)  # rank 0's batch, on every rank
+            ids, offsets = (DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                            for x in (b["input"], b["offsets"]))
+            out = tdb.sharded_embedding_bag(ids, w, offsets, mode="mean", optimizer=opt)
+            g = _scale(0, step, t, out.shape[0])
+            (out.full_tensor() * g).sum().backward()
+            full = ref.w.clone().requires_grad_()
+            (F.embedding_bag(b["input"], full, b["offsets"], mode="mean") * g).sum().backward()
+            ref.apply(full.grad, b["input"].unique())
+        assert w.grad is None
+        torch.testing.assert_close(tdb.full_tensor(w), ref.w, msg=lambda m, n=n: f"{n} ({kind}): {m}")
+        _check_state(opt, {"0": ref})
+
+
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "adam"])
+def test_parity_replicated_dtensor_input(pool, kind):
+    pool.run(check_replicated_input, kind, ["grid", "replicated", "replicated_on_two", "column_wise_multi",
+                                            "row_wise_even"])
+
+
 RESUME = {  # table -> (kind, layout on 2 ranks before, layout on 3 ranks after)
     "t0": ("rowwise_adagrad", ShardLayout.row_wise(SHAPE, 2), LAYOUTS["grid"]),
     "t1": ("adam", ShardLayout.column_wise(SHAPE, [2, 4]), LAYOUTS["row_wise_uneven"]),
