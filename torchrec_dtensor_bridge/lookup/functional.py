@@ -69,7 +69,7 @@ from .algorithms import LookupPlan, Strategy, pooled_lookup
 from .bags import Bags
 from .renorm import renormalize
 from .resolve import ResolvedTable, call_group, resolve_table
-from .run import TableOptions, agree_and_route, finish, run_tables
+from .run import TableOptions, agree_and_route, finish, psw_grad, run_tables
 from .validate import (
     InputKind,
     RejectedArguments,
@@ -78,6 +78,7 @@ from .validate import (
     bags_for_embedding,
     bags_from_input,
     batch_digest,
+    bind_optimizer,
     check_options,
 )
 
@@ -179,7 +180,7 @@ def _even_columns(layout: ShardLayout, world: int) -> bool:
 
 def _replicated_input(
     table: ResolvedTable, bags: Bags, *, mode: str, padding: int | None, skip_padding: bool,
-    max_norm: float | None, norm_type: float,
+    max_norm: float | None, norm_type: float, binding: Any = None,
 ) -> tuple[torch.Tensor, list, bool] | None:
     """The communication-free lookups of an agreed replicated batch: (local output, placements, whether the
     output is this rank's columns); or ``None`` for the fallback (max on a layout that would need a Partial
@@ -197,7 +198,7 @@ def _replicated_input(
         layout=layout, shards=list(table.shards), batch=bags, num_bags=[bags.num_bags] * world,
         max_mode=mode == "max", padding_idx=padding, skip_padding=skip_padding,
         track=table.weight.requires_grad and torch.is_grad_enabled(), group=group.group, local_only=True,
-        table_layout=table.table_layout, strategy=strategy,
+        table_layout=table.table_layout, strategy=strategy, optimizer=binding,
     )
     (out,) = pooled_lookup([plan], [table.weight])
     out = finish(out, bags, mode, padding)
@@ -209,9 +210,11 @@ def _replicated_input(
 
 
 def _table_codes(op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
-                 shape: tuple[int, ...], dtype: torch.dtype | None, table: ResolvedTable | None) -> TableCodes:
+                 shape: tuple[int, ...], dtype: torch.dtype | None, table: ResolvedTable | None,
+                 binding: Any = None, bags: Bags | None = None) -> TableCodes:
     return TableCodes.of(op, mode, padding, max_norm, norm_type, shape, dtype,
-                         -1 if table is None else table.digest)
+                         -1 if table is None else table.digest, optimizer=binding,
+                         psw_grad=bags is not None and psw_grad(bags))
 
 
 def sharded_embedding_bag(
@@ -228,6 +231,7 @@ def sharded_embedding_bag(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
     process_group: dist.ProcessGroup | None = None,
+    optimizer: Any = None,
 ) -> torch.Tensor:
     """``F.embedding_bag`` over a DTensor table of any layout; *collective* over the weight's group.
 
@@ -251,6 +255,9 @@ def sharded_embedding_bag(
     weight's layout, with no data collective in forward or backward (see the
     module docstring).
 
+    With ``optimizer`` (a :class:`FusedOptimizer` holding ``weight``), backward
+    updates the weight in place instead (``weight.grad`` stays ``None``).
+
     Raises:
         TypeError, ValueError, NotImplementedError: on every rank, when any rank's
             arguments are invalid (SPEC §4), the ranks disagree on an option, on
@@ -263,11 +270,12 @@ def sharded_embedding_bag(
     """
     fn = "sharded_embedding_bag"
     group, kind, mesh, table, error = _edge(fn, weight, input, process_group)
-    bags, padding = None, None
+    bags, padding, bind = None, None, None
     shape = tuple(weight.shape) if isinstance(weight, DTensor) else ()
     dtype = weight.dtype if isinstance(weight, DTensor) else None
     if error is None:
         try:
+            bind = bind_optimizer(fn, optimizer, weight)
             input, local = _local_inputs(fn, input, offsets=offsets, per_sample_weights=per_sample_weights)
             offsets, per_sample_weights = local["offsets"], local["per_sample_weights"]
             padding = check_options(
@@ -278,15 +286,19 @@ def sharded_embedding_bag(
                 fn, input, offsets, per_sample_weights, rows=shape[0], mode=mode,
                 include_last_offset=include_last_offset, weight_dtype=dtype or torch.float32,
             )
+            if kind is not InputKind.PLAIN and psw_grad(bags):
+                raise RejectedArguments(NotImplementedError, f"{fn}: the gradient of per_sample_weights is "
+                                        "computed for plain-tensor inputs only; pass per_sample_weights.detach() "
+                                        "with a DTensor input")
         except RejectedArguments as e:
             error = e
-    codes = [_table_codes(0, mode, padding, max_norm, norm_type, shape, dtype, table)]
+    codes = [_table_codes(0, mode, padding, max_norm, norm_type, shape, dtype, table, bind, bags)]
     if kind is InputKind.REPLICATE:
         digest = 0 if bags is None else batch_digest(bags)
         agree(fn, error, None if bags is None else [bags], codes, group, kind=kind, digest=digest)
         assert bags is not None and table is not None
         done = _replicated_input(table, bags, mode=mode, padding=padding, skip_padding=True,
-                                 max_norm=max_norm, norm_type=norm_type)
+                                 max_norm=max_norm, norm_type=norm_type, binding=bind)
         if done is not None:
             out, placements, _ = done
             gshape = torch.Size((bags.num_bags, shape[1]))
@@ -299,7 +311,7 @@ def sharded_embedding_bag(
     infos, routes = agree_and_route(fn, error, tables, None if bags is None else [bags], opts, codes, group,
                                     kind=InputKind.PLAIN if kind is InputKind.REPLICATE else kind)
     assert bags is not None
-    (out,) = run_tables(tables, [bags], infos, opts, routes, skip_padding=True)
+    (out,) = run_tables(tables, [bags], infos, opts, routes, skip_padding=True, bindings=[bind])
     out = finish(out, bags, mode, padding)
     if kind is InputKind.PLAIN:
         return out
@@ -316,6 +328,7 @@ def sharded_embedding(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
     process_group: dist.ProcessGroup | None = None,
+    optimizer: Any = None,
 ) -> torch.Tensor:
     """``F.embedding`` over a DTensor table of any layout; *collective* over the weight's group.
 
@@ -324,7 +337,8 @@ def sharded_embedding(
     ``F.embedding(input, full_weight, ...)``; the ``padding_idx`` row is looked
     up but receives no gradient, as in torch. The group, DTensor inputs and
     errors are as for :func:`sharded_embedding_bag` (a column-cut output of a
-    replicated input is ``Shard`` on the last dim).
+    replicated input is ``Shard`` on the last dim). ``optimizer``: as for
+    :func:`sharded_embedding_bag`.
 
     Example::
 
@@ -332,11 +346,12 @@ def sharded_embedding(
     """
     fn = "sharded_embedding"
     group, kind, mesh, table, error = _edge(fn, weight, input, process_group)
-    bags, padding = None, None
+    bags, padding, bind = None, None, None
     shape = tuple(weight.shape) if isinstance(weight, DTensor) else ()
     dtype = weight.dtype if isinstance(weight, DTensor) else None
     if error is None:
         try:
+            bind = bind_optimizer(fn, optimizer, weight)
             input, _ = _local_inputs(fn, input)
             padding = check_options(
                 fn, shape, mode="sum", padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
@@ -345,13 +360,13 @@ def sharded_embedding(
             bags = bags_for_embedding(fn, input, shape[0])
         except RejectedArguments as e:
             error = e
-    codes = [_table_codes(1, "sum", padding, max_norm, norm_type, shape, dtype, table)]
+    codes = [_table_codes(1, "sum", padding, max_norm, norm_type, shape, dtype, table, bind)]
     if kind is InputKind.REPLICATE:
         digest = 0 if bags is None else batch_digest(bags)
         agree(fn, error, None if bags is None else [bags], codes, group, kind=kind, digest=digest)
         assert bags is not None and table is not None and isinstance(input, torch.Tensor)
         done = _replicated_input(table, bags, mode="sum", padding=padding, skip_padding=False,
-                                 max_norm=max_norm, norm_type=norm_type)
+                                 max_norm=max_norm, norm_type=norm_type, binding=bind)
         assert done is not None  # only max falls back
         out, placements, columns = done
         gshape = torch.Size(tuple(input.shape) + (shape[1],))
@@ -365,7 +380,7 @@ def sharded_embedding(
     infos, routes = agree_and_route(fn, error, tables, None if bags is None else [bags], opts, codes, group,
                                     kind=kind)
     assert bags is not None and isinstance(input, torch.Tensor)
-    (out,) = run_tables(tables, [bags], infos, opts, routes, skip_padding=False)
+    (out,) = run_tables(tables, [bags], infos, opts, routes, skip_padding=False, bindings=[bind])
     out = out.view(tuple(input.shape) + (shape[1],))
     if kind is InputKind.PLAIN:
         return out

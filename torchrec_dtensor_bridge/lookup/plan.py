@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,11 @@ class LookupPlan:
         table_layout: the weight's whole layout in global ranks (its gradient carries it);
             ``layout`` is the group's part in group ranks. Default: ``layout``.
         strategy: given by the caller's resolved table, else worked out from ``layout``.
+        optimizer: the table's :class:`..optim.state.Binding` when backward applies a fused
+            optimizer instead of returning a gradient.
+        psw_grad: backward computes the gradient of this rank's per-sample weights.
+        route: where this rank's ids went (:class:`.route.Route`), ``None`` when not routed.
+        received: how many of ``batch``'s ids came from each rank (routed tables).
 
     Ranks (``rank``, ``layout``'s, ``num_bags``' order) are ranks of ``group``.
     """
@@ -80,6 +86,10 @@ class LookupPlan:
     routed: bool = False
     table_layout: ShardLayout | None = None
     strategy: Strategy | None = None
+    optimizer: Any = None
+    psw_grad: bool = False
+    route: Any = None
+    received: tuple[int, ...] = ()
     rank: int = field(init=False)
     world: int = field(init=False)
     mine: tuple[ShardSpec, ...] = field(init=False)
@@ -116,6 +126,7 @@ class Block:
     offsets: torch.Tensor
     weights: torch.Tensor | None
     argmax: torch.Tensor | None
+    positions: torch.Tensor | None = None
 
 
 def partial_output(plan: LookupPlan, blocks: list[Block], fill: float) -> torch.Tensor:

@@ -12,6 +12,7 @@ the API edge, on the call's group.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from .resolve import ResolvedTable
 from .route import Route, route_for
 from .validate import InputKind, RankInfo, RejectedArguments, TableCodes, agree
 
-__all__ = ["TableOptions", "agree_and_route", "finish", "routes_for", "run_tables"]
+__all__ = ["TableOptions", "agree_and_route", "finish", "psw_grad", "routes_for", "run_tables"]
 
 
 def finish(out: torch.Tensor, bags: Bags, mode: str, padding: int | None) -> torch.Tensor:
@@ -80,7 +81,7 @@ def agree_and_route(
 
 def run_tables(
     tables: list[ResolvedTable], bags: list[Bags], infos: list[list[RankInfo]], options: list[TableOptions],
-    routes: list[Route | None], *, skip_padding: bool,
+    routes: list[Route | None], *, skip_padding: bool, bindings: list[Any] | None = None,
 ) -> list[torch.Tensor]:
     """Steps 3-5 for validated arguments, all tables at once; per table the pooled (sum or raw max) output of
     this rank's bags. Ids of every table that needs them travel in one exchange (``routes``, agreed in
@@ -119,7 +120,17 @@ def run_tables(
             routed=routes[t] is not None and o.max_norm is None,
             table_layout=tables[t].table_layout,
             strategy=tables[t].strategy,
+            optimizer=None if bindings is None else bindings[t],
+            psw_grad=psw_grad(bags[t]) and track,
+            route=routes[t],
+            received=tuple(0 if i.sends is None else i.sends[rank] for i in infos[t]),
         )
         for t, o in enumerate(options)
     ]
-    return pooled_lookup(plans, [t.weight for t in tables])
+    return pooled_lookup(plans, [t.weight for t in tables],
+                         [b.weights if p.psw_grad else None for b, p in zip(bags, plans)])
+
+
+def psw_grad(bags: Bags) -> bool:
+    """Whether a lookup of ``bags`` computes its per-sample weights' gradient (agreed by every rank)."""
+    return bags.weights is not None and bags.weights.requires_grad and torch.is_grad_enabled()

@@ -36,8 +36,8 @@ import torch.distributed as dist
 from ..convert.groups import CommGroup
 from .bags import Bags
 from .resolve import ResolvedTable, call_group, resolve_table
-from .run import TableOptions, agree_and_route, finish, run_tables
-from .validate import RejectedArguments, TableCodes, bags_from_input, check_options
+from .run import TableOptions, agree_and_route, finish, psw_grad, run_tables
+from .validate import RejectedArguments, TableCodes, bags_from_input, bind_optimizer, check_options
 
 __all__ = ["sharded_embedding_bags"]
 
@@ -63,8 +63,8 @@ def _weights(weights: Any) -> list[Any]:
 
 def _validate(
     inputs: Any, weights: list[Any], offsets: Any, per_sample_weights: Any, group: CommGroup, *, mode: Any,
-    padding_idx: Any, include_last_offset: bool, max_norm: Any, norm_type: Any,
-) -> tuple[list[ResolvedTable], list[Bags], list[TableOptions], list[TableCodes]]:
+    padding_idx: Any, include_last_offset: bool, max_norm: Any, norm_type: Any, optimizer: Any = None,
+) -> tuple[list[ResolvedTable], list[Bags], list[TableOptions], list[TableCodes], list[Any]]:
     """Every table resolved, its canonical batch and options; raises :class:`RejectedArguments` (local)."""
     if not isinstance(inputs, Sequence) or isinstance(inputs, torch.Tensor):
         raise RejectedArguments(TypeError, f"{_FN}: inputs must be a list of Tensors, got {type(inputs).__name__}")
@@ -81,7 +81,7 @@ def _validate(
     norms = _per_table("max_norm", max_norm, n, (int, float))
     ptypes = _per_table("norm_type", norm_type, n, (int, float))
     tables = [resolve_table(f"{_FN} (table {t})", w, group) for t, w in enumerate(weights)]
-    bags, options, codes = [], [], []
+    bags, options, codes, binds = [], [], [], []
     for t in range(n):
         fn = f"{_FN} (table {t})"
         w = tables[t].weight
@@ -91,13 +91,15 @@ def _validate(
                 "a plain tensor, or use sharded_embedding_bag"
             )
         shape = tuple(w.shape)
+        binds.append(bind_optimizer(fn, optimizer, w))
         padding = check_options(fn, shape, mode=modes[t], padding_idx=pads[t], max_norm=norms[t],
                                 norm_type=ptypes[t], scale_grad_by_freq=False, sparse=False)
         bags.append(bags_from_input(fn, inputs[t], offs[t], psws[t], rows=shape[0], mode=modes[t],
                                     include_last_offset=include_last_offset, weight_dtype=w.dtype))
         options.append(TableOptions(modes[t], padding, norms[t], ptypes[t]))
-        codes.append(TableCodes.of(2, modes[t], padding, norms[t], ptypes[t], shape, w.dtype, tables[t].digest))
-    return tables, bags, options, codes
+        codes.append(TableCodes.of(2, modes[t], padding, norms[t], ptypes[t], shape, w.dtype, tables[t].digest,
+                                   optimizer=binds[t], psw_grad=psw_grad(bags[-1])))
+    return tables, bags, options, codes, binds
 
 
 def sharded_embedding_bags(
@@ -112,6 +114,7 @@ def sharded_embedding_bags(
     max_norm: float | None | Sequence[float | None] = None,
     norm_type: float | Sequence[float] = 2.0,
     process_group: dist.ProcessGroup | None = None,
+    optimizer: Any = None,
 ) -> list[torch.Tensor]:
     """:func:`sharded_embedding_bag` of several tables in one call, with fused collectives; *collective*.
 
@@ -121,7 +124,9 @@ def sharded_embedding_bags(
     ``norm_type`` are one value for all tables or one per table. Returns, per
     table, this rank's ``(num_bags, embedding_dim)`` output, equal to
     ``F.embedding_bag(inputs[t], full_weight_t, ...)``; gradients flow to every
-    weight as with :func:`sharded_embedding_bag`. Every rank of the call's
+    weight as with :func:`sharded_embedding_bag`, or, with ``optimizer`` (a
+    :class:`FusedOptimizer` holding every weight), backward updates the weights
+    in place and leaves ``weight.grad`` ``None``. Every rank of the call's
     group passes the same tables in the same order: the group of the weights'
     meshes (all on one group; tables on one-rank meshes join it), or
     ``process_group``.
@@ -141,6 +146,7 @@ def sharded_embedding_bags(
     bags: list[Bags] | None = None
     options: list[TableOptions] = []
     codes: list[TableCodes] = []
+    binds: list[Any] = []
     listed: list[Any] = []
     try:
         listed = _weights(weights)
@@ -149,13 +155,14 @@ def sharded_embedding_bags(
     group = call_group(_FN, listed, process_group, None)
     if error is None:
         try:
-            tables, bags, options, codes = _validate(
+            tables, bags, options, codes, binds = _validate(
                 inputs, listed, offsets, per_sample_weights, group, mode=mode, padding_idx=padding_idx,
                 include_last_offset=include_last_offset, max_norm=max_norm, norm_type=norm_type,
+                optimizer=optimizer,
             )
         except RejectedArguments as e:
             error = e
     infos, routes = agree_and_route(_FN, error, tables, bags, options, codes, group)
     assert bags is not None
-    outs = run_tables(tables, bags, infos, options, routes, skip_padding=True)
+    outs = run_tables(tables, bags, infos, options, routes, skip_padding=True, bindings=binds)
     return [finish(out, b, o.mode, o.padding) for out, b, o in zip(outs, bags, options)]

@@ -22,6 +22,7 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,7 +31,10 @@ from ..agreement import RejectedArguments, float_code
 from ..convert.groups import CommGroup
 from .bags import Bags
 
-__all__ = ["InputKind", "RankInfo", "RejectedArguments", "TableCodes", "agree", "bags_from_input", "check_options"]
+__all__ = [
+    "InputKind", "RankInfo", "RejectedArguments", "TableCodes", "agree", "bags_from_input", "bind_optimizer",
+    "check_options",
+]
 
 MODES = ("sum", "mean", "max")
 
@@ -70,6 +74,21 @@ def batch_digest(bags: Bags) -> int:
             h.update(str(t.dtype).encode())
             h.update(t.detach().contiguous().cpu().numpy().tobytes())
     return int.from_bytes(h.digest(), "little") >> 2
+
+
+def bind_optimizer(fn: str, optimizer: object, weight: object) -> Any:
+    """The optimizer's binding for ``weight`` (``None`` without an optimizer); raises :class:`RejectedArguments`."""
+    if optimizer is None:
+        return None
+    from ..optim import FusedOptimizer
+
+    if not isinstance(optimizer, FusedOptimizer):
+        raise RejectedArguments(TypeError, f"{fn}: optimizer must be a FusedOptimizer, got {type(optimizer).__name__}")
+    bind = optimizer.bind(weight)
+    if bind is None:
+        raise RejectedArguments(ValueError, f"{fn}: the weight is not one of the optimizer's tables "
+                                f"{optimizer.names()} (pass the same DTensor objects the optimizer was built with)")
+    return bind
 
 
 def check_options(
@@ -224,6 +243,8 @@ class TableCodes:
         num_embeddings, embedding_dim: the weight's shape (-1: not 2-D).
         dtype: index of the weight's dtype in :data:`DTYPES`.
         layout: ``ShardLayout.digest()`` of the weight's layout in the group (-1: unknown).
+        optimizer: index of the fused optimizer's kind in ``OptimKind`` (-1: none).
+        psw_grad: 1 when backward computes the per-sample weights' gradient.
     """
 
     op: int
@@ -235,10 +256,15 @@ class TableCodes:
     embedding_dim: int
     dtype: int
     layout: int
+    optimizer: int = -1
+    psw_grad: int = 0
 
     @classmethod
     def of(cls, op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
-           shape: tuple[int, ...], dtype: torch.dtype | None, layout: int = -1) -> TableCodes:
+           shape: tuple[int, ...], dtype: torch.dtype | None, layout: int = -1, *, optimizer: Any = None,
+           psw_grad: bool = False) -> TableCodes:
+        from ..optim.kinds import OptimKind
+
         two_d = len(shape) == 2
         return cls(
             op, MODES.index(mode) if mode in MODES else -1, -1 if padding is None else int(padding),
@@ -246,6 +272,7 @@ class TableCodes:
             float_code(norm_type) if isinstance(norm_type, (int, float)) else -1,
             int(shape[0]) if two_d else -1, int(shape[1]) if two_d else -1,
             DTYPES.index(dtype) if dtype in DTYPES else -1, layout,
+            -1 if optimizer is None else list(OptimKind).index(optimizer.hyper.kind), int(psw_grad),
         )
 
     def values(self) -> list[int]:
