@@ -80,17 +80,11 @@ def _flip_all(tmp_path, target, stride):
 
 
 @pytest.mark.parametrize("target", [".metadata", "tdb_manifest.json"])
-def test_flipped_bytes_of_records_are_refused_naming_the_file(tmp_path, target):
-    outcomes, seconds, n = _flip_all(tmp_path, target, stride=7)
-    assert outcomes["refused"] > 0, outcomes
-    assert seconds < 120, f"{n} bytes took {seconds:.0f}s"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("target", [".metadata", "tdb_manifest.json"])
 def test_every_byte_of_records_flipped(tmp_path, target):
-    outcomes, _, n = _flip_all(tmp_path, target, stride=1)
-    assert outcomes["refused"] + outcomes["loaded"] == 2 * n
+    """Every byte flipped twice (lowest and highest bit), one load each, in one process."""
+    outcomes, seconds, n = _flip_all(tmp_path, target, stride=1)
+    assert outcomes["refused"] + outcomes["loaded"] == 2 * n and outcomes["refused"] > 0, outcomes
+    assert seconds < 120, f"{2 * n} loads took {seconds:.0f}s"
 
 
 @pytest.mark.parametrize("target", [".metadata", "tdb_manifest.json"])
