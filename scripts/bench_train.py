@@ -286,31 +286,59 @@ class _Bench:
 
 
 # ------------------------------------------------------------------ timing
-def _sample(fn: Callable[[], Any], inner: int) -> tuple[float, int]:
-    """One timed sample on every rank: seconds per call, and this rank's peak memory growth (bytes)."""
+def _sample(fn: Callable[[], Any], inner: int) -> dict[str, float]:
+    """One timed sample on every rank: wall seconds per call (between barriers), this process's CPU
+    seconds per call (all its threads) and minor page faults per call."""
+    import resource
+
     import torch.distributed as dist
 
-    rss = _reset_peak()
     dist.barrier()
+    c0, f0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     for _ in range(inner):
         fn()
     dist.barrier()
     dt = (time.perf_counter() - t0) / inner
-    return dt, _peak_growth(rss)
+    cpu = (time.process_time() - c0) / inner
+    return {"s": dt, "cpu": cpu, "faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / inner}
 
 
 def interleaved(paths: dict[str, Callable[[], Any]], reps: int, warmup: int, inner: int = 1) -> dict[str, dict]:
     """Every path ``warmup + reps`` times, the order reversed every repetition: raw samples per path."""
     names = list(paths)
-    out: dict[str, dict] = {n: {"s": [], "mem": []} for n in names}
+    out: dict[str, dict] = {n: {"s": [], "cpu": [], "faults": []} for n in names}
     for rep in range(warmup + reps):
         for n in (names if rep % 2 == 0 else names[::-1]):
-            dt, mem = _sample(paths[n], inner)
+            sample = _sample(paths[n], inner)
             if rep >= warmup:
-                out[n]["s"].append(dt)
-                out[n]["mem"].append(mem)
+                for k, v in sample.items():
+                    out[n][k].append(v)
     return out
+
+
+def peak_memory(paths: dict[str, Callable[[], Any]], reps: int) -> dict[str, list[int]]:
+    """Peak RSS growth (bytes) of one call of every path, ``reps`` times, interleaved.
+
+    Apart from the timed samples: giving the heap back before each call makes that call fault its
+    memory in again, which would bias the times against the path that allocates more.
+    """
+    import torch.distributed as dist
+
+    names = list(paths)
+    out: dict[str, list[int]] = {n: [] for n in names}
+    for rep in range(reps):
+        for n in (names if rep % 2 == 0 else names[::-1]):
+            dist.barrier()
+            rss = _reset_peak()
+            paths[n]()
+            out[n].append(_peak_growth(rss))
+    return out
+
+
+def _add_memory(samples: dict[str, dict], mem: dict[str, list[int]]) -> None:
+    for path, m in mem.items():
+        samples[path]["mem"] = m
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
@@ -332,12 +360,16 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
             b.verify()
             res: dict[str, Any] = {"setup_s": time.perf_counter() - t0}
             reps, warmup = cfg["reps"], cfg["warmup"]
-            res["forward"] = interleaved({"ours": b.ours_forward, "torchrec": b.torchrec_forward},
-                                         reps, warmup, cfg["inner"])
+            fwd = {"ours": b.ours_forward, "torchrec": b.torchrec_forward}
+            res["forward"] = interleaved(fwd, reps, warmup, cfg["inner"])
+            _add_memory(res["forward"], peak_memory(fwd, cfg["mem_reps"]))
             if not cfg["forward_only"]:
-                res["step"] = interleaved({"ours": b.ours_step, "torchrec": b.torchrec_step}, reps, warmup)
+                step = {"ours": b.ours_step, "torchrec": b.torchrec_step}
+                res["step"] = interleaved(step, reps, warmup)
+                _add_memory(res["step"], peak_memory(step, cfg["mem_reps"]))
             if cfg["dense_reps"] and not cfg["forward_only"]:
                 res["step"].update(interleaved({"dense": b.dense_step}, cfg["dense_reps"], 1))
+                _add_memory(res["step"], peak_memory({"dense": b.dense_step}, 1))
             result["layouts"][key] = res
             del b
             gc.collect()
@@ -359,39 +391,45 @@ def _ratio_stats(xs: list[float]) -> dict[str, float]:
 PHASES = {False: ("forward", "step"), True: ("forward",)}
 
 
+# how the ranks' samples combine: wall time of the slower rank, CPU time and faults of both ranks
+# together, memory of the rank that grew most
+_MERGE = {"s": max, "cpu": sum, "faults": sum, "mem": max}
+
+
+def _merge(ranks: list[dict], key: str, phase: str, path: str) -> dict[str, list[float]]:
+    per = [r["layouts"][key][phase][path] for r in ranks]
+    return {m: [f(p[m][i] for p in per) for i in range(len(per[0][m]))] for m, f in _MERGE.items()}
+
+
 def summarize(runs: list[list[dict]], cfg: dict) -> dict[str, Any]:
-    """Merge the ranks' samples of every run: times (slowest rank per sample), memory (per rank), ratios."""
+    """Merge the ranks' samples of every run (see ``_MERGE``); ratios per repetition and per run."""
     summary: dict[str, Any] = {}
     for key in cfg["layouts"]:
         lay: dict[str, Any] = {"label": LAYOUTS[key].label, "runs": []}
-        pooled: dict[str, dict[str, list]] = {}
+        pooled: dict[str, dict[str, dict[str, list]]] = {}
         for ranks in runs:
-            per_run: dict[str, Any] = {}
+            per_run: dict[str, Any] = {"setup_s": max(r["layouts"][key]["setup_s"] for r in ranks)}
             for phase in PHASES[cfg["forward_only"]]:
-                paths = ranks[0]["layouts"][key][phase]
-                for path in paths:
-                    s = [max(r["layouts"][key][phase][path]["s"][i] for r in ranks)
-                         for i in range(len(paths[path]["s"]))]
-                    mem = [max(r["layouts"][key][phase][path]["mem"][i] for r in ranks)
-                           for i in range(len(paths[path]["s"]))]
-                    per_run.setdefault(phase, {})[path] = {"s": s, "mem_bytes": mem}
-                    acc = pooled.setdefault(phase, {}).setdefault(path, {"s": [], "mem": []})
-                    acc["s"] += s
-                    acc["mem"] += mem
+                per_run[phase] = {p: _merge(ranks, key, phase, p) for p in ranks[0]["layouts"][key][phase]}
+                for p, merged in per_run[phase].items():
+                    acc = pooled.setdefault(phase, {}).setdefault(p, {m: [] for m in _MERGE})
+                    for m, xs in merged.items():
+                        acc[m] += xs
                 ours, theirs = per_run[phase]["ours"], per_run[phase]["torchrec"]
                 per_run[phase]["speed_ratios"] = [t / o for t, o in zip(theirs["s"], ours["s"])]
+                per_run[phase]["cpu_ratios"] = [t / o for t, o in zip(theirs["cpu"], ours["cpu"])]
                 per_run[phase]["median_ratio"] = statistics.median(theirs["s"]) / statistics.median(ours["s"])
-            per_run["setup_s"] = max(r["layouts"][key]["setup_s"] for r in ranks)
             lay["runs"].append(per_run)
         for phase, paths in pooled.items():
-            lay[phase] = {p: {**_stats(v["s"]), "mem_bytes": _stats(v["mem"])} for p, v in paths.items()}
-            speed = [x for run in lay["runs"] for x in run[phase]["speed_ratios"]]
-            lay[phase]["speed_ratio"] = _ratio_stats(speed)  # TorchRec / ours per repetition
+            lay[phase] = {p: {**_stats(v["s"]), **{m: _stats(v[m]) for m in _MERGE if m != "s"}}
+                          for p, v in paths.items()}
+            for r in ("speed_ratios", "cpu_ratios"):
+                lay[phase][r[:-1]] = _stats([x for run in lay["runs"] for x in run[phase][r]])
             lay[phase]["run_median_ratios"] = [run[phase]["median_ratio"] for run in lay["runs"]]
             mo = [max(m, 1) for m in paths["ours"]["mem"]]
             mt = [max(m, 1) for m in paths["torchrec"]["mem"]]
-            lay[phase]["mem_ratio"] = {  # ours / TorchRec, peak over the samples (1 byte floor)
-                "max_over_samples": max(mo) / max(mt), "median": statistics.median(mo) / statistics.median(mt)}
+            lay[phase]["mem_ratio"] = {  # ours / TorchRec (1 byte floor)
+                "max": max(mo) / max(mt), "median": statistics.median(mo) / statistics.median(mt)}
             if "dense" in paths:
                 lay[phase]["dense_vs_ours"] = statistics.median(paths["dense"]["s"]) / statistics.median(
                     paths["ours"]["s"])
@@ -411,9 +449,10 @@ def report(res: dict) -> None:
           f"2 gloo ranks, 1 thread each, batch {cfg['batch']} per rank, bag {cfg['bag']}, sum; "
           f"{cfg['runs']} run(s) x {cfg['reps']} interleaved reps after {cfg['warmup']} warm-up "
           f"(forward samples: mean of {cfg['inner']} calls; dense: {cfg['dense_reps']} reps)")
-    print("  times: median [min .. max] ms; memory: peak growth during a sample, worst rank, "
-          "median [min .. max] MiB; ratio = TorchRec / ours per repetition (> 1: ours faster)")
-    for key, lay in res["layouts"].items():
+    print("  wall ms: median [min .. max] per call, the slower rank; cpu ms: both ranks' processes together; "
+          "faults: minor page faults per call, both ranks;\n  mem: peak RSS growth during one call, the rank "
+          f"that grew most, median [min .. max] of {cfg['mem_reps']}; ratio = TorchRec / ours (> 1: ours faster)")
+    for lay in res["layouts"].values():
         print(f"\n  {lay['label']}  (setup {statistics.median(r['setup_s'] for r in lay['runs']):.0f} s per run)")
         for phase in PHASES[cfg["forward_only"]][::-1]:
             ph = lay[phase]
@@ -421,18 +460,19 @@ def report(res: dict) -> None:
                                 if phase == "step" else "ours"), ("dense", "ours, dense grad + SGD")):
                 if path not in ph:
                     continue
-                s, m = ph[path], ph[path]["mem_bytes"]
-                print(f"    {phase:<8}{label:<26}{s['median'] * 1e3:9.1f} ms [{s['min'] * 1e3:.1f} .. "
-                      f"{s['max'] * 1e3:.1f}]   mem {_mib(m['median'])} MiB [{m['min'] / 2**20:.1f} .. "
-                      f"{m['max'] / 2**20:.1f}]")
-            r = ph["speed_ratio"]
+                s, m = ph[path], ph[path]["mem"]
+                print(f"    {phase:<8}{label:<24}{s['median'] * 1e3:8.1f} ms [{s['min'] * 1e3:6.1f} .. "
+                      f"{s['max'] * 1e3:6.1f}]  cpu {ph[path]['cpu']['median'] * 1e3:7.1f} ms  faults "
+                      f"{ph[path]['faults']['median']:7.0f}  mem {m['median'] / 2**20:7.1f} MiB "
+                      f"[{m['min'] / 2**20:.1f} .. {m['max'] / 2**20:.1f}]")
+            r, c = ph["speed_ratio"], ph["cpu_ratio"]
             runs = ", ".join(f"{x:.2f}x" for x in ph["run_median_ratios"])
             print(f"    {phase:<8}TorchRec / ours: {r['median']:.2f}x [{r['min']:.2f} .. {r['max']:.2f}] over "
-                  f"{r['n']} reps; per-run medians {runs}")
+                  f"{r['n']} reps (per-run medians {runs}); cpu {c['median']:.2f}x [{c['min']:.2f} .. "
+                  f"{c['max']:.2f}]")
             if phase == "step":
                 mr = ph["mem_ratio"]
-                print(f"    {phase:<8}memory ours / TorchRec: {mr['max_over_samples']:.2f}x (peak of samples), "
-                      f"{mr['median']:.2f}x (medians)")
+                print(f"    {phase:<8}memory ours / TorchRec: {mr['median']:.2f}x (medians), {mr['max']:.2f}x (peaks)")
                 if "dense_vs_ours" in ph:
                     print(f"    {phase:<8}dense / fused: {ph['dense_vs_ours']:.1f}x slower")
     t = res["targets"]
@@ -445,8 +485,8 @@ def report(res: dict) -> None:
 NOTES = [
     "same storage: our DTensors are zero-copy views of the DMP's tables (tdb.state_dict_to_dtensor of its "
     "state_dict), so both paths update the same memory; only the optimizer states are separate",
-    "memory = VmHWM after a sample minus VmRSS before it (high-water mark reset through /proc/self/clear_refs "
-    "and malloc_trim(0) before every sample), the larger of the two ranks",
+    "memory = VmHWM after one call minus VmRSS before it (malloc_trim(0), then the high-water mark reset "
+    "through /proc/self/clear_refs, before every call), measured apart from the timed samples",
     "times: each sample is between two barriers, the slower rank's time",
 ]
 
@@ -463,7 +503,7 @@ def run(cfg: dict) -> dict:
         "targets": {"step": 1.0, "step_goal": 1.5, "memory": 1.2, "forward": 1.0},
         "notes": NOTES + ([f"machine busy while measured (1-min load average {load_before[0]:.1f} on "
                            f"{os.cpu_count()} cores): figures are noisy"] if load_before[0] > 0.5 else []),
-        "env": {k: os.environ.get(k) for k in ("THP_MEM_ALLOC_ENABLE", "OMP_NUM_THREADS")},
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "THP_", "OMP_", "GLIBC_"))},
         "seconds": time.perf_counter() - t_start,
     }
     return res
@@ -479,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per path and run")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--inner", type=int, default=3, help="forward calls per forward sample")
+    parser.add_argument("--mem-reps", type=int, default=3, help="single calls per path measuring peak memory")
     parser.add_argument("--dense-reps", type=int, default=2, help="repetitions of the dense baseline (0: skip)")
     parser.add_argument("--runs", type=int, default=1, help="fresh pairs of processes, each a full run")
     parser.add_argument("--layouts", default="tw,rw", help="comma-separated subset of: " + ", ".join(LAYOUTS))
@@ -489,12 +530,12 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [k for k in args.layouts.split(",") if k]
     if not layouts or any(k not in LAYOUTS for k in layouts):
         parser.error(f"--layouts: choose from {', '.join(LAYOUTS)}, got {args.layouts!r}")
-    if min(args.reps, args.runs, args.inner) < 1 or args.warmup < 0 or args.dense_reps < 0:
-        parser.error("--reps, --runs and --inner must be >= 1; --warmup and --dense-reps >= 0")
+    if min(args.reps, args.runs, args.inner, args.mem_reps) < 1 or args.warmup < 0 or args.dense_reps < 0:
+        parser.error("--reps, --runs, --inner and --mem-reps must be >= 1; --warmup and --dense-reps >= 0")
     if args.dim % 4:
         parser.error(f"--dim must be a multiple of 4 (TorchRec's kernels), got {args.dim}")
     cfg = {k: getattr(args, k) for k in ("rows", "tables", "dim", "batch", "bag", "reps", "warmup", "inner",
-                                         "dense_reps", "runs", "forward_only")} | {"layouts": layouts}
+                                         "dense_reps", "mem_reps", "runs", "forward_only")} | {"layouts": layouts}
     import torchrec_dtensor_bridge as tdb
 
     if not args.forward_only and not hasattr(tdb, "FusedOptimizer"):
