@@ -21,12 +21,14 @@ from .convert import (
 )
 from .layout import LayoutKind, ShardLayout, ShardSpec
 from .lookup import sharded_embedding, sharded_embedding_bag, sharded_embedding_bags
+from .optim import FusedOptimizer
 from .sharding import shard_module
 from .state_dict import enable_dtensor_state_dict
 from .visualize import visualize_sharding
 from .wrapper import LocalShardsWrapper
 
 __all__ = [
+    "FusedOptimizer",
     "LayoutKind",
     "LocalShardsWrapper",
     "ShardLayout",

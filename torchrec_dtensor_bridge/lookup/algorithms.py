@@ -30,7 +30,9 @@ Steps of a lookup (every rank, in this order):
 3. ``mean`` (dividing by the true bag size) and max's "empty bag is 0" are
    applied by the caller after this Function, with plain autograd ops.
 
-The weight's gradient is returned as a DTensor with the weight's own mesh,
+A table whose plan carries an optimizer (:class:`..optim.FusedOptimizer`) gets no
+gradient: backward updates its shards in place instead (:mod:`..optim.backward`).
+Otherwise the weight's gradient is returned as a DTensor with the weight's own mesh,
 placements and layout (a :class:`LocalShardsWrapper` of per-shard gradients
 when the weight has one), equal shard by shard to the unsharded gradient of
 all ranks' batches.
@@ -177,8 +179,15 @@ class _PooledLookup(torch.autograd.Function):
             pieces[t] = got
         for t, full in zip(reduce, gather_grads(plans, grad_outs, reduce)):
             pieces[t] = [full[:, b.cols[0] : b.cols[0] + b.cols[1]] for b in blocks[t]]
-        grads = [_table_grads(p, bl, pc, win) for p, bl, pc, win in zip(plans, blocks, pieces, ctx.wins)]
-        return (None, *(_grad_dtensor(m, p, g) for m, p, g in zip(ctx.weight_meta, plans, grads)))
+        fused = [t for t, p in enumerate(plans) if p.optimizer is not None]
+        if fused:  # updated in place; no weight gradient
+            from ..optim.backward import apply_optimizers
+
+            apply_optimizers(plans, blocks, pieces, ctx.wins, fused)
+        grads = [None if p.optimizer is not None else _table_grads(p, bl, pc, win)
+                 for p, bl, pc, win in zip(plans, blocks, pieces, ctx.wins)]
+        return (None, *(None if g is None else _grad_dtensor(m, p, g)
+                        for m, p, g in zip(ctx.weight_meta, plans, grads)))
 
 
 def _table_grads(

@@ -64,9 +64,11 @@ from ..layout import ShardLayout, contiguous_strides
 from .algorithms import LookupPlan, Strategy, pooled_lookup, strategy_for
 from .renorm import renormalize
 from .run import TableOptions, agree_and_route, finish, option_codes, run_tables
+from ..optim import FusedOptimizer
 from .validate import (
     Bags,
     RejectedArguments,
+    bind_optimizer,
     bags_for_embedding,
     bags_from_input,
     check_options,
@@ -161,7 +163,7 @@ def _even_columns(layout: ShardLayout, world: int) -> bool:
 
 def _replicated_input(
     weight: DTensor, bags: Bags, mesh: Any, *, mode: str, padding: int | None, skip_padding: bool,
-    max_norm: float | None, norm_type: float,
+    max_norm: float | None, norm_type: float, binding: Any = None,
 ) -> tuple[torch.Tensor, list, str] | None:
     """The zero-communication lookups of a replicated batch: (local output, placements, kind) with kind
     ``"columns"`` (local output is this rank's columns), ``"full"`` (Replicate/Partial, full width); or
@@ -180,7 +182,7 @@ def _replicated_input(
     plan = LookupPlan(
         layout=layout, shards=shards, batch=bags, num_bags=[bags.num_bags] * world, max_mode=mode == "max",
         padding_idx=padding, skip_padding=skip_padding, track=weight.requires_grad and torch.is_grad_enabled(),
-        local_only=True,
+        local_only=True, optimizer=binding,
     )
     if strategy is Strategy.COLUMNS and not columns:
         plan.strategy = Strategy.REDUCE  # same blocks compute; summed into a partial instead
@@ -206,6 +208,7 @@ def sharded_embedding_bag(
     norm_type: float = 2.0,
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
+    optimizer: FusedOptimizer | None = None,
 ) -> torch.Tensor:
     """``F.embedding_bag`` over a DTensor table of any layout; *collective*.
 
@@ -223,6 +226,9 @@ def sharded_embedding_bag(
     weight's layout, with no collective in forward or backward (see the module
     docstring).
 
+    With ``optimizer`` (a :class:`FusedOptimizer` holding ``weight``), backward
+    updates the weight in place instead (``weight.grad`` stays ``None``).
+
     Raises:
         TypeError, ValueError, NotImplementedError: on every rank, when any rank's
             arguments are invalid (SPEC §4) or the ranks disagree on an option.
@@ -233,12 +239,13 @@ def sharded_embedding_bag(
         >>> out.sum().backward()  # dt_weight.grad: a DTensor like dt_weight
     """
     fn = "sharded_embedding_bag"
-    error, bags, padding, kind, mesh = None, None, None, None, None
+    error, bags, padding, kind, mesh, bind = None, None, None, None, None, None
     shape: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
     try:
         w = _check_weight(fn, weight)
         shape, dtype = tuple(w.shape), w.dtype
+        bind = bind_optimizer(fn, optimizer, w)
         kind, input, local, mesh = _dtensor_inputs(fn, input, offsets=offsets, per_sample_weights=per_sample_weights)
         offsets, per_sample_weights = local["offsets"], local["per_sample_weights"]
         padding = check_options(
@@ -256,7 +263,7 @@ def sharded_embedding_bag(
     if kind == _REPLICATE:
         assert bags is not None
         done = _replicated_input(weight, bags, mesh, mode=mode, padding=padding, skip_padding=True,
-                                 max_norm=max_norm, norm_type=norm_type)
+                                 max_norm=max_norm, norm_type=norm_type, binding=bind)
         if done is not None:
             out, placements, _ = done
             gshape = torch.Size((bags.num_bags, shape[1]))
@@ -265,9 +272,9 @@ def sharded_embedding_bag(
         bags = _split_bags(bags, dist.get_world_size(), dist.get_rank())
     opts = [TableOptions(mode, padding, max_norm, norm_type)]
     infos, routes = agree_and_route(fn, error, [weight], None if bags is None else [bags], opts,
-                                    [option_codes(0, mode, padding, max_norm, norm_type, shape, dtype)])
+                                    [option_codes(0, mode, padding, max_norm, norm_type, shape, dtype, bind)])
     assert bags is not None
-    (out,) = run_tables([weight], [bags], infos, opts, routes, skip_padding=True)
+    (out,) = run_tables([weight], [bags], infos, opts, routes, skip_padding=True, bindings=[bind])
     out = finish(out, bags, mode, padding)
     if kind is None:
         return out
@@ -283,6 +290,7 @@ def sharded_embedding(
     *,
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
+    optimizer: FusedOptimizer | None = None,
 ) -> torch.Tensor:
     """``F.embedding`` over a DTensor table of any layout; *collective*.
 
@@ -293,17 +301,20 @@ def sharded_embedding(
     DTensor result, as for :func:`sharded_embedding_bag` (a column-cut output is
     ``Shard`` on the last dim).
 
+    ``optimizer``: as for :func:`sharded_embedding_bag`.
+
     Example::
 
         >>> rows = sharded_embedding(ids, dt_weight)  # (*ids.shape, dim)
     """
     fn = "sharded_embedding"
-    error, bags, padding, kind, mesh = None, None, None, None, None
+    error, bags, padding, kind, mesh, bind = None, None, None, None, None, None
     shape: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
     try:
         w = _check_weight(fn, weight)
         shape, dtype = tuple(w.shape), w.dtype
+        bind = bind_optimizer(fn, optimizer, w)
         kind, input, _, mesh = _dtensor_inputs(fn, input)
         padding = check_options(
             fn, shape, mode="sum", padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
@@ -317,7 +328,7 @@ def sharded_embedding(
     if kind == _REPLICATE:
         assert bags is not None and isinstance(input, torch.Tensor)
         done = _replicated_input(weight, bags, mesh, mode="sum", padding=padding, skip_padding=False,
-                                 max_norm=max_norm, norm_type=norm_type)
+                                 max_norm=max_norm, norm_type=norm_type, binding=bind)
         assert done is not None  # only max falls back
         out, placements, how = done
         gshape = torch.Size(tuple(input.shape) + (shape[1],))
@@ -328,9 +339,9 @@ def sharded_embedding(
                                   stride=contiguous_strides(gshape))
     opts = [TableOptions("sum", padding, max_norm, norm_type)]
     infos, routes = agree_and_route(fn, error, [weight], None if bags is None else [bags], opts,
-                                    [option_codes(1, "sum", padding, max_norm, norm_type, shape, dtype)])
+                                    [option_codes(1, "sum", padding, max_norm, norm_type, shape, dtype, bind)])
     assert bags is not None and isinstance(input, torch.Tensor)
-    (out,) = run_tables([weight], [bags], infos, opts, routes, skip_padding=False)
+    (out,) = run_tables([weight], [bags], infos, opts, routes, skip_padding=False, bindings=[bind])
     out = out.view(tuple(input.shape) + (shape[1],))
     if kind is None:
         return out

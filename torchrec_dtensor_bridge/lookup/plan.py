@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,8 @@ class LookupPlan:
             still all-reduce their gradient.
         routed: ``batch`` holds only the ids inside this rank's computing blocks' rows
             (:mod:`.route`): a rank that computes one block pools them unfiltered.
+        optimizer: the table's :class:`..optim.state.Binding` when backward applies a fused
+            optimizer instead of returning a gradient.
     """
 
     layout: ShardLayout
@@ -73,6 +76,7 @@ class LookupPlan:
     group: dist.ProcessGroup | None = None
     local_only: bool = False
     routed: bool = False
+    optimizer: Any = None
     rank: int = field(init=False)
     world: int = field(init=False)
     strategy: Strategy = field(init=False)

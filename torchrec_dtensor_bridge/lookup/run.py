@@ -9,12 +9,14 @@ them travel in ONE ``all_to_all`` (routed, :mod:`.route`), ``max_norm`` renormal
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..convert.dtensor import layout_of, local_shards_of
+from ..optim.kinds import OptimKind
 from .algorithms import LookupPlan, Strategy, pooled_lookup, strategy_for
 from .exchange import gather_bags
 from .renorm import renormalize
@@ -36,7 +38,7 @@ def finish(out: torch.Tensor, bags: Bags, mode: str, padding: int | None) -> tor
 
 
 def option_codes(op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
-                 shape: tuple[int, ...], dtype: torch.dtype | None) -> dict[str, float]:
+                 shape: tuple[int, ...], dtype: torch.dtype | None, optimizer: Any = None) -> dict[str, float]:
     """The numbers every rank must agree on for one table (see :func:`.validate.agree`)."""
     return {
         "dtype": float(DTYPES.index(dtype)) if dtype in DTYPES else float("nan"),
@@ -47,6 +49,7 @@ def option_codes(op: int, mode: str, padding: int | None, max_norm: float | None
         "norm_type": float(norm_type) if isinstance(norm_type, (int, float)) else float("nan"),
         "num_embeddings": float(shape[0]) if len(shape) == 2 else float("nan"),
         "embedding_dim": float(shape[1]) if len(shape) == 2 else float("nan"),
+        "optimizer": -1.0 if optimizer is None else float(list(OptimKind).index(optimizer.hyper.kind)),
     }
 
 
@@ -93,7 +96,7 @@ def agree_and_route(
 
 def run_tables(
     weights: list[DTensor], bags: list[Bags], infos: list[list[RankInfo]], options: list[TableOptions],
-    routes: list[Route | None], *, skip_padding: bool,
+    routes: list[Route | None], *, skip_padding: bool, bindings: list[Any] | None = None,
 ) -> list[torch.Tensor]:
     """Steps 3-5 for validated arguments, all tables at once; per table the pooled (sum or raw max) output of
     this rank's bags. Ids of every table that needs them travel in one exchange (``routes``, agreed in
@@ -130,6 +133,7 @@ def run_tables(
             skip_padding=skip_padding,
             track=weights[t].requires_grad and track,
             routed=routes[t] is not None and o.max_norm is None,
+            optimizer=None if bindings is None else bindings[t],
         )
         for t, o in enumerate(options)
     ]

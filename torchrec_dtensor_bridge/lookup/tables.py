@@ -32,7 +32,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .run import TableOptions, agree_and_route, finish, option_codes, run_tables
-from .validate import Bags, RejectedArguments, bags_from_input, check_options
+from .validate import Bags, RejectedArguments, bags_from_input, bind_optimizer, check_options
 
 __all__ = ["sharded_embedding_bags"]
 
@@ -51,8 +51,8 @@ def _per_table(name: str, value: Any, n: int, scalar: tuple[type, ...]) -> list[
 
 def _validate(
     inputs: Any, weights: Any, offsets: Any, per_sample_weights: Any, *, mode: Any, padding_idx: Any,
-    include_last_offset: bool, max_norm: Any, norm_type: Any,
-) -> tuple[list[DTensor], list[Bags], list[TableOptions], list[dict[str, float]]]:
+    include_last_offset: bool, max_norm: Any, norm_type: Any, optimizer: Any = None,
+) -> tuple[list[DTensor], list[Bags], list[TableOptions], list[dict[str, float]], list[Any]]:
     """Every table's canonical batch and options; raises :class:`RejectedArguments` (local)."""
     if not isinstance(inputs, Sequence) or isinstance(inputs, torch.Tensor):
         raise RejectedArguments(TypeError, f"{_FN}: inputs must be a list of Tensors, got {type(inputs).__name__}")
@@ -70,7 +70,7 @@ def _validate(
     pads = _per_table("padding_idx", padding_idx, n, (int,))
     norms = _per_table("max_norm", max_norm, n, (int, float))
     ptypes = _per_table("norm_type", norm_type, n, (int, float))
-    bags, options, codes = [], [], []
+    bags, options, codes, binds = [], [], [], []
     for t in range(n):
         fn = f"{_FN} (table {t})"
         w = weights[t]
@@ -82,13 +82,14 @@ def _validate(
                 "a plain tensor, or use sharded_embedding_bag"
             )
         shape = tuple(w.shape)
+        binds.append(bind_optimizer(fn, optimizer, w))
         padding = check_options(fn, shape, mode=modes[t], padding_idx=pads[t], max_norm=norms[t],
                                 norm_type=ptypes[t], scale_grad_by_freq=False, sparse=False)
         bags.append(bags_from_input(fn, inputs[t], offs[t], psws[t], rows=shape[0], mode=modes[t],
                                     include_last_offset=include_last_offset, weight_dtype=w.dtype))
         options.append(TableOptions(modes[t], padding, norms[t], ptypes[t]))
-        codes.append(option_codes(2, modes[t], padding, norms[t], ptypes[t], shape, w.dtype))
-    return list(weights), bags, options, codes
+        codes.append(option_codes(2, modes[t], padding, norms[t], ptypes[t], shape, w.dtype, binds[t]))
+    return list(weights), bags, options, codes, binds
 
 
 def sharded_embedding_bags(
@@ -102,6 +103,7 @@ def sharded_embedding_bags(
     include_last_offset: bool = False,
     max_norm: float | None | Sequence[float | None] = None,
     norm_type: float | Sequence[float] = 2.0,
+    optimizer: Any = None,
 ) -> list[torch.Tensor]:
     """:func:`sharded_embedding_bag` of several tables in one call, with fused collectives; *collective*.
 
@@ -111,7 +113,9 @@ def sharded_embedding_bags(
     ``norm_type`` are one value for all tables or one per table. Returns, per
     table, this rank's ``(num_bags, embedding_dim)`` output, equal to
     ``F.embedding_bag(inputs[t], full_weight_t, ...)``; gradients flow to every
-    weight as with :func:`sharded_embedding_bag`. Every rank passes the same
+    weight as with :func:`sharded_embedding_bag`, or, with ``optimizer`` (a
+    :class:`FusedOptimizer` holding every weight), backward updates the weights
+    in place and leaves ``weight.grad`` ``None``. Every rank passes the same
     tables in the same order.
 
     Raises:
@@ -129,14 +133,15 @@ def sharded_embedding_bags(
     bags: list[Bags] | None = None
     options: list[TableOptions] = []
     codes: list[dict[str, float]] = []
+    binds: list[Any] = []
     try:
-        tables, bags, options, codes = _validate(
+        tables, bags, options, codes, binds = _validate(
             inputs, weights, offsets, per_sample_weights, mode=mode, padding_idx=padding_idx,
-            include_last_offset=include_last_offset, max_norm=max_norm, norm_type=norm_type,
+            include_last_offset=include_last_offset, max_norm=max_norm, norm_type=norm_type, optimizer=optimizer,
         )
     except RejectedArguments as e:
         error = e
     infos, routes = agree_and_route(_FN, error, tables, bags, options, codes)
     assert bags is not None
-    outs = run_tables(tables, bags, infos, options, routes, skip_padding=True)
+    outs = run_tables(tables, bags, infos, options, routes, skip_padding=True, bindings=binds)
     return [finish(out, b, o.mode, o.padding) for out, b, o in zip(outs, bags, options)]

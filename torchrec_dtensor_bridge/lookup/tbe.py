@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -157,3 +158,74 @@ def pool_rows_backward(
         max(int(weight.shape[0]).bit_length(), 1), ids, offsets, _POOL_SUM, per_sample_weights,
     )
     return flat.view(weight.shape)
+
+
+
+_HOST = 3  # fbgemm_gpu EmbeddingLocation.HOST
+_UPDATE_KERNELS = {"sgd": "sgd", "rowwise_adagrad": "rowwise_adagrad", "adagrad": "adagrad"}
+"""Optimizer kinds (``OptimKind.value``) with a CPU backward-with-optimizer kernel in fbgemm_gpu-cpu 1.8
+(Adam has none: ``split_embedding_backward_codegen_adam_cpu`` is not built for CPU)."""
+
+
+def update_rows_supported(bind: Any, plan: Any, block: Any) -> bool:
+    """Whether fbgemm's backward-with-optimizer kernel can update ``block``'s shard (see :func:`update_rows`).
+
+    It can when the shard's update needs nothing from other ranks (the caller
+    checks that), the lookup is a sum (no arg-max), the shard is a contiguous
+    fp32 CPU tensor, the kind has a CPU kernel, there is no weight decay, and an
+    un-pooled lookup's padding row is not in the shard (the kernel would train it).
+
+    Weight decay: the CPU row-wise Adagrad kernel of fbgemm_gpu-cpu 1.8 takes
+    ``weight_decay`` / ``weight_decay_mode`` but ignores them (measured: L2 and
+    decoupled give the same rows and momentum as no decay), and the SGD / Adagrad
+    kernels take none; so a decaying optimizer runs :mod:`..optim.update`, which
+    applies fbgemm's (GPU) semantics.
+    """
+    hyper = bind.hyper
+    shard = plan.shards[block.index]
+    if block.argmax is not None or select_kernel(shard, False) != KERNEL_TBE:
+        return False
+    if hyper.kind.value not in _UPDATE_KERNELS or hyper.weight_decay:
+        return False
+    if not plan.skip_padding and plan.padding_idx is not None:
+        spec = plan.mine[block.index]
+        if spec.offsets[0] <= plan.padding_idx < spec.offsets[0] + spec.sizes[0]:
+            return False
+    return block.weights is None or block.weights.dtype == torch.float32
+
+
+@functools.lru_cache(maxsize=64)
+def _learning_rate(lr: float) -> torch.Tensor:
+    return torch.tensor(lr, dtype=torch.float32)
+
+
+def update_rows(bind: Any, plan: Any, block: Any, grad: torch.Tensor) -> None:
+    """Apply ``bind``'s optimizer to ``block``'s shard, in place, with fbgemm's backward-with-optimizer kernel.
+
+    ``grad`` is the block's output gradient (``num_bags x shard width``); the
+    kernel sums it into one gradient per touched row and updates those rows of
+    the shard (and of its momentum) in place: the shard's own storage, no dense
+    gradient. Only for blocks :func:`update_rows_supported` accepts.
+    """
+    hyper, state = bind.hyper, bind.table
+    shard = plan.shards[block.index].detach()
+    w_off, d_off, hash_cumsum = _table_args(shard)
+    place = torch.full((1,), _HOST, dtype=torch.int32)
+    common = (
+        grad.contiguous(), shard.view(-1), place, w_off, d_off, shard.shape[1], hash_cumsum,
+        max(int(shard.shape[0]).bit_length(), 1), block.ids, block.offsets, _POOL_SUM, block.weights, False,
+    )
+    lr = _learning_rate(hyper.lr)
+    kind = hyper.kind.value
+    if kind == "sgd":
+        torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu(*common, lr)
+    elif kind == "adagrad":
+        m = state.elements[block.index]["momentum1"]
+        torch.ops.fbgemm.split_embedding_backward_codegen_adagrad_cpu(
+            *common, m.view(-1), place, w_off, lr, eps=hyper.eps,
+        )
+    else:
+        m = state.row_states[state.local_row_index(block.index)]
+        torch.ops.fbgemm.split_embedding_backward_codegen_rowwise_adagrad_cpu(
+            *common, m, place, w_off, lr, eps=hyper.eps,
+        )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,21 @@ class RankInfo:
 
 def _fail(kind: type[Exception], message: str) -> RejectedArguments:
     return RejectedArguments(kind, message)
+
+
+def bind_optimizer(fn: str, optimizer: object, weight: object) -> Any:
+    """The optimizer's binding for ``weight`` (``None`` without an optimizer); raises :class:`RejectedArguments`."""
+    if optimizer is None:
+        return None
+    from ..optim import FusedOptimizer
+
+    if not isinstance(optimizer, FusedOptimizer):
+        raise RejectedArguments(TypeError, f"{fn}: optimizer must be a FusedOptimizer, got {type(optimizer).__name__}")
+    bind = optimizer.bind(weight)
+    if bind is None:
+        raise RejectedArguments(ValueError, f"{fn}: the weight is not one of the optimizer's tables "
+                                f"{optimizer.names()} (pass the same DTensor objects the optimizer was built with)")
+    return bind
 
 
 def check_options(
@@ -184,6 +200,9 @@ def bags_from_input(
             )
         if per_sample_weights.dtype != weight_dtype:
             raise _fail(TypeError, f"{fn}: per_sample_weights has dtype {per_sample_weights.dtype}, weight has {weight_dtype}")
+        if per_sample_weights.requires_grad and torch.is_grad_enabled():
+            raise _fail(NotImplementedError, f"{fn}: per_sample_weights requires grad, but its gradient is not "
+                        "computed by the sharded lookups; pass per_sample_weights.detach()")
         weights = per_sample_weights.reshape(-1)
     return Bags(ids, lengths, weights)
 
@@ -221,7 +240,8 @@ def bags_for_embedding(fn: str, input: object, rows: int) -> Bags:
 
 
 # Option fields compared across ranks, in the order they travel.
-_AGREED = ("mode", "padding_idx", "max_norm", "norm_type", "num_embeddings", "embedding_dim", "dtype", "op")
+_AGREED = ("mode", "padding_idx", "max_norm", "norm_type", "num_embeddings", "embedding_dim", "dtype", "op",
+           "optimizer")
 
 # Weight dtypes travel as their index in this (process-independent) order.
 DTYPES: tuple[torch.dtype, ...] = tuple(sorted(

@@ -1,0 +1,11 @@
+"""Optimizers applied inside the lookups' backward, on the shards' own storage.
+
+Modules: ``optimizer`` (the public :class:`FusedOptimizer`), ``kinds`` (kinds and
+hyper-parameters), ``state`` (a table's state on this rank and its layouts),
+``update`` (the math on touched rows) and ``backward`` (what backward does for
+a table with an optimizer: sparse gradients, one exchange, the update).
+"""
+
+from .optimizer import FusedOptimizer
+
+__all__ = ["FusedOptimizer"]

@@ -1,0 +1,189 @@
+"""``FusedOptimizer``: an optimizer applied inside the lookups' backward, on the shards' own storage."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+
+from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards_of
+from ..convert.reshard import copy_into
+from .kinds import STATES, Hyper, OptimKind, StateKind, WeightDecayMode
+from .state import Binding, TableState
+
+__all__ = ["FusedOptimizer"]
+
+_DECAY_MODES = {"l2": WeightDecayMode.L2, "decoupled": WeightDecayMode.DECOUPLED}
+
+
+def _named(weights: object) -> dict[str, DTensor]:
+    if isinstance(weights, Mapping):
+        items = [(str(k), v) for k, v in weights.items()]
+    elif isinstance(weights, Sequence) and not isinstance(weights, (str, torch.Tensor)):
+        items = [(str(i), v) for i, v in enumerate(weights)]
+    else:
+        raise TypeError(f"FusedOptimizer: weights must be a mapping name -> DTensor or a sequence of DTensors, "
+                        f"got {type(weights).__name__}")
+    if not items:
+        raise ValueError("FusedOptimizer: no weights given")
+    seen: dict[int, str] = {}
+    for name, w in items:
+        if not isinstance(w, DTensor):
+            raise TypeError(f"FusedOptimizer: weight {name!r} must be a DTensor, got {type(w).__name__}")
+        if w.dim() != 2 or not w.dtype.is_floating_point:
+            raise ValueError(f"FusedOptimizer: weight {name!r} must be a 2-D floating table, got "
+                             f"{list(w.shape)} {w.dtype}")
+        if not w.requires_grad:
+            raise ValueError(f"FusedOptimizer: weight {name!r} does not require grad: its lookups would run no "
+                             "backward, so no update; call weight.requires_grad_()")
+        if id(w) in seen:
+            raise ValueError(f"FusedOptimizer: weights {seen[id(w)]!r} and {name!r} are the same tensor")
+        seen[id(w)] = name
+    return dict(items)
+
+
+class FusedOptimizer:
+    """An optimizer that backward applies in place to the rows a step touched; *collective* to build.
+
+    Pass it as ``optimizer=`` to :func:`sharded_embedding_bags`,
+    :func:`sharded_embedding_bag` or :func:`sharded_embedding`: backward then
+    updates the weights' own shards (``weight.grad`` stays ``None``; nothing
+    the size of a table is allocated per step). The result equals the
+    unsharded optimizer applied to the full table with the gradient summed over
+    every rank's batch, whatever the layout (see :mod:`.update` for the math;
+    only rows some rank's batch referenced are updated, as fbgemm's
+    ``EXACT_*`` optimizers do). Use each table in one lookup per step.
+
+    Args:
+        weights: ``name -> DTensor`` (or a sequence, named ``"0"``, ``"1"``, ...);
+            every weight requires grad.
+        kind: ``"sgd"``, ``"rowwise_adagrad"`` (fbgemm's EXACT_ROWWISE_ADAGRAD),
+            ``"adagrad"`` or ``"adam"``.
+        lr: learning rate.
+        eps: the denominators' epsilon (Adagrad kinds, Adam).
+        weight_decay: 0 for none.
+        weight_decay_mode: ``"l2"`` (added to the gradient) or ``"decoupled"``
+            (row-wise Adagrad only; Adam's decay is always decoupled, as fbgemm's).
+        beta1, beta2: Adam's moment decays.
+
+    Example::
+
+        >>> opt = tdb.FusedOptimizer({"t0": w0, "t1": w1}, "rowwise_adagrad", lr=0.1)
+        >>> outs = tdb.sharded_embedding_bags([ids0, ids1], [w0, w1], [off0, off1], mode="sum", optimizer=opt)
+        >>> torch.cat(outs, 1).sum().backward()  # w0, w1 updated in place
+        >>> tdb.checkpoint.save({**model_sd, **opt.state_dict()}, "/ckpt/step")
+    """
+
+    def __init__(
+        self,
+        weights: Mapping[str, DTensor] | Sequence[DTensor],
+        kind: str,
+        *,
+        lr: float,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        weight_decay_mode: str = "l2",
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+    ) -> None:
+        okind = OptimKind.parse(kind)
+        named = _named(weights)
+        if weight_decay_mode not in _DECAY_MODES:
+            raise ValueError(f"FusedOptimizer: weight_decay_mode must be one of {list(_DECAY_MODES)}, "
+                             f"got {weight_decay_mode!r}")
+        mode = _DECAY_MODES[weight_decay_mode] if weight_decay else WeightDecayMode.NONE
+        if okind is OptimKind.ADAM and weight_decay:
+            mode = WeightDecayMode.DECOUPLED
+        elif mode is WeightDecayMode.DECOUPLED and okind is not OptimKind.ROWWISE_ADAGRAD:
+            raise ValueError(f"FusedOptimizer: weight_decay_mode='decoupled' is for rowwise_adagrad, not {kind!r}")
+        for what, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if not isinstance(v, (int, float)) or v < 0 or v != v:
+                raise ValueError(f"FusedOptimizer: {what} must be a non-negative number, got {v!r}")
+        for what, v in (("beta1", beta1), ("beta2", beta2)):
+            if not isinstance(v, (int, float)) or not 0 <= v < 1:
+                raise ValueError(f"FusedOptimizer: {what} must be in [0, 1), got {v!r}")
+        self.hyper = Hyper(okind, float(lr), float(eps), float(weight_decay), mode, float(beta1), float(beta2))
+        self._tables: dict[str, TableState] = {}
+        self._by_id: dict[int, str] = {}
+        for name, w in named.items():
+            layout = layout_of(w, name=name)
+            if layout.dtype is None:
+                layout = dataclasses.replace(layout, dtype=w.dtype)
+            self._tables[name] = TableState(name, w, layout, dist.get_rank(), local_shards_of(w), okind)
+            self._by_id[id(w)] = name
+
+    @property
+    def kind(self) -> str:
+        """The optimizer's kind, as given (``"sgd"``, ...)."""
+        return self.hyper.kind.value
+
+    def names(self) -> list[str]:
+        """The tables' names, in the order given."""
+        return list(self._tables)
+
+    def bind(self, weight: object) -> Binding | None:
+        """What backward needs to update ``weight`` (the same DTensor object as given), or ``None``."""
+        name = self._by_id.get(id(weight))
+        return None if name is None else Binding(self.hyper, self._tables[name])
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """``{f"{name}.{state}": value}``: DTensors in the weights' layouts (row-wise state: a 1-D DTensor cut
+        by the weight's row cuts), a plain tensor for Adam's ``step``; zero-copy (views of the live state).
+
+        Example::
+
+            >>> tdb.checkpoint.save(opt.state_dict(), "/ckpt/opt")
+        """
+        out: dict[str, Any] = {}
+        for name, t in self._tables.items():
+            mesh = t.weight.device_mesh
+            for state, skind in STATES[t.kind]:
+                key = f"{name}.{state}"
+                if skind is StateKind.SCALAR:
+                    out[key] = t.step
+                elif skind is StateKind.ROW:
+                    assert t.rows is not None
+                    out[key] = dtensor_from_local_shards(t.rows[0], t.row_states, device_mesh=mesh)
+                else:
+                    lay = t.layout.with_name(key)
+                    out[key] = dtensor_from_local_shards(lay, [e[state] for e in t.elements], device_mesh=mesh)
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Copy ``state_dict`` (keys as :meth:`state_dict`'s) into the state; *collective* when a value is a
+        DTensor or ShardedTensor of another layout (it is resharded, any layout and world size).
+
+        Raises:
+            KeyError: a key is missing or unexpected (nothing is modified).
+            ValueError: a value's shape or dtype does not match (nothing is modified).
+        """
+        mine = self.state_dict()
+        missing = sorted(set(mine) - set(state_dict))
+        extra = sorted(set(state_dict) - set(mine))
+        if missing or extra:
+            raise KeyError(f"FusedOptimizer.load_state_dict: missing keys {missing}, unexpected keys {extra}")
+        for key, dst in mine.items():
+            src = state_dict[key]
+            if not isinstance(src, torch.Tensor):
+                raise ValueError(f"FusedOptimizer.load_state_dict: {key} must be a tensor, got {type(src).__name__}")
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"FusedOptimizer.load_state_dict: {key} has shape {list(src.shape)}, expected "
+                                 f"{list(dst.shape)}")
+            if isinstance(src, (DTensor, ShardedTensor)) and src.dtype != dst.dtype:
+                raise ValueError(f"FusedOptimizer.load_state_dict: {key} has dtype {src.dtype}, expected {dst.dtype}")
+        for key, dst in mine.items():
+            src = state_dict[key]
+            if src is dst:
+                continue
+            if not isinstance(dst, DTensor):
+                dst.copy_(src.full_tensor() if isinstance(src, DTensor) else src)
+                continue
+            if not isinstance(src, (DTensor, ShardedTensor)):
+                src = src.to(dst.dtype)
+            copy_into(layout_of(dst, name=key), local_shards_of(dst), src, name=key)

@@ -1,0 +1,107 @@
+"""One table's optimizer state on this rank: tensors beside the weight's shards, and their layouts.
+
+Row-wise state (row-wise Adagrad's ``momentum1``) is one 1-D tensor per distinct
+row range this rank holds: column pieces of the same rows on one rank share it
+(the update of a row is applied once), and ranks holding column pieces of the
+same rows hold replicas of it, kept equal because every holder sees the same
+whole-row statistics. Element-wise state has the weight's layout; scalar state
+(Adam's step) is one plain tensor per table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..layout import ShardLayout, ShardSpec
+from .kinds import STATES, Hyper, OptimKind, StateKind
+
+__all__ = ["Binding", "TableState", "row_layout"]
+
+
+def row_layout(layout: ShardLayout, name: str) -> tuple[ShardLayout, list[int]]:
+    """The 1-D layout of per-row state for a weight of ``layout``, and, for each of the weight's
+    shards, the index of its row block in that layout.
+
+    Raises:
+        NotImplementedError: when the weight's column pieces cut the rows differently
+            (a row block would partly overlap another).
+    """
+    specs: list[ShardSpec] = []
+    where: dict[tuple[int | None, int, int], int] = {}
+    index = []
+    for s in layout.shards:
+        key = (s.rank, s.offsets[0], s.sizes[0])
+        if key not in where:
+            where[key] = len(specs)
+            specs.append(ShardSpec(s.rank, (s.offsets[0],), (s.sizes[0],), s.device))
+        index.append(where[key])
+    lay = ShardLayout((layout.global_shape[0],), tuple(specs), torch.float32, name)
+    try:
+        lay.validate()
+    except ValueError as e:
+        raise NotImplementedError(
+            f"FusedOptimizer: table {layout.name!r}: per-row state needs the same row cuts in every column "
+            f"piece ({e})"
+        ) from None
+    return lay, index
+
+
+@dataclass
+class TableState:
+    """A table's weight and optimizer state on this rank.
+
+    Attributes:
+        name: the table's name in the optimizer (the ``state_dict`` key prefix).
+        weight: the DTensor the lookups receive.
+        layout: its layout (with dtype).
+        rank: this rank (in the weight's group).
+        shards: the weight's shards on this rank, in layout order (their own storage).
+        kind: the optimizer.
+        rows: per-row state layout (row-wise kinds), and for each local shard its row block index.
+        row_states: this rank's row blocks of per-row state (row layout order).
+        elements: per local shard, its element-wise states by name.
+        step: steps applied (Adam's bias correction).
+    """
+
+    name: str
+    weight: DTensor
+    layout: ShardLayout
+    rank: int
+    shards: list[torch.Tensor]
+    kind: OptimKind
+    rows: tuple[ShardLayout, list[int]] | None = None
+    row_states: list[torch.Tensor] = field(default_factory=list)
+    elements: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+
+    def __post_init__(self) -> None:
+        names = STATES[self.kind]
+        if any(k is StateKind.ROW for _, k in names):
+            self.rows = row_layout(self.layout, f"{self.name}.momentum1")
+            lay, _ = self.rows
+            self.row_states = [torch.zeros(s.sizes, dtype=torch.float32, device=self._device())
+                               for s in lay.shards_on(self.rank)]
+        element = [n for n, k in names if k is StateKind.ELEMENT]
+        self.elements = [{n: torch.zeros_like(s) for n in element} for s in self.shards]
+
+    def _device(self) -> torch.device:
+        return self.shards[0].device if self.shards else torch.device("cpu")
+
+    def local_row_index(self, shard: int) -> int:
+        """Which of this rank's ``row_states`` local shard ``shard`` uses."""
+        assert self.rows is not None, "row-wise state only"
+        lay, index = self.rows
+        mine = [i for i, s in enumerate(self.layout.shards) if s.rank == self.rank]
+        local_rows = [i for i, s in enumerate(lay.shards) if s.rank == self.rank]
+        return local_rows.index(index[mine[shard]])
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a lookup's backward needs to update one table: the optimizer's hyper-parameters and the table."""
+
+    hyper: Hyper
+    table: TableState
