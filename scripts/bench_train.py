@@ -40,6 +40,10 @@ every repetition), after warm-up:
   DTensor ``weight.grad``, then an SGD step on the local shards), fewer
   repetitions: every step costs O(table).
 
+The rank processes run with glibc malloc held steady (``STEADY_MALLOC``: fixed
+thresholds, no heap trimming; ``--malloc default`` for glibc's defaults, under
+which a call's page faults, and so the ratios, vary between runs).
+
 Ratios are TorchRec / ours per repetition (> 1: ours faster) and ours /
 TorchRec for memory; reported as median and min..max over all repetitions of
 all runs. ``--runs N`` repeats everything in N fresh pairs of processes.
@@ -121,6 +125,14 @@ def _ids(cfg: dict, rank: int, table: int):
     return torch.randint(0, cfg["rows"], (cfg["batch"], cfg["bag"]), generator=g)
 
 
+def _gw(cfg: dict, rank: int):
+    """This rank's per-table weights of the loss ``sum_t (out_t * gw_t).sum()``."""
+    import torch
+
+    g = torch.Generator().manual_seed(50 + rank)
+    return [torch.rand(cfg["batch"], cfg["dim"], generator=g) for _ in range(cfg["tables"])]
+
+
 class _Model:
     """A module holding the EBC under ``ebc`` (the DMP's plan is keyed by module path)."""
 
@@ -170,8 +182,7 @@ class _Bench:
             values=torch.cat([i.reshape(-1) for i in self.ids]),
             lengths=torch.full((cfg["tables"] * cfg["batch"],), cfg["bag"], dtype=torch.int64),
         )
-        g = torch.Generator().manual_seed(50 + self.rank)
-        self.gw = [torch.rand(cfg["batch"], cfg["dim"], generator=g) for _ in self.names]
+        self.gw = _gw(cfg, self.rank)
         with torch.no_grad():
             order = list(self.dmp(self.kjt).keys())  # TorchRec's column order (tables grouped by rank)
         self.gw_torchrec = torch.cat([self.gw[int(k[1:])] for k in order], 1)
@@ -186,6 +197,11 @@ class _Bench:
         from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
         from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
+        from torchrec.distributed.comm_ops import set_gradient_division
+
+        # TorchRec divides the embeddings' gradient by the world size by default (DDP's averaging);
+        # ours applies the gradient summed over every rank's batch: compare the same update
+        set_gradient_division(False)
         cfg = self.cfg
         configs = [EmbeddingBagConfig(name=n, embedding_dim=cfg["dim"], num_embeddings=cfg["rows"],
                                       feature_names=[f"f{t}"]) for t, n in enumerate(self.names)]
@@ -252,7 +268,7 @@ class _Bench:
 
     # -- correctness, before any timing
     def verify(self) -> None:
-        """Equal forwards; one step of each path from the same tables gives the same touched rows."""
+        """Equal forwards; one step of each path from the same tables gives the reference's touched rows."""
         import torch
 
         from torchrec_dtensor_bridge.convert.dtensor import layout_of, local_shards_of
@@ -263,26 +279,48 @@ class _Bench:
             _check(f"{self.layout.key} forward, table {t}", out, theirs[f"f{t}"])
         if self.opt is None:
             return
-        touched = []  # (local shard, its touched local rows, their values before the step)
+        touched = []  # (where, local shard, touched local rows, values before, expected after one step)
         for t, w in enumerate(self.w):
-            every = torch.cat([_ids(self.cfg, r, t).reshape(-1) for r in range(self.world)]).unique()
+            every, want = self._reference_step(t)
             for spec, shard in zip(layout_of(w).shards_on(self.rank), local_shards_of(w)):
                 lo = spec.offsets[0]
-                rows = every[(every >= lo) & (every < lo + spec.sizes[0])] - lo
-                touched.append((f"table {t} rows {lo}+", shard, rows, shard[rows].clone()))
-        self.torchrec_step()
-        after = [shard[rows].clone() for _, shard, rows, _ in touched]
-        with torch.no_grad():
-            for _, shard, rows, before in touched:
-                shard[rows] = before
-        self.ours_step()
-        for (where, shard, rows, before), want in zip(touched, after):
-            if rows.numel() and torch.equal(want, before):
-                raise Mismatch(f"{self.layout.key}: TorchRec's step left {where} unchanged")
-            _check(f"{self.layout.key} training step ({self.layout.kind}), {where}", shard[rows], want)
+                sel = (every >= lo) & (every < lo + spec.sizes[0])
+                rows = every[sel] - lo
+                before = shard[rows].clone()
+                touched.append((f"table {t} rows {lo}+", shard, rows, before, want(before, sel)))
+        for name, step in (("TorchRec", self.torchrec_step), ("ours", self.ours_step)):
+            with torch.no_grad():
+                for _, shard, rows, before, _ in touched:
+                    shard[rows] = before
+            step()
+            for where, shard, rows, _, expected in touched:
+                _check(f"{self.layout.key} {name} training step ({self.layout.kind}), {where}", shard[rows], expected)
         for w in self.w:
             if w.grad is not None:
                 raise Mismatch(f"{self.layout.key}: the fused optimizer left a weight.grad")
+
+    def _reference_step(self, t: int):
+        """Table ``t``'s touched global rows (sorted) and a function giving one step's expected values
+        from the rows' values before it: the optimizer on the gradient summed over every rank's batch,
+        from zero optimizer state."""
+        import torch
+
+        cfg = self.cfg
+        ids = [_ids(cfg, r, t) for r in range(self.world)]
+        every = torch.cat([i.reshape(-1) for i in ids]).unique()
+        grad = torch.zeros(every.numel(), cfg["dim"])
+        for r, i in enumerate(ids):
+            rows = _gw(cfg, r)[t].repeat_interleave(cfg["bag"], 0)  # d loss / d row, per id
+            grad.index_add_(0, torch.searchsorted(every, i.reshape(-1)), rows)
+
+        def want(before, sel):
+            g = grad[sel]
+            if self.layout.kind == "sgd":
+                return before - LR * g
+            m = (g * g).mean(1, keepdim=True)  # rowwise Adagrad's state after one step from 0
+            return before - LR * g / (m.sqrt() + EPS)
+
+        return every, want
 
 
 # ------------------------------------------------------------------ timing
@@ -448,7 +486,8 @@ def report(res: dict) -> None:
           f"({cfg['tables'] * cfg['rows'] * cfg['dim'] * 4 / 2**30 / 2:.2f} GiB of tables per rank), "
           f"2 gloo ranks, 1 thread each, batch {cfg['batch']} per rank, bag {cfg['bag']}, sum; "
           f"{cfg['runs']} run(s) x {cfg['reps']} interleaved reps after {cfg['warmup']} warm-up "
-          f"(forward samples: mean of {cfg['inner']} calls; dense: {cfg['dense_reps']} reps)")
+          f"(forward samples: mean of {cfg['inner']} calls; dense: {cfg['dense_reps']} reps); "
+          f"glibc malloc: {cfg['malloc']}")
     print("  wall ms: median [min .. max] per call, the slower rank; cpu ms: both ranks' processes together; "
           "faults: minor page faults per call, both ranks;\n  mem: peak RSS growth during one call, the rank "
           f"that grew most, median [min .. max] of {cfg['mem_reps']}; ratio = TorchRec / ours (> 1: ours faster)")
@@ -474,7 +513,7 @@ def report(res: dict) -> None:
                 mr = ph["mem_ratio"]
                 print(f"    {phase:<8}memory ours / TorchRec: {mr['median']:.2f}x (medians), {mr['max']:.2f}x (peaks)")
                 if "dense_vs_ours" in ph:
-                    print(f"    {phase:<8}dense / fused: {ph['dense_vs_ours']:.1f}x slower")
+                    print(f"    {phase:<8}dense step time / fused step time: {ph['dense_vs_ours']:.1f}x")
     t = res["targets"]
     print(f"\n  targets: step TorchRec/ours >= {t['step']}x (goal {t['step_goal']}x); memory ours/TorchRec <= "
           f"{t['memory']}x; forward >= {t['forward']}x in every repetition")
@@ -488,14 +527,37 @@ NOTES = [
     "memory = VmHWM after one call minus VmRSS before it (malloc_trim(0), then the high-water mark reset "
     "through /proc/self/clear_refs, before every call), measured apart from the timed samples",
     "times: each sample is between two barriers, the slower rank's time",
+    "TorchRec runs with comm_ops.set_gradient_division(False): the update uses the gradient summed over the "
+    "ranks' batches, as ours (by default TorchRec divides it by the world size); both paths are checked "
+    "against a reference step before timing",
 ]
+
+
+# glibc malloc held in a steady state in the rank processes (read by glibc at process start): a fixed
+# mmap threshold (the largest glibc accepts) instead of the dynamic one, and no trimming of the heap's
+# top. With glibc's defaults, whether a call's large buffers (the exchanges' 2-24 MiB) come back from
+# the heap or are page-faulted in again (and zeroed by the kernel) depends on the heap's history: it
+# differs between runs and between samples of one run, by up to ~10,000 faults per call, which is
+# what moved the forward ratio between runs (BENCHMARKS.md). Both paths run under the same setting.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30),
+                 "MALLOC_TOP_PAD_": str(64 * 2**20)}
 
 
 def run(cfg: dict) -> dict:
     """Run the benchmark ``cfg["runs"]`` times (fresh processes each) and summarize."""
     t_start = time.perf_counter()
     load_before = os.getloadavg()
-    runs = [spawn_ranks(_worker, 2, (cfg,), name="bench_train") for _ in range(cfg["runs"])]
+    saved = {k: os.environ.get(k) for k in STEADY_MALLOC}
+    if cfg["malloc"] == "steady":
+        os.environ.update(STEADY_MALLOC)
+    try:
+        runs = [spawn_ranks(_worker, 2, (cfg,), name="bench_train") for _ in range(cfg["runs"])]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     res = {
         "config": cfg,
         "machine": _machine(load_before),
@@ -503,7 +565,8 @@ def run(cfg: dict) -> dict:
         "targets": {"step": 1.0, "step_goal": 1.5, "memory": 1.2, "forward": 1.0},
         "notes": NOTES + ([f"machine busy while measured (1-min load average {load_before[0]:.1f} on "
                            f"{os.cpu_count()} cores): figures are noisy"] if load_before[0] > 0.5 else []),
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "THP_", "OMP_", "GLIBC_"))},
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "THP_", "OMP_", "GLIBC_"))}
+        | (STEADY_MALLOC if cfg["malloc"] == "steady" else {}),
         "seconds": time.perf_counter() - t_start,
     }
     return res
@@ -525,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", default="tw,rw", help="comma-separated subset of: " + ", ".join(LAYOUTS))
     parser.add_argument("--forward-only", action="store_true",
                         help="time the forward only (no optimizer needed; for studying the forward)")
+    parser.add_argument("--malloc", choices=("steady", "default"), default="steady",
+                        help="glibc malloc in the rank processes: steady (fixed thresholds, no heap trimming; "
+                        "see STEADY_MALLOC) or glibc's default (page faults per call vary between runs)")
     parser.add_argument("--out", type=Path, default=Path("bench/results.json"))
     args = parser.parse_args(argv)
     layouts = [k for k in args.layouts.split(",") if k]
@@ -535,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dim % 4:
         parser.error(f"--dim must be a multiple of 4 (TorchRec's kernels), got {args.dim}")
     cfg = {k: getattr(args, k) for k in ("rows", "tables", "dim", "batch", "bag", "reps", "warmup", "inner",
-                                         "dense_reps", "mem_reps", "runs", "forward_only")} | {"layouts": layouts}
+                                         "dense_reps", "mem_reps", "runs", "forward_only", "malloc")} | {"layouts": layouts}
     import torchrec_dtensor_bridge as tdb
 
     if not args.forward_only and not hasattr(tdb, "FusedOptimizer"):
