@@ -600,8 +600,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--reps, --runs, --inner and --mem-reps must be >= 1; --warmup and --dense-reps >= 0")
     if args.dim % 4:
         parser.error(f"--dim must be a multiple of 4 (TorchRec's kernels), got {args.dim}")
-    cfg = {k: getattr(args, k) for k in ("rows", "tables", "dim", "batch", "bag", "reps", "warmup", "inner",
-                                         "dense_reps", "mem_reps", "runs", "forward_only", "malloc")} | {"layouts": layouts}
+    names = ("rows", "tables", "dim", "batch", "bag", "reps", "warmup", "inner", "dense_reps", "mem_reps", "runs",
+             "forward_only", "malloc")
+    cfg = {k: getattr(args, k) for k in names} | {"layouts": layouts}
     import torchrec_dtensor_bridge as tdb
 
     if not args.forward_only and not hasattr(tdb, "FusedOptimizer"):
