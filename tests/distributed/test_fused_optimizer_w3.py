@@ -151,6 +151,9 @@ def check_every_layout(rank: int, world: int, kind: str, names: list[str], steps
         modes = [MODES[(t + step) % 3] for t in range(len(names))]
         psws = [m == "sum" for m in modes]
         batches = [_batch(rank, step, t, p) for t, p in enumerate(psws)]
+        for b in batches:
+            if "per_sample_weights" in b:
+                b["per_sample_weights"].requires_grad_()
         outs = tdb.sharded_embedding_bags(
             [b["input"] for b in batches], list(weights.values()), [b["offsets"] for b in batches], mode=modes,
             per_sample_weights=[b.get("per_sample_weights") for b in batches], optimizer=opt,
@@ -158,6 +161,9 @@ def check_every_layout(rank: int, world: int, kind: str, names: list[str], steps
         loss = sum((o * _scale(rank, step, t, o.shape[0])).sum() for t, o in enumerate(outs))
         loss.backward()
         for t, n in enumerate(names):
+            if psws[t]:  # computed from the rows forward saw, before the update
+                want = _psw_reference(refs[n].w, batches[t], _scale(rank, step, t, outs[t].shape[0]))
+                torch.testing.assert_close(batches[t]["per_sample_weights"].grad, want)
             _reference_step(refs[n], world, step, t, modes[t], psws[t])
     for n, w in weights.items():
         assert w.grad is None, f"{n}: weight.grad was set"
@@ -290,14 +296,116 @@ def test_no_table_sized_buffer_per_step(pool, layout, kind):
         assert max(max(g) for g in dense) > shard_bytes // 2, (dense, shard_bytes)
 
 
-def check_psw_requires_grad_refused(rank: int, world: int) -> None:
-    """A per_sample_weights that requires grad on one rank: every rank raises, nothing silently None."""
+def _psw_reference(table: torch.Tensor, b: dict, scale: torch.Tensor, **kw) -> torch.Tensor:
+    psw = b["per_sample_weights"].detach().clone().requires_grad_()
+    out = F.embedding_bag(b["input"], table, b["offsets"], mode="sum", per_sample_weights=psw, **kw)
+    (out * scale).sum().backward()
+    return psw.grad
+
+
+def check_psw_grad(rank: int, world: int, names: list[str]) -> None:
+    """per_sample_weights gradients (no optimizer: dense weight gradients too), several tables in one call,
+    with padding_idx and max_norm on some."""
+    tables = [_table(40 + t) for t in range(len(names))]
+    weights = [_weight(LAYOUTS[n].with_name(n), tables[t], rank) for t, n in enumerate(names)]
+    batches = [_batch(rank, 1, t, psw=True) for t in range(len(names))]
+    psws = [b["per_sample_weights"].clone().requires_grad_() for b in batches]
+    pads = [3 if t % 2 else None for t in range(len(names))]
+    norms = [1.0 if t % 3 == 0 else None for t in range(len(names))]
+    outs = tdb.sharded_embedding_bags([b["input"] for b in batches], weights, [b["offsets"] for b in batches],
+                                      mode="sum", per_sample_weights=psws, padding_idx=pads, max_norm=norms)
+    scales = [_scale(rank, 1, t, o.shape[0]) for t, o in enumerate(outs)]
+    sum((o * c).sum() for o, c in zip(outs, scales)).backward()
+    for t, n in enumerate(names):
+        full = tables[t].clone()
+        if norms[t] is not None:  # the renormalisation every rank's ids caused, as the sharded lookup did
+            ids = torch.cat([_batch(r, 1, t)["input"] for r in range(world)])
+            F.embedding(ids, full, max_norm=norms[t])
+        want = _psw_reference(full, batches[t], scales[t], padding_idx=pads[t])
+        torch.testing.assert_close(psws[t].grad, want, msg=lambda m, n=n: f"{n}: {m}")
+        assert weights[t].grad is not None
+
+
+def test_per_sample_weights_gradient_every_layout(pool):
+    pool.run(check_psw_grad, sorted(LAYOUTS))
+
+
+def check_psw_grad_dtensor_input_refused(rank: int, world: int) -> None:
+    from torch.distributed.tensor import Replicate
+
+    from torchrec_dtensor_bridge.convert.placements import world_mesh
+
     w = _weight(LAYOUTS["grid"], _table(0), rank)
-    b = _batch(rank, 0, 0, psw=True)
-    psw = b["per_sample_weights"].requires_grad_(rank == 1)
+    b = _batch(0, 0, 0, psw=True)
+    mesh = world_mesh("cpu")
+    ids = torch.distributed.tensor.DTensor.from_local(b["input"], mesh, [Replicate()])
     with pytest.raises(NotImplementedError, match="per_sample_weights"):
-        tdb.sharded_embedding_bag(b["input"], w, b["offsets"], mode="sum", per_sample_weights=psw)
+        tdb.sharded_embedding_bag(ids, w, b["offsets"], mode="sum",
+                                  per_sample_weights=b["per_sample_weights"].requires_grad_())
 
 
-def test_per_sample_weights_requires_grad_refused(pool):
-    pool.run(check_psw_requires_grad_refused)
+def test_per_sample_weights_gradient_dtensor_input_refused(pool):
+    pool.run(check_psw_grad_dtensor_input_refused)
+
+
+RESUME = {  # table -> (kind, layout on 2 ranks before, layout on 3 ranks after)
+    "t0": ("rowwise_adagrad", ShardLayout.row_wise(SHAPE, 2), LAYOUTS["grid"]),
+    "t1": ("adam", ShardLayout.column_wise(SHAPE, [2, 4]), LAYOUTS["row_wise_uneven"]),
+}
+
+
+def _resume_setup(rank: int, after: bool) -> tuple[dict, dict]:
+    weights = {n: _weight((lay2 if after else lay1).with_name(n), _table(30 + t), rank)
+               for t, (n, (_, lay1, lay2)) in enumerate(RESUME.items())}
+    opts = {n: tdb.FusedOptimizer({n: weights[n]}, kind, lr=HYPER["lr"], eps=HYPER["eps"], beta1=HYPER["beta1"],
+                                  beta2=HYPER["beta2"]) for n, (kind, _, _) in RESUME.items()}
+    return weights, opts
+
+
+def _resume_step(rank: int, step: int, weights: dict, opts: dict) -> None:
+    for t, n in enumerate(RESUME):
+        b = _batch(rank, step, t)
+        out = tdb.sharded_embedding_bag(b["input"], weights[n], b["offsets"], mode="sum", optimizer=opts[n])
+        (out * _scale(rank, step, t, out.shape[0])).sum().backward()
+
+
+def check_resume_save(rank: int, world: int, path: str) -> None:
+    weights, opts = _resume_setup(rank, after=False)
+    for step in range(2):
+        _resume_step(rank, step, weights, opts)
+    sd = dict(weights)
+    for o in opts.values():
+        sd.update(o.state_dict())
+    tdb.checkpoint.save(sd, path)
+
+
+def check_resume_load(rank: int, world: int, path: str) -> None:
+    weights, opts = _resume_setup(rank, after=True)
+    with torch.no_grad():
+        for w in weights.values():
+            for s in tdb.convert.local_shards_of(w):
+                s.fill_(-9.0)
+    sd = dict(weights)
+    for o in opts.values():
+        sd.update(o.state_dict())
+    tdb.checkpoint.load(sd, path)
+    for o in opts.values():
+        o.load_state_dict({k: sd[k] for k in o.state_dict()})
+    _resume_step(rank, 2, weights, opts)
+    for t, (n, (kind, _, _)) in enumerate(RESUME.items()):
+        ref = Reference(_table(30 + t), kind)
+        for step, ranks in ((0, 2), (1, 2), (2, 3)):  # 2 steps on 2 ranks, then 1 on 3 ranks
+            _reference_step(ref, ranks, step, t, "sum", False)
+        torch.testing.assert_close(tdb.full_tensor(weights[n]), ref.w, msg=lambda m, n=n: f"{n}: {m}")
+        _check_state(opts[n], {n: ref})
+
+
+def test_resume_under_another_layout_and_world_size(pool, tmp_path):
+    from .harness import ProcessGroupPool
+
+    two = ProcessGroupPool(2)
+    try:
+        two.run(check_resume_save, str(tmp_path / "ckpt"))
+    finally:
+        two.close()
+    pool.run(check_resume_load, str(tmp_path / "ckpt"))

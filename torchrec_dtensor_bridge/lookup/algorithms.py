@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from ..layout import ShardSpec
 from ..wrapper import LocalShardsWrapper
 from .exchange import row_starts
-from .fused import columns_backward, exchange_columns, gather_grads, reduce_sum
+from .fused import columns_backward, exchange_columns, gather_grads, psw_backward, reduce_sum
 from .plan import Block, LookupPlan, Strategy, partial_output, strategy_for
 from .tbe import pool_rows, pool_rows_backward
 
@@ -66,6 +66,8 @@ def _compute_block(plan: LookupPlan, i: int) -> Block:
     if not padding and (whole or (plan.routed and sum(plan.computes) == 1)):
         # every id of the batch is in this shard's rows: no filtering, the batch's own bag boundaries
         local, counts, psw = (ids if r0 == 0 else ids - r0), batch.lengths, batch.weights
+        at = None
+        psw = None if psw is None else psw.detach()
     else:
         keep = (ids >= r0) & (ids < r0 + h)
         if padding:
@@ -73,11 +75,11 @@ def _compute_block(plan: LookupPlan, i: int) -> Block:
         at = keep.nonzero().squeeze(1)  # one nonzero for both gathers below
         local = ids.index_select(0, at) - r0
         counts = batch.count_per_bag(keep)
-        psw = None if batch.weights is None else batch.weights.index_select(0, at)
+        psw = None if batch.weights is None else batch.weights.detach().index_select(0, at)
     offsets = torch.zeros(batch.num_bags + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     out, argmax = pool_rows(shard.detach(), local, offsets, psw, max_mode=plan.max_mode)
-    return Block(i, out, counts, (spec.offsets[1], spec.sizes[1]), local, offsets, psw, argmax)
+    return Block(i, out, counts, (spec.offsets[1], spec.sizes[1]), local, offsets, psw, argmax, at)
 
 
 def _compute_blocks(plan: LookupPlan) -> list[Block]:
@@ -130,7 +132,8 @@ def _has_win(plan: LookupPlan, blocks: list[Block]) -> list[torch.Tensor] | None
 
 class _PooledLookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, plans: list[LookupPlan], *weights: DTensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, plans: list[LookupPlan], *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        weights = tensors[: len(plans)]  # then one per-sample weights tensor (or None) per table
         blocks = [_compute_blocks(p) for p in plans]
         outs: list[torch.Tensor | None] = [None] * len(plans)
         wins: list[list[torch.Tensor] | None] = [None] * len(plans)
@@ -152,13 +155,14 @@ class _PooledLookup(torch.autograd.Function):
         for t, out in zip(reduce, reduce_sum(plans, blocks, reduce)):
             outs[t] = out
         ctx.plans, ctx.blocks, ctx.wins = plans, blocks, wins
-        ctx.weight_meta = [(w.to_local(), w.device_mesh, w.placements, w.shape, w.stride()) for w in weights]
+        ctx.weight_meta = [(w.to_local(), w.device_mesh, w.placements, w.shape, w.stride())
+                           for w in weights if isinstance(w, DTensor)]
         done = [o for o in outs if o is not None]
         assert len(done) == len(plans), "every strategy gives every table an output"
         return tuple(done)
 
     @staticmethod
-    def backward(ctx: Any, *grad_outs: torch.Tensor) -> tuple[DTensor | None, ...]:
+    def backward(ctx: Any, *grad_outs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plans: list[LookupPlan] = ctx.plans
         blocks: list[list[Block]] = ctx.blocks
         grad_outs = tuple(g.contiguous() for g in grad_outs)
@@ -179,6 +183,7 @@ class _PooledLookup(torch.autograd.Function):
             pieces[t] = got
         for t, full in zip(reduce, gather_grads(plans, grad_outs, reduce)):
             pieces[t] = [full[:, b.cols[0] : b.cols[0] + b.cols[1]] for b in blocks[t]]
+        psw_grads = psw_backward(plans, blocks, pieces)  # before any update: the rows as forward saw them
         fused = [t for t, p in enumerate(plans) if p.optimizer is not None]
         if fused:  # updated in place; no weight gradient
             from ..optim.backward import apply_optimizers
@@ -187,7 +192,7 @@ class _PooledLookup(torch.autograd.Function):
         grads = [None if p.optimizer is not None else _table_grads(p, bl, pc, win)
                  for p, bl, pc, win in zip(plans, blocks, pieces, ctx.wins)]
         return (None, *(None if g is None else _grad_dtensor(m, p, g)
-                        for m, p, g in zip(ctx.weight_meta, plans, grads)))
+                        for m, p, g in zip(ctx.weight_meta, plans, grads)), *psw_grads)
 
 
 def _table_grads(
@@ -257,9 +262,13 @@ def _grad_dtensor(meta: tuple, plan: LookupPlan, grads: list[torch.Tensor]) -> D
     return DTensor.from_local(g_local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
-def pooled_lookup(plans: list[LookupPlan], weights: list[DTensor]) -> list[torch.Tensor]:
-    """Sum (or max) pooled rows of this rank's own bags, for each table; differentiable w.r.t. ``weights``.
+def pooled_lookup(
+    plans: list[LookupPlan], weights: list[DTensor], per_sample_weights: list[torch.Tensor | None] | None = None
+) -> list[torch.Tensor]:
+    """Sum (or max) pooled rows of this rank's own bags, for each table; differentiable w.r.t. ``weights``
+    and, where ``plans[t].psw_grad``, w.r.t. ``per_sample_weights[t]`` (this rank's own, flat).
 
     ``plans[t]`` describes the lookup of ``weights[t]``; the tables' collectives are fused.
     """
-    return list(_PooledLookup.apply(plans, *weights))
+    psws = per_sample_weights if per_sample_weights is not None else [None] * len(plans)
+    return list(_PooledLookup.apply(plans, *weights, *psws))

@@ -63,7 +63,7 @@ from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards
 from ..layout import ShardLayout, contiguous_strides
 from .algorithms import LookupPlan, Strategy, pooled_lookup, strategy_for
 from .renorm import renormalize
-from .run import TableOptions, agree_and_route, finish, option_codes, run_tables
+from .run import TableOptions, agree_and_route, finish, option_codes, psw_grad, run_tables
 from ..optim import FusedOptimizer
 from .validate import (
     Bags,
@@ -256,6 +256,10 @@ def sharded_embedding_bag(
             fn, input, offsets, per_sample_weights, rows=shape[0], mode=mode,
             include_last_offset=include_last_offset, weight_dtype=w.dtype,
         )
+        if kind is not None and psw_grad(bags):
+            raise RejectedArguments(NotImplementedError, f"{fn}: the gradient of per_sample_weights is computed "
+                                    "for plain-tensor inputs only; pass per_sample_weights.detach() with a DTensor "
+                                    "input")
     except RejectedArguments as e:
         if kind == _REPLICATE:
             raise e.kind(e.message) from None  # the same input on every rank: every rank raises alike
@@ -272,7 +276,8 @@ def sharded_embedding_bag(
         bags = _split_bags(bags, dist.get_world_size(), dist.get_rank())
     opts = [TableOptions(mode, padding, max_norm, norm_type)]
     infos, routes = agree_and_route(fn, error, [weight], None if bags is None else [bags], opts,
-                                    [option_codes(0, mode, padding, max_norm, norm_type, shape, dtype, bind)])
+                                    [option_codes(0, mode, padding, max_norm, norm_type, shape, dtype, bind,
+                                                  bags is not None and psw_grad(bags))])
     assert bags is not None
     (out,) = run_tables([weight], [bags], infos, opts, routes, skip_padding=True, bindings=[bind])
     out = finish(out, bags, mode, padding)

@@ -63,6 +63,9 @@ class LookupPlan:
             (:mod:`.route`): a rank that computes one block pools them unfiltered.
         optimizer: the table's :class:`..optim.state.Binding` when backward applies a fused
             optimizer instead of returning a gradient.
+        psw_grad: backward computes the gradient of this rank's per-sample weights.
+        route: where this rank's ids went (:class:`.route.Route`), ``None`` when not routed.
+        received: how many of ``batch``'s ids came from each rank (routed tables).
     """
 
     layout: ShardLayout
@@ -77,6 +80,9 @@ class LookupPlan:
     local_only: bool = False
     routed: bool = False
     optimizer: Any = None
+    psw_grad: bool = False
+    route: Any = None
+    received: tuple[int, ...] = ()
     rank: int = field(init=False)
     world: int = field(init=False)
     strategy: Strategy = field(init=False)
@@ -113,6 +119,8 @@ class Block:
     offsets: torch.Tensor
     weights: torch.Tensor | None
     argmax: torch.Tensor | None
+    positions: torch.Tensor | None = None
+    """Where the block's ids sit in the plan's batch (``None``: all of them, in order)."""
 
 
 def partial_output(plan: LookupPlan, blocks: list[Block], fill: float) -> torch.Tensor:

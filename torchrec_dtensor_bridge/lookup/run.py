@@ -23,7 +23,7 @@ from .renorm import renormalize
 from .route import Route, route_for
 from .validate import DTYPES, MODES, Bags, RankInfo, RejectedArguments, agree
 
-__all__ = ["TableOptions", "agree_and_route", "finish", "option_codes", "routes_for", "run_tables"]
+__all__ = ["TableOptions", "agree_and_route", "finish", "option_codes", "psw_grad", "routes_for", "run_tables"]
 
 
 def finish(out: torch.Tensor, bags: Bags, mode: str, padding: int | None) -> torch.Tensor:
@@ -38,7 +38,8 @@ def finish(out: torch.Tensor, bags: Bags, mode: str, padding: int | None) -> tor
 
 
 def option_codes(op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
-                 shape: tuple[int, ...], dtype: torch.dtype | None, optimizer: Any = None) -> dict[str, float]:
+                 shape: tuple[int, ...], dtype: torch.dtype | None, optimizer: Any = None,
+                 psw_grad: bool = False) -> dict[str, float]:
     """The numbers every rank must agree on for one table (see :func:`.validate.agree`)."""
     return {
         "dtype": float(DTYPES.index(dtype)) if dtype in DTYPES else float("nan"),
@@ -50,6 +51,7 @@ def option_codes(op: int, mode: str, padding: int | None, max_norm: float | None
         "num_embeddings": float(shape[0]) if len(shape) == 2 else float("nan"),
         "embedding_dim": float(shape[1]) if len(shape) == 2 else float("nan"),
         "optimizer": -1.0 if optimizer is None else float(list(OptimKind).index(optimizer.hyper.kind)),
+        "psw_grad": float(psw_grad),
     }
 
 
@@ -134,7 +136,15 @@ def run_tables(
             track=weights[t].requires_grad and track,
             routed=routes[t] is not None and o.max_norm is None,
             optimizer=None if bindings is None else bindings[t],
+            psw_grad=psw_grad(bags[t]) and track,
+            route=routes[t],
+            received=tuple(0 if i.sends is None else i.sends[rank] for i in infos[t]),
         )
         for t, o in enumerate(options)
     ]
-    return pooled_lookup(plans, weights)
+    return pooled_lookup(plans, weights, [b.weights if p.psw_grad else None for b, p in zip(bags, plans)])
+
+
+def psw_grad(bags: Bags) -> bool:
+    """Whether a lookup of ``bags`` computes its per-sample weights' gradient (agreed by every rank)."""
+    return bags.weights is not None and bags.weights.requires_grad and torch.is_grad_enabled()

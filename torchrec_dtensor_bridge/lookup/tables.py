@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .run import TableOptions, agree_and_route, finish, option_codes, run_tables
+from .run import TableOptions, agree_and_route, finish, option_codes, psw_grad, run_tables
 from .validate import Bags, RejectedArguments, bags_from_input, bind_optimizer, check_options
 
 __all__ = ["sharded_embedding_bags"]
@@ -88,7 +88,8 @@ def _validate(
         bags.append(bags_from_input(fn, inputs[t], offs[t], psws[t], rows=shape[0], mode=modes[t],
                                     include_last_offset=include_last_offset, weight_dtype=w.dtype))
         options.append(TableOptions(modes[t], padding, norms[t], ptypes[t]))
-        codes.append(option_codes(2, modes[t], padding, norms[t], ptypes[t], shape, w.dtype, binds[t]))
+        codes.append(option_codes(2, modes[t], padding, norms[t], ptypes[t], shape, w.dtype, binds[t],
+                                  psw_grad(bags[-1])))
     return list(weights), bags, options, codes, binds
 
 

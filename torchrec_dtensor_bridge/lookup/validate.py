@@ -200,9 +200,6 @@ def bags_from_input(
             )
         if per_sample_weights.dtype != weight_dtype:
             raise _fail(TypeError, f"{fn}: per_sample_weights has dtype {per_sample_weights.dtype}, weight has {weight_dtype}")
-        if per_sample_weights.requires_grad and torch.is_grad_enabled():
-            raise _fail(NotImplementedError, f"{fn}: per_sample_weights requires grad, but its gradient is not "
-                        "computed by the sharded lookups; pass per_sample_weights.detach()")
         weights = per_sample_weights.reshape(-1)
     return Bags(ids, lengths, weights)
 
@@ -241,7 +238,7 @@ def bags_for_embedding(fn: str, input: object, rows: int) -> Bags:
 
 # Option fields compared across ranks, in the order they travel.
 _AGREED = ("mode", "padding_idx", "max_norm", "norm_type", "num_embeddings", "embedding_dim", "dtype", "op",
-           "optimizer")
+           "optimizer", "psw_grad")
 
 # Weight dtypes travel as their index in this (process-independent) order.
 DTYPES: tuple[torch.dtype, ...] = tuple(sorted(

@@ -15,6 +15,7 @@ from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards
 from ..convert.reshard import copy_into
 from .kinds import STATES, Hyper, OptimKind, StateKind, WeightDecayMode
 from .state import Binding, TableState
+from .torchrec_state import export_torchrec, import_torchrec
 
 __all__ = ["FusedOptimizer"]
 
@@ -154,6 +155,21 @@ class FusedOptimizer:
                     lay = t.layout.with_name(key)
                     out[key] = dtensor_from_local_shards(lay, [e[state] for e in t.elements], device_mesh=mesh)
         return out
+
+    def load_torchrec_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Take the state of TorchRec's ``model.fused_optimizer.state_dict()`` (any plan whose semantics
+        coincide with ours: see :mod:`.torchrec_state` for what is refused and why); *collective*.
+
+        Raises:
+            ValueError: on every rank, naming each table whose state is missing or does not convert.
+            NotImplementedError: for a kind whose TorchRec state is not mapped (Adam).
+        """
+        import_torchrec(self, state_dict)
+
+    def copy_to_torchrec_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Write this optimizer's state into TorchRec's ``model.fused_optimizer.state_dict()`` (its live
+        tensors, any plan whose semantics coincide); *collective*. Raises as :meth:`load_torchrec_state_dict`."""
+        export_torchrec(self, state_dict)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Copy ``state_dict`` (keys as :meth:`state_dict`'s) into the state; *collective* when a value is a

@@ -89,12 +89,15 @@ def _without_last(offsets: torch.Tensor | None, bag: nn.EmbeddingBag) -> torch.T
     return offsets[:-1] if offsets is not None and bag.include_last_offset else offsets
 
 
-def ebc_forward(self: Any, features: Any) -> Any:
+def ebc_forward(self: Any, features: Any, optimizer: Any = None) -> Any:
     """``EmbeddingBagCollection.forward`` with sharded tables; *collective* (each rank passes its own batch).
 
     Args:
         features: this rank's ``KeyedJaggedTensor`` (every feature of the
             collection, one batch size for all features).
+        optimizer: a :class:`~torchrec_dtensor_bridge.FusedOptimizer` holding every
+            sharded table's weight: backward updates them in place (no ``weight.grad``),
+            as TorchRec's fused kernels do.
 
     Returns:
         A ``KeyedTensor`` with ``self._embedding_names`` as keys and values of
@@ -120,6 +123,7 @@ def ebc_forward(self: Any, features: Any) -> Any:
             padding_idx=[bag.padding_idx for bag in bags],
             max_norm=[bag.max_norm for bag in bags],
             norm_type=[bag.norm_type for bag in bags],
+            optimizer=optimizer,
         )
         outs.update(zip(sharded, results))
     pooled: list[torch.Tensor] = []
