@@ -186,14 +186,16 @@ def plot_train(res: dict, out: Path) -> Path:
                linewidth=0.3)
     for j, (lay, p) in enumerate(groups):
         r = lay[p]["speed_ratio"]
-        ax.annotate(f"{r['min']:.2f}..{r['max']:.2f}x", (j, 0), xytext=(0, -26), textcoords="offset points",
-                    ha="center", fontsize=7)
+        top = max(lay[p][k]["max"] for k, *_ in _TRAIN_PATHS if k in lay[p]) * 1e3
+        ax.annotate(f"TorchRec/ours\n{r['median']:.2f}x [{r['min']:.2f}..{r['max']:.2f}]", (j, top * 1.1),
+                    ha="center", va="bottom", fontsize=6)
     ax.set_xticks(range(len(groups)), [f"{lay['label']}\n{p}" for lay, p in groups], fontsize=7)
     ax.set_yscale("log")
+    ax.set_ylim(top=ax.get_ylim()[1] * 6)  # room for the ratios and the legend
     ax.set_ylabel("ms per call (median, min..max)")
-    ax.set_title(f"{cfg['tables']} tables x {cfg['rows']:,} x {cfg['dim']}, batch {cfg['batch']}/rank, 2 gloo ranks; "
-                 "TorchRec/ours per rep under the bars", fontsize=8)
-    ax.legend(fontsize=7)
+    ax.set_title(f"{cfg['tables']} tables x {cfg['rows']:,} x {cfg['dim']}, batch {cfg['batch']}/rank, "
+                 f"2 gloo ranks, malloc {cfg.get('malloc', 'default')}", fontsize=8)
+    ax.legend(fontsize=7, ncol=3, loc="upper center")
     step = [lay for lay in lays if "step" in lay]
     for i, (key, label, color, hatch) in enumerate(_TRAIN_PATHS):
         xs = [j + (i - (len(_TRAIN_PATHS) - 1) / 2) * width for j, lay in enumerate(step) if key in lay["step"]]
@@ -206,7 +208,7 @@ def plot_train(res: dict, out: Path) -> Path:
     ax2.set_xticks(range(len(step)), [lay["label"] for lay in step], fontsize=7)
     ax2.set_yscale("log")
     ax2.set_ylabel("MiB, peak RSS growth of a step (worst rank)")
-    ax2.set_title("Memory of one training step", fontsize=8)
+    ax2.set_title("Peak memory growth of one training step", fontsize=8)
     fig.tight_layout()
     path = out / "train.png"
     fig.savefig(path, dpi=110)
