@@ -104,8 +104,17 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+_MAX_RSS = [0]  # the largest VmHWM seen by this process, across the resets
+
+
+def _max_rss() -> int:
+    _MAX_RSS[0] = max(_MAX_RSS[0], _status_kib("VmHWM") * 1024)
+    return _MAX_RSS[0]
+
+
 def _reset_peak() -> int:
     """Give freed heap back to the OS, reset the RSS high-water mark; the current RSS in bytes."""
+    _max_rss()
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
@@ -411,6 +420,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
             result["layouts"][key] = res
             del b
             gc.collect()
+        result["max_rss_bytes"] = _max_rss()
         out.put(result)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         out.put({"rank": rank, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(),
@@ -517,6 +527,7 @@ def report(res: dict) -> None:
     t = res["targets"]
     print(f"\n  targets: step TorchRec/ours >= {t['step']}x (goal {t['step_goal']}x); memory ours/TorchRec <= "
           f"{t['memory']}x; forward >= {t['forward']}x in every repetition")
+    print(f"  largest resident set of a rank: {res['max_rss_bytes_per_rank'] / 2**30:.2f} GiB")
     for note in res["notes"]:
         print(f"  note: {note}")
 
@@ -562,6 +573,7 @@ def run(cfg: dict) -> dict:
         "config": cfg,
         "machine": _machine(load_before),
         "layouts": summarize(runs, cfg),
+        "max_rss_bytes_per_rank": max(r["max_rss_bytes"] for ranks in runs for r in ranks),
         "targets": {"step": 1.0, "step_goal": 1.5, "memory": 1.2, "forward": 1.0},
         "notes": NOTES + ([f"machine busy while measured (1-min load average {load_before[0]:.1f} on "
                            f"{os.cpu_count()} cores): figures are noisy"] if load_before[0] > 0.5 else []),
