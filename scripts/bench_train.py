@@ -41,7 +41,7 @@ every repetition), after warm-up:
   repetitions: every step costs O(table).
 
 The rank processes run with glibc malloc held steady (``STEADY_MALLOC``: fixed
-thresholds, no heap trimming; ``--malloc default`` for glibc's defaults, under
+thresholds, no heap trimming below 256 MiB free; ``--malloc default`` for glibc's defaults, under
 which a call's page faults, and so the ratios, vary between runs).
 
 Ratios are TorchRec / ours per repetition (> 1: ours faster) and ours /
@@ -415,6 +415,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
                 res["step"] = interleaved(step, reps, warmup)
                 _add_memory(res["step"], peak_memory(step, cfg["mem_reps"]))
             if cfg["dense_reps"] and not cfg["forward_only"]:
+                _reset_peak()  # the heap kept for the fused steps back to the OS before 2 GiB gradients come
                 res["step"].update(interleaved({"dense": b.dense_step}, cfg["dense_reps"], 1))
                 _add_memory(res["step"], peak_memory({"dense": b.dense_step}, 1))
             result["layouts"][key] = res
@@ -546,11 +547,11 @@ NOTES = [
 
 # glibc malloc held in a steady state in the rank processes (read by glibc at process start): a fixed
 # mmap threshold (the largest glibc accepts) instead of the dynamic one, and no trimming of the heap's
-# top. With glibc's defaults, whether a call's large buffers (the exchanges' 2-24 MiB) come back from
-# the heap or are page-faulted in again (and zeroed by the kernel) depends on the heap's history: it
+# top below 256 MiB free. With glibc's defaults, whether a call's large buffers (the exchanges' 2-24
+# MiB) come back from the heap or are page-faulted in again (and zeroed by the kernel) depends on the heap's history: it
 # differs between runs and between samples of one run, by up to ~10,000 faults per call, which is
 # what moved the forward ratio between runs (BENCHMARKS.md). Both paths run under the same setting.
-STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30),
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(256 * 2**20),
                  "MALLOC_TOP_PAD_": str(64 * 2**20)}
 
 
@@ -601,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forward-only", action="store_true",
                         help="time the forward only (no optimizer needed; for studying the forward)")
     parser.add_argument("--malloc", choices=("steady", "default"), default="steady",
-                        help="glibc malloc in the rank processes: steady (fixed thresholds, no heap trimming; "
+                        help="glibc malloc in the rank processes: steady (fixed thresholds, little heap trimming; "
                         "see STEADY_MALLOC) or glibc's default (page faults per call vary between runs)")
     parser.add_argument("--out", type=Path, default=Path("bench/results.json"))
     args = parser.parse_args(argv)
