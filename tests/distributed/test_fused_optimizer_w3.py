@@ -77,7 +77,7 @@ class Reference:
         for r in touched.tolist():
             g = grad[r]
             if self.kind == "sgd":
-                self.w[r] -= lr * g
+                self.w[r] -= lr * (g + self.wd * self.w[r])
             elif self.kind == "rowwise_adagrad":
                 if not self.decoupled:
                     g = g + self.wd * self.w[r]
@@ -85,13 +85,14 @@ class Reference:
                 mult = lr / (self.m1[r].sqrt() + eps)
                 self.w[r] = self.w[r] * (1 - lr * self.wd if self.decoupled else 1.0) - mult * g
             elif self.kind == "adagrad":
+                g = g + self.wd * self.w[r]
                 self.m1[r] += g * g
                 self.w[r] -= lr * g / (self.m1[r].sqrt() + eps)
             else:
                 self.m1[r] = b1 * self.m1[r] + (1 - b1) * g
                 self.m2[r] = b2 * self.m2[r] + (1 - b2) * g * g
                 mh, vh = self.m1[r] / (1 - b1**self.step), self.m2[r] / (1 - b2**self.step)
-                self.w[r] -= lr * mh / (vh.sqrt() + eps)
+                self.w[r] -= lr * (mh / (vh.sqrt() + eps) + self.wd * self.w[r])
 
     def state(self, name: str) -> dict[str, torch.Tensor]:
         if self.kind in ("rowwise_adagrad", "adagrad"):
@@ -207,25 +208,28 @@ def test_parity_single_table_and_unpooled(pool, kind):
 
 
 def check_weight_decay(rank: int, world: int) -> None:
-    """Row-wise Adagrad's weight decay modes, through fbgemm's kernel (row-wise) and without it (column cuts)."""
-    for decoupled in (False, True):
+    """Weight decay of every kind (row-wise Adagrad: L2 and decoupled), with and without fbgemm's kernel
+    (row-wise / column cuts / replicas)."""
+    cases = [("rowwise_adagrad", "l2"), ("rowwise_adagrad", "decoupled"), ("sgd", "l2"), ("adagrad", "l2"),
+             ("adam", "l2")]
+    for kind, mode in cases:
         for t, n in enumerate(["row_wise_uneven", "column_wise_multi", "replicated"]):
             table = _table(20 + t)
             w = _weight(LAYOUTS[n].with_name(n), table, rank)
-            opt = tdb.FusedOptimizer([w], "rowwise_adagrad", lr=HYPER["lr"], eps=HYPER["eps"], weight_decay=0.3,
-                                     weight_decay_mode="decoupled" if decoupled else "l2")
-            ref = Reference(table, "rowwise_adagrad", wd=0.3, decoupled=decoupled)
+            opt = tdb.FusedOptimizer([w], kind, lr=HYPER["lr"], eps=HYPER["eps"], beta1=HYPER["beta1"],
+                                     beta2=HYPER["beta2"], weight_decay=0.3, weight_decay_mode=mode)
+            ref = Reference(table, kind, wd=0.3, decoupled=mode == "decoupled")
             for step in range(2):
                 b = _batch(rank, step, t, psw=True)
                 out = tdb.sharded_embedding_bag(b["input"], w, b["offsets"], mode="sum",
                                                 per_sample_weights=b["per_sample_weights"], optimizer=opt)
                 (out * _scale(rank, step, t, out.shape[0])).sum().backward()
                 _reference_step(ref, world, step, t, "sum", True)
-            torch.testing.assert_close(tdb.full_tensor(w), ref.w, msg=lambda m, n=n: f"{n} {decoupled}: {m}")
+            torch.testing.assert_close(tdb.full_tensor(w), ref.w, msg=lambda m, n=n: f"{n} {kind} {mode}: {m}")
             _check_state(opt, {"0": ref})
 
 
-def test_rowwise_adagrad_weight_decay(pool):
+def test_weight_decay_every_kind(pool):
     pool.run(check_weight_decay)
 
 
@@ -346,6 +350,40 @@ def check_psw_grad_dtensor_input_refused(rank: int, world: int) -> None:
 
 def test_per_sample_weights_gradient_dtensor_input_refused(pool):
     pool.run(check_psw_grad_dtensor_input_refused)
+
+
+def check_replicated_input(rank: int, world: int, kind: str, names: list[str]) -> None:
+    """A Replicate() DTensor batch (the same on every rank, no exchange in forward): the update of that batch."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from torchrec_dtensor_bridge.convert.placements import world_mesh
+
+    mesh = world_mesh("cpu")
+    for t, n in enumerate(names):
+        table = _table(50 + t)
+        w = _weight(LAYOUTS[n].with_name(n), table, rank)
+        opt = tdb.FusedOptimizer([w], kind, lr=HYPER["lr"], eps=HYPER["eps"], beta1=HYPER["beta1"],
+                                 beta2=HYPER["beta2"])
+        ref = Reference(table, kind)
+        for step in range(2):
+            b = _batch(0, step, t)  # rank 0's batch, on every rank
+            ids, offsets = (DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                            for x in (b["input"], b["offsets"]))
+            out = tdb.sharded_embedding_bag(ids, w, offsets, mode="mean", optimizer=opt)
+            g = _scale(0, step, t, out.shape[0])
+            (out.full_tensor() * g).sum().backward()
+            full = ref.w.clone().requires_grad_()
+            (F.embedding_bag(b["input"], full, b["offsets"], mode="mean") * g).sum().backward()
+            ref.apply(full.grad, b["input"].unique())
+        assert w.grad is None
+        torch.testing.assert_close(tdb.full_tensor(w), ref.w, msg=lambda m, n=n: f"{n} ({kind}): {m}")
+        _check_state(opt, {"0": ref})
+
+
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "adam"])
+def test_parity_replicated_dtensor_input(pool, kind):
+    pool.run(check_replicated_input, kind, ["grid", "replicated", "replicated_on_two", "column_wise_multi",
+                                            "row_wise_even"])
 
 
 RESUME = {  # table -> (kind, layout on 2 ranks before, layout on 3 ranks after)

@@ -18,6 +18,12 @@ Which fbgemm entry point, and why:
   both over ``shard.view(-1)``: the shard's own storage, no copy (the backward
   kernel takes the weights as ``Tensor(a!)`` but does not write them; tested).
   The caller's autograd Function wires them together.
+* With a fused optimizer, ``split_embedding_backward_codegen_{sgd,rowwise_adagrad,
+  adagrad}_cpu`` (the kernels under the training TBE's backward) take the shard
+  (``host_weights``) and its momentum as in-place arguments: backward sums each
+  touched row's gradient and updates the row in one pass, with no gradient
+  tensor at all (:func:`update_rows`). fbgemm_gpu-cpu 1.8 builds no CPU Adam
+  backward, and its row-wise Adagrad kernel ignores ``weight_decay``.
 
 One fused call for all of a rank's shards would need the shards to live in ONE
 buffer (the kernels address tables by offset into a single weight tensor); the

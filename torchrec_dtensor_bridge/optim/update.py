@@ -55,15 +55,17 @@ def apply_elementwise(
         m = states["momentum1"].index_select(0, rows) + g * g
         states["momentum1"].index_copy_(0, rows, m)
         new = w - hyper.lr * g / (m.sqrt() + hyper.eps)
-    elif kind is OptimKind.ADAM:
+    elif kind is OptimKind.ADAM:  # in place on the gathered rows: few temporaries of the batch's size
         b1, b2 = hyper.beta1, hyper.beta2
-        m1 = states["momentum1"].index_select(0, rows) * b1 + (1 - b1) * grad
-        m2 = states["momentum2"].index_select(0, rows) * b2 + (1 - b2) * grad * grad
+        m1 = states["momentum1"].index_select(0, rows).mul_(b1).add_(grad, alpha=1 - b1)
+        m2 = states["momentum2"].index_select(0, rows).mul_(b2).addcmul_(grad, grad, value=1 - b2)
         states["momentum1"].index_copy_(0, rows, m1)
         states["momentum2"].index_copy_(0, rows, m2)
-        m1_hat = m1 / (1 - b1**step)
-        m2_hat = m2 / (1 - b2**step)
-        new = w - hyper.lr * (m1_hat / (m2_hat.sqrt() + hyper.eps) + hyper.weight_decay * w)
+        step_size = hyper.lr / (1 - b1**step)
+        denom = m2.div_(1 - b2**step).sqrt_().add_(hyper.eps)  # m2 is a copy: its state is stored already
+        new = w.addcdiv_(m1, denom, value=-step_size)
+        if hyper.weight_decay:
+            new.sub_(weight.index_select(0, rows), alpha=hyper.lr * hyper.weight_decay)
     else:
         raise AssertionError(f"{kind} is applied by apply_rowwise")
     weight.index_copy_(0, rows, new.to(weight.dtype))
