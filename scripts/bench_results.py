@@ -1,15 +1,21 @@
 """The shared results file of the ``scripts/bench_*.py`` benchmarks (``bench/results.json``).
 
 Each benchmark records its section under its own key, keeping the others'.
+:func:`spawn_ranks` runs one benchmark worker per rank and collects their results.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
+import queue
+import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["record"]
+__all__ = ["record", "spawn_ranks"]
 
 
 def record(out: Path, key: str, result: Any) -> None:
@@ -18,3 +24,43 @@ def record(out: Path, key: str, result: Any) -> None:
     results[key] = result
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
+
+
+def spawn_ranks(target: Callable[..., None], world: int, args: tuple, *, name: str,
+                timeout_s: float = 1800) -> list[dict]:
+    """Run ``target(rank, world, port, *args, queue)`` in ``world`` spawned processes; their results by rank.
+
+    Each process puts one dict on the queue: its result, or ``{"rank", "error", "traceback"}`` (plus
+    ``"mismatch": True`` for a wrong result). Exits the benchmark (non-zero) when a rank fails, dies or
+    stays silent past ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: list[dict] = []
+    deadline = time.monotonic() + timeout_s
+    while len(results) < world and not any("error" in r for r in results):
+        try:
+            results.append(q.get(timeout=5))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                why = f"a rank exited with code {dead[0]}" if dead else f"no result within {timeout_s:.0f} s"
+                raise SystemExit(f"{name}: FAILED (world {world}): {why}") from None
+    for p in procs:
+        p.join(timeout=5 if any("error" in r for r in results) else 60)
+        if p.is_alive():
+            p.kill()
+    errors = [r for r in results if "error" in r]
+    if errors:
+        e = errors[0]
+        kind = "WRONG RESULT" if e.get("mismatch") else "FAILED"
+        raise SystemExit(f"{name}: {kind} on rank {e['rank']} (world {world}): {e['error']}\n{e['traceback']}")
+    return sorted(results, key=lambda r: r["rank"])

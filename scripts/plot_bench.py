@@ -164,6 +164,58 @@ def plot_lookup(res: dict, out: Path) -> list[Path]:
     return made
 
 
+_TRAIN_PATHS = (("torchrec", "TorchRec DMP (fused kernel)", "#999", None),
+                ("ours", "ours (FusedOptimizer)", "#1f77b4", "//"),
+                ("dense", "ours, dense weight.grad + SGD", "#d62728", ".."))
+
+
+def plot_train(res: dict, out: Path) -> Path:
+    """train.png: training step and forward times, and peak memory growth, TorchRec vs ours, per layout."""
+    cfg = res["config"]
+    lays = list(res["layouts"].values())
+    phases = [p for p in ("step", "forward") if p in lays[0]]
+    groups = [(lay, p) for lay in lays for p in phases]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.8 / len(_TRAIN_PATHS)
+    for i, (key, label, color, hatch) in enumerate(_TRAIN_PATHS):
+        xs = [j + (i - (len(_TRAIN_PATHS) - 1) / 2) * width for j, (lay, p) in enumerate(groups) if key in lay[p]]
+        if not xs:
+            continue
+        med, err = _err([lay[p][key] for lay, p in groups if key in lay[p]], 1e3)
+        ax.bar(xs, med, width, yerr=err, capsize=2, color=color, hatch=hatch, label=label, edgecolor="k",
+               linewidth=0.3)
+    for j, (lay, p) in enumerate(groups):
+        r = lay[p]["speed_ratio"]
+        top = max(lay[p][k]["max"] for k, *_ in _TRAIN_PATHS if k in lay[p]) * 1e3
+        ax.annotate(f"TorchRec/ours\n{r['median']:.2f}x [{r['min']:.2f}..{r['max']:.2f}]", (j, top * 1.1),
+                    ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(range(len(groups)), [f"{lay['label']}\n{p}" for lay, p in groups], fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylim(top=ax.get_ylim()[1] * 6)  # room for the ratios and the legend
+    ax.set_ylabel("ms per call (median, min..max)")
+    ax.set_title(f"{cfg['tables']} tables x {cfg['rows']:,} x {cfg['dim']}, batch {cfg['batch']}/rank, "
+                 f"2 gloo ranks, malloc {cfg.get('malloc', 'default')}", fontsize=8)
+    ax.legend(fontsize=7, ncol=3, loc="upper center")
+    step = [lay for lay in lays if "step" in lay]
+    for i, (key, label, color, hatch) in enumerate(_TRAIN_PATHS):
+        xs = [j + (i - (len(_TRAIN_PATHS) - 1) / 2) * width for j, lay in enumerate(step) if key in lay["step"]]
+        if not xs:
+            continue
+        stats = [lay["step"][key]["mem"] for lay in step if key in lay["step"]]
+        med, err = _err(stats, 1 / 2**20)
+        ax2.bar(xs, med, width, yerr=err, capsize=2, color=color, hatch=hatch, label=label, edgecolor="k",
+                linewidth=0.3)
+    ax2.set_xticks(range(len(step)), [lay["label"] for lay in step], fontsize=7)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("MiB, peak RSS growth of a step (worst rank)")
+    ax2.set_title("Peak memory growth of one training step", fontsize=8)
+    fig.tight_layout()
+    path = out / "train.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=Path("bench/results.json"))
@@ -178,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         made.append(plot_checkpoint(res["checkpoint"], args.out))
     if "lookup" in res:
         made.extend(plot_lookup(res["lookup"], args.out))
+    if "train" in res:
+        made.append(plot_train(res["train"], args.out))
     for p in made:
         print(f"wrote {p}")
     return 0
