@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from ..layout import ShardSpec
 from ..wrapper import LocalShardsWrapper
 from .exchange import row_starts
-from .fused import columns_backward, exchange_columns, gather_grads, psw_backward, reduce_sum
+from .fused import ReduceMessage, columns_backward, exchange_columns, gather_grads, psw_backward
 from .plan import Block, LookupPlan, Strategy, partial_output, strategy_for
 from .tbe import pool_rows, pool_rows_backward
 
@@ -125,6 +125,11 @@ def _local_output(plan: LookupPlan, blocks: list[Block]) -> torch.Tensor:
     return partial_output(plan, blocks, 0.0)
 
 
+def _reduces_sum(plan: LookupPlan) -> bool:
+    """The table's partial sums are combined by the fused ``reduce_scatter`` (:class:`.fused.ReduceMessage`)."""
+    return plan.strategy is Strategy.REDUCE and not plan.local_only and not plan.max_mode
+
+
 def _has_win(plan: LookupPlan, blocks: list[Block]) -> list[torch.Tensor] | None:
     """For max: which bags each block saw an id of (a block with none must not receive gradient)."""
     return [b.counts.unsqueeze(1) > 0 for b in blocks] if plan.max_mode else None
@@ -134,11 +139,15 @@ class _PooledLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plans: list[LookupPlan], *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         weights = tensors[: len(plans)]  # then one per-sample weights tensor (or None) per table
-        blocks = [_compute_blocks(p) for p in plans]
         outs: list[torch.Tensor | None] = [None] * len(plans)
         wins: list[list[torch.Tensor] | None] = [None] * len(plans)
-        columns, reduce = [], []
-        for t, (p, bl) in enumerate(zip(plans, blocks)):
+        reduce = [t for t, p in enumerate(plans) if _reduces_sum(p)]
+        # each REDUCE-sum table's partial goes into the fused message as soon as it is computed
+        message = ReduceMessage(plans, reduce) if reduce else None
+        blocks: list[list[Block]] = []
+        columns = []
+        for t, p in enumerate(plans):
+            bl = _compute_blocks(p)
             if p.strategy is Strategy.LOCAL:
                 outs[t], wins[t] = bl[0].out, _has_win(p, bl[:1])
             elif p.local_only:
@@ -149,11 +158,14 @@ class _PooledLookup(torch.autograd.Function):
             elif p.max_mode:
                 outs[t], wins[t] = _reduce_max(p, bl, p.track)
             else:
-                reduce.append(t)
+                assert message is not None
+                bl = message.add(t, bl)
+            blocks.append(bl)
         for t, out in zip(columns, exchange_columns(plans, blocks, columns)):
             outs[t] = out
-        for t, out in zip(reduce, reduce_sum(plans, blocks, reduce)):
-            outs[t] = out
+        if message is not None:
+            for t, out in zip(reduce, message.reduce()):
+                outs[t] = out
         ctx.plans, ctx.blocks, ctx.wins = plans, blocks, wins
         ctx.weight_meta = [(w.to_local(), w.device_mesh, w.placements, w.shape, w.stride())
                            for w in weights if isinstance(w, DTensor)]

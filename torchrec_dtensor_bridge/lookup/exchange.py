@@ -36,8 +36,11 @@ def row_starts(counts: Sequence[int]) -> list[int]:
 def _gather_padded(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Each rank's ``t`` (first dim ``counts[rank]``), via one padded all_gather."""
     width = max(counts, default=0)
-    send = t.new_zeros((width,) + tuple(t.shape[1:]))
-    send[: t.shape[0]] = t
+    if t.shape[0] == width and t.is_contiguous():
+        send = t  # the largest batch: no padded copy
+    else:
+        send = t.new_zeros((width,) + tuple(t.shape[1:]))
+        send[: t.shape[0]] = t
     recv = [torch.empty_like(send) for _ in counts]
     dist.all_gather(recv, send, group=group)
     return [buf[:c] for buf, c in zip(recv, counts)]
@@ -76,19 +79,30 @@ def gather_bags(
     weighted = [any(x.has_weights for x in i) for i in infos]
     factors = [None if not w else b.weights if b.weights is not None else torch.ones(b.ids.numel(), device=dev)
                for b, w in zip(bags, weighted)]  # ones where this rank passed none but another did
-    picked = [[_pick(b, r.masks[q], f) for b, r, f in zip(bags, routes, factors)] for q in range(world)]
-    send = [torch.cat([x.to(dtype) for t, r in enumerate(routes) if r.reads(q) for x in picked[q][t][:2]]
-                      + [bags[0].ids.new_empty(0, dtype=dtype)]) for q in range(world)]
+    picked = _pick_all(bags, routes, factors, world, dtype)
 
     def received(info: RankInfo) -> int:
         assert info.sends is not None, "a routed table's sizes travel in the agreement step"
         return info.sends[rank]
 
+    # ONE flat message, written in place: per destination, per table it reads: ids, then bag lengths
+    send_sizes = [sum(x.numel() for t, r in enumerate(routes) if r.reads(q) for x in picked[q][t][:2])
+                  for q in range(world)]
+    flat_in = torch.empty(sum(send_sizes), dtype=dtype, device=dev)
+    at = 0
+    for q in range(world):
+        for t, r in enumerate(routes):
+            if r.reads(q):
+                for x in picked[q][t][:2]:
+                    flat_in[at : at + x.numel()].copy_(x)
+                    at += x.numel()
     sizes = [sum(received(infos[t][p]) + infos[t][p].num_bags for t in mine) for p in range(world)]
-    parts = [p.to(torch.int64) for p in all_to_all_flat(send, sizes, group, dtype=dtype, device=dev)]
+    flat_out = torch.empty(sum(sizes), dtype=dtype, device=dev)
+    dist.all_to_all_single(flat_out, flat_in, sizes, send_sizes, group=group)
+    del flat_in
     ids: dict[int, list[torch.Tensor]] = {t: [] for t in mine}
     lengths: dict[int, list[torch.Tensor]] = {t: [] for t in mine}
-    for p, part in enumerate(parts):
+    for p, part in enumerate(flat_out.split(sizes)):
         at = 0
         for t in mine:
             n, nb = received(infos[t][p]), infos[t][p].num_bags
@@ -111,24 +125,63 @@ def gather_bags(
     out = []
     for t, b in enumerate(bags):
         if t in ids:
-            out.append(Bags(torch.cat(ids[t]), torch.cat(lengths[t]), weights.get(t)))
+            out.append(Bags(_cat64(ids[t]), _cat64(lengths[t]), weights.get(t)))
         else:  # not read here: every bag of every rank, empty
             total = sum(i.num_bags for i in infos[t])
             out.append(Bags(b.ids.new_empty(0), b.lengths.new_zeros(total), None))
     return out
 
 
+def _cat64(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` back to back as int64: the concatenation and the widening in one pass."""
+    out = torch.empty(sum(p.numel() for p in parts), dtype=torch.int64, device=parts[0].device)
+    return torch.cat(parts, out=out)
+
+
+Picked = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _pick_all(
+    bags: Sequence[Bags], routes: Sequence[Route], factors: Sequence[torch.Tensor | None], world: int,
+    dtype: torch.dtype,
+) -> list[list[Picked]]:
+    """Per destination, per table: (ids as ``dtype``, per-bag lengths, weights or ``None``) routed there."""
+    out: list[list[Picked]] = [[] for _ in range(world)]
+    for b, r, f in zip(bags, routes, factors):
+        ids = b.ids.to(dtype)  # once per table, not once per destination
+        cut = [q for q in range(world) if isinstance(r.masks[q], torch.Tensor)]
+        last = cut[-1] if r.partition and cut else -1
+        per_bag: dict[int, torch.Tensor] = {}
+        for q in cut:
+            if q != last:
+                mask = r.masks[q]
+                assert isinstance(mask, torch.Tensor)
+                per_bag[q] = b.count_per_bag(mask)
+        if last >= 0:  # the masks take every id once: the last one's counts are what the others left
+            rest = b.lengths.clone()
+            for q in cut[:-1]:
+                rest -= per_bag[q]
+            per_bag[last] = rest
+        for q in range(world):
+            out[q].append(_pick(ids, b.lengths, r, q, per_bag.get(q), f))
+    return out
+
+
 def _pick(
-    bags: Bags, mask: bool | torch.Tensor, weights: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(ids, per-bag lengths, ``weights`` or ``None``) of ``bags`` that ``mask`` routes to one rank."""
+    ids: torch.Tensor, lengths: torch.Tensor, route: Route, q: int, per_bag: torch.Tensor | None,
+    weights: torch.Tensor | None,
+) -> Picked:
+    """(ids, per-bag lengths, ``weights`` or ``None``) of one table's batch that ``route`` sends to rank ``q``."""
+    mask = route.masks[q]
     if mask is True:
-        return bags.ids, bags.lengths, weights
+        return ids, lengths, weights
     if mask is False:
-        return bags.ids.new_empty(0), bags.lengths.new_zeros(0), None if weights is None else weights.new_empty(0)
-    assert isinstance(mask, torch.Tensor)
-    at = mask.nonzero().squeeze(1)  # one nonzero for both gathers below
-    return bags.ids.index_select(0, at), bags.count_per_bag(mask), None if weights is None else weights.index_select(0, at)
+        return ids.new_empty(0), lengths.new_zeros(0), None if weights is None else weights.new_empty(0)
+    assert isinstance(mask, torch.Tensor) and per_bag is not None
+    at = route.positions[q] if route.positions else None
+    if at is None:
+        at = mask.nonzero().squeeze(1)
+    return ids.index_select(0, at), per_bag, None if weights is None else weights.index_select(0, at)
 
 
 def gather_flat(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> list[torch.Tensor]:

@@ -1,8 +1,9 @@
 """The fused collectives of a lookup of several tables: one message for all tables that combine alike.
 
 Forward: :func:`exchange_columns` (ONE ``all_to_all`` for every table whose
-blocks span whole rows) and :func:`reduce_sum` (ONE ``reduce_scatter`` for
-every row-cut table); backward: :func:`columns_backward` (the reverse
+blocks span whole rows) and :class:`ReduceMessage` / :func:`reduce_sum` (ONE
+``reduce_scatter`` for every row-cut table, each table's partial copied into the
+message as soon as it is computed, its own output then released); backward: :func:`columns_backward` (the reverse
 ``all_to_all``) and :func:`gather_grads` (ONE ``all_gather`` of the output
 gradients). Tables of different dtypes travel in one common dtype, exact for
 each (float64 when they differ).
@@ -10,29 +11,94 @@ each (float64 when they differ).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import torch.distributed as dist
 
 from .exchange import all_to_all_flat, gather_flat, row_starts
-from .plan import Block, LookupPlan, Strategy, partial_output
+from .plan import Block, LookupPlan, Strategy
 
-__all__ = ["columns_backward", "exchange_columns", "gather_grads", "psw_backward", "reduce_sum"]
+__all__ = ["ReduceMessage", "columns_backward", "exchange_columns", "gather_grads", "psw_backward", "reduce_sum"]
+
+
+class ReduceMessage:
+    """The message of :func:`reduce_sum`, filled table by table as each table's blocks are computed.
+
+    One flat buffer holds, per destination rank ``q``, the partial rows of
+    ``q``'s bags of every table in ``tables`` (in order); :meth:`add` copies a
+    table's partial output straight into its slices and hands back its blocks
+    with their outputs released (a ``REDUCE`` sum needs no block output after
+    this: backward works from the gathered output gradients), so at most one
+    table's partial output is alive besides the message; :meth:`reduce` runs
+    the ONE ``reduce_scatter``.
+
+    Example:
+        >>> msg = ReduceMessage(plans, [0, 2])             # doctest: +SKIP
+        >>> blocks = [msg.add(t, bl) if t in (0, 2) else bl for t, bl in enumerate(blocks)]  # doctest: +SKIP
+        >>> out0, out2 = msg.reduce()                      # doctest: +SKIP
+    """
+
+    def __init__(self, plans: list[LookupPlan], tables: list[int]) -> None:
+        p0 = plans[tables[0]]
+        self.plans, self.tables, self.rank, self.group = plans, tables, p0.rank, p0.group
+        # the dtype torch.cat of the partials would give (kept: outputs come back in it)
+        dtype = functools.reduce(torch.promote_types, [plans[t].layout.dtype or torch.float32 for t in tables])
+        dims = {t: plans[t].layout.global_shape[1] for t in tables}
+        self.sizes = [sum(plans[t].num_bags[q] * dims[t] for t in tables) for q in range(p0.world)]
+        self.flat = torch.empty(sum(self.sizes), dtype=dtype, device=p0.batch.ids.device)
+        self.send = list(self.flat.split(self.sizes))
+        self.slots: dict[int, list[torch.Tensor]] = {}  # per table, per destination: its (bags, dim) view
+        at = [0] * p0.world
+        for t in tables:
+            views = []
+            for q in range(p0.world):
+                n = plans[t].num_bags[q] * dims[t]
+                views.append(self.send[q][at[q] : at[q] + n].view(plans[t].num_bags[q], dims[t]))
+                at[q] += n
+            self.slots[t] = views
+
+    def add(self, t: int, blocks: list[Block]) -> list[Block]:
+        """Place table ``t``'s partial sums (its blocks at their columns, 0 elsewhere) in the message;
+        ``blocks`` with their outputs released."""
+        plan = self.plans[t]
+        starts = row_starts(plan.num_bags)
+        dim = plan.layout.global_shape[1]
+        whole = len(blocks) == 1 and blocks[0].cols == (0, dim)
+        for q, view in enumerate(self.slots[t]):
+            s, n = starts[q], plan.num_bags[q]
+            if whole:
+                view.copy_(blocks[0].out[s : s + n])
+                continue
+            # summed in the table's own dtype (as the unfused sum), then placed
+            acc = view if view.dtype == plan.layout.dtype else torch.empty(n, dim, dtype=plan.layout.dtype,
+                                                                              device=view.device)
+            acc.zero_()
+            for b in blocks:
+                acc[:, b.cols[0] : b.cols[0] + b.cols[1]] += b.out[s : s + n]
+            if acc is not view:
+                view.copy_(acc)
+        return [dataclasses.replace(b, out=b.out.new_empty(0, b.cols[1])) for b in blocks]
+
+    def reduce(self) -> list[torch.Tensor]:
+        """*Collective*: ONE ``reduce_scatter`` of the message; per table this rank's summed rows."""
+        mine = torch.empty_like(self.send[self.rank])
+        dist.reduce_scatter(mine, self.send, op=dist.ReduceOp.SUM, group=self.group)
+        del self.flat, self.send, self.slots  # the message is spent: free it before the caller goes on
+        plans = self.plans
+        return _split_flat(mine, [(plans[t].num_bags[self.rank], plans[t].layout.global_shape[1])
+                                  for t in self.tables])
 
 
 def reduce_sum(plans: list[LookupPlan], blocks: list[list[Block]], tables: list[int]) -> list[torch.Tensor]:
     """REDUCE with sum, for ``tables`` together: ONE ``reduce_scatter`` of all their partial outputs."""
     if not tables:
         return []
-    p0 = plans[tables[0]]
-    partials = [partial_output(plans[t], blocks[t], 0.0) for t in tables]
-    starts = [row_starts(plans[t].num_bags) for t in tables]
-    send = [
-        torch.cat([part[s[q] : s[q] + plans[t].num_bags[q]].reshape(-1) for t, part, s in zip(tables, partials, starts)])
-        for q in range(p0.world)
-    ]
-    mine = torch.empty_like(send[p0.rank])
-    dist.reduce_scatter(mine, send, op=dist.ReduceOp.SUM, group=p0.group)
-    return _split_flat(mine, [(plans[t].num_bags[p0.rank], plans[t].layout.global_shape[1]) for t in tables])
+    msg = ReduceMessage(plans, tables)
+    for t in tables:
+        msg.add(t, blocks[t])
+    return msg.reduce()
 
 
 def _split_flat(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -130,10 +196,11 @@ def gather_grads(
     mine = torch.cat([grad_outs[t].reshape(-1).to(dtype) for t in tables])
     dims = [plans[t].layout.global_shape[1] for t in tables]
     counts = [sum(plans[t].num_bags[r] * d for t, d in zip(tables, dims)) for r in range(p0.world)]
-    per_rank = [
-        _split_flat(flat, [(plans[t].num_bags[r], d) for t, d in zip(tables, dims)])
-        for r, flat in enumerate(gather_flat(mine, counts, p0.group))
-    ]
+    gathered = gather_flat(mine, counts, p0.group)
+    del mine  # sent: free it before the per-table copies
+    per_rank = [_split_flat(flat, [(plans[t].num_bags[r], d) for t, d in zip(tables, dims)])
+                for r, flat in enumerate(gathered)]
+    del gathered
     return [torch.cat([rows[k] for rows in per_rank]).to(plans[t].layout.dtype) for k, t in enumerate(tables)]
 
 

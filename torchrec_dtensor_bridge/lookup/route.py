@@ -31,10 +31,18 @@ _ALL, _NONE = True, False
 @dataclass(frozen=True)
 class Route:
     """Per destination rank: ``True`` (every id), ``False`` (nothing: not a reader) or a boolean mask of
-    the ids it takes; ``counts``: how many ids each rank receives from this one."""
+    the ids it takes; ``counts``: how many ids each rank receives from this one.
+
+    ``positions[q]``: where a mask destination's ids are in the batch (its mask's ``nonzero``, found
+    once here); ``partition``: the mask destinations take every id exactly once (their row ranges
+    cover the table and no id is counted twice), so the last one's per-bag counts are the bag
+    lengths minus the others'.
+    """
 
     masks: tuple[bool | torch.Tensor, ...]
     counts: tuple[int, ...]
+    positions: tuple[torch.Tensor | None, ...] = ()
+    partition: bool = False
 
     def reads(self, rank: int) -> bool:
         """``rank`` takes part in this table's lookup (receives every rank's bag lengths)."""
@@ -58,24 +66,53 @@ def _row_ranges(layout: ShardLayout, world: int) -> list[list[tuple[int, int]] |
     return out
 
 
+def _in_range(ids: torch.Tensor, r0: int, r1: int, rows: int) -> torch.Tensor:
+    """``r0 <= ids < r1`` with one comparison where the range touches either end of the table."""
+    if r0 <= 0:
+        return ids < r1
+    if r1 >= rows:
+        return ids >= r0
+    return (ids >= r0) & (ids < r1)
+
+
+def _covers(ranges: list[list[tuple[int, int]]], rows: int) -> bool:
+    """The ranges together cover ``[0, rows)``."""
+    at = 0
+    for r0, r1 in sorted(r for rs in ranges for r in rs):
+        if r0 > at:
+            return False
+        at = max(at, r1)
+    return at >= rows
+
+
 def route_for(layout: ShardLayout, bags: Bags, world: int, *, everyone: bool) -> Route:
     """This rank's route for one table; ``everyone``: every rank takes every id (``max_norm``)."""
     n = bags.ids.numel()
     if everyone:
         return Route((_ALL,) * world, (n,) * world)
+    rows = layout.global_shape[0]
     masks: list[bool | torch.Tensor] = []
+    positions: list[torch.Tensor | None] = []
     counts = []
-    for ranges in _row_ranges(layout, world):
+    per_rank = _row_ranges(layout, world)
+    for ranges in per_rank:
         if ranges is None:
             masks.append(_ALL)
             counts.append(n)
+            positions.append(None)
         elif not ranges:
             masks.append(_NONE)
             counts.append(0)
+            positions.append(None)
         else:
-            mask = torch.zeros_like(bags.ids, dtype=torch.bool)
-            for r0, r1 in ranges:
-                mask |= (bags.ids >= r0) & (bags.ids < r1)
+            mask = _in_range(bags.ids, *ranges[0], rows)
+            for r0, r1 in ranges[1:]:
+                mask = mask | _in_range(bags.ids, r0, r1, rows)
+            at = mask.nonzero().squeeze(1)
             masks.append(mask)
-            counts.append(int(mask.sum()))
-    return Route(tuple(masks), tuple(counts))
+            positions.append(at)
+            counts.append(int(at.numel()))
+    cut = [r for r in per_rank if r]
+    partition = (all(r is not None for r in per_rank) and len(cut) > 1
+                 and sum(counts) == n and _covers(cut, rows))
+    return Route(tuple(masks), tuple(counts), tuple(positions), partition)
