@@ -1,0 +1,90 @@
+"""The id routing of the sharded lookups (:mod:`torchrec_dtensor_bridge.lookup.route`) and the per-destination
+pieces built from it, against a plain per-id reference (no collectives: one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrec_dtensor_bridge.layout import ShardLayout
+from torchrec_dtensor_bridge.lookup.bags import Bags
+from torchrec_dtensor_bridge.lookup.exchange import _pick_all
+from torchrec_dtensor_bridge.lookup.route import route_for
+
+
+def _bags(rows: int, seed: int) -> Bags:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 6, (37,), generator=g)
+    lengths[3] = 0  # an empty bag
+    ids = torch.randint(0, rows, (int(lengths.sum()),), generator=g)
+    ids[:2] = torch.tensor([0, rows - 1])  # both ends of the table
+    return Bags(ids, lengths, None)
+
+
+def _reference(bags: Bags, ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, per-bag counts) of ``bags`` inside any of ``ranges``, in batch order."""
+    keep = [any(a <= int(i) < b for a, b in ranges) for i in bags.ids]
+    ids = bags.ids[torch.tensor(keep, dtype=torch.bool)]
+    counts, at = [], 0
+    for n in bags.lengths.tolist():
+        counts.append(sum(keep[at : at + n]))
+        at += n
+    return ids, torch.tensor(counts, dtype=torch.int64)
+
+
+LAYOUTS = {
+    # rank: list of row ranges it computes; a partition of the ids when every rank has ranges
+    "row_wise_uneven": (ShardLayout.row_wise((50, 4), [7, 30, 13]), {0: [(0, 7)], 1: [(7, 37)], 2: [(37, 50)]}),
+    "row_wise_permuted_two_per_rank": (
+        ShardLayout.row_wise((50, 4), [5, 10, 15, 20], ranks=[1, 0, 1, 0]),
+        {0: [(5, 15), (30, 50)], 1: [(0, 5), (15, 30)]},
+    ),
+    "row_wise_empty_shard": (ShardLayout.row_wise((50, 4), [20, 0, 30]), {0: [(0, 20)], 1: [], 2: [(20, 50)]}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_row_cuts_partition_the_ids(name: str) -> None:
+    layout, ranges = LAYOUTS[name]
+    world = 3 if name != "row_wise_permuted_two_per_rank" else 2
+    bags = _bags(50, seed=len(name))
+    route = route_for(layout, bags, world, everyone=False)
+    assert route.partition
+    picked = _pick_all([bags], [route], [None], world, torch.int32)
+    for q in range(world):
+        want_ids, want_counts = _reference(bags, ranges[q])
+        assert route.counts[q] == want_ids.numel()
+        if not ranges[q]:
+            assert route.masks[q] is False
+            continue
+        ids, counts, weights = picked[q][0]
+        assert ids.dtype == torch.int32 and weights is None
+        assert torch.equal(ids.to(torch.int64), want_ids)
+        assert torch.equal(counts, want_counts), (q, counts, want_counts)
+
+
+def test_grid_sends_an_id_to_every_rank_holding_its_rows() -> None:
+    # rows 0-24 cut in two column blocks on ranks 0 and 1; rows 25-49 whole on rank 2
+    layout = ShardLayout.from_shards((50, 4), [(0, (0, 0), (25, 2)), (1, (0, 2), (25, 2)), (2, (25, 0), (25, 4))])
+    bags = _bags(50, seed=5)
+    route = route_for(layout, bags, 3, everyone=False)
+    assert not route.partition
+    picked = _pick_all([bags], [route], [None], 3, torch.int64)
+    for q, ranges in enumerate([[(0, 25)], [(0, 25)], [(25, 50)]]):
+        want_ids, want_counts = _reference(bags, ranges)
+        assert torch.equal(picked[q][0][0], want_ids)
+        assert torch.equal(picked[q][0][1], want_counts)
+
+
+def test_a_rank_holding_whole_rows_takes_every_id_and_no_partition() -> None:
+    # table-row-wise style: rank 0 holds the whole table's rows in its columns 0-1, ranks 1 and 2 cut rows of 2-3
+    layout = ShardLayout.from_shards((50, 4), [(0, (0, 0), (50, 2)), (1, (0, 2), (20, 2)), (2, (20, 2), (30, 2))])
+    bags = _bags(50, seed=9)
+    route = route_for(layout, bags, 3, everyone=False)
+    assert route.masks[0] is True and not route.partition
+    picked = _pick_all([bags], [route], [None], 3, torch.int64)
+    assert torch.equal(picked[0][0][0], bags.ids) and torch.equal(picked[0][0][1], bags.lengths)
+    for q, ranges in ((1, [(0, 20)]), (2, [(20, 50)])):
+        want_ids, want_counts = _reference(bags, ranges)
+        assert torch.equal(picked[q][0][0], want_ids)
+        assert torch.equal(picked[q][0][1], want_counts)
