@@ -2,7 +2,8 @@
 
 ``ShardedTensor`` lives in ``torch.distributed._shard`` and has no public home;
 a one-rank :class:`DeviceMesh` without a process group needs the private
-``_init_backend`` flag. Everything else in the package imports these names
+``_init_backend`` flag; the mesh a sub-mesh was sliced from has no public
+accessor (torch 2.13: ``DeviceMesh._get_root_mesh``). Everything else in the package imports these names
 from here, so an upstream move breaks exactly one module.
 """
 
@@ -33,6 +34,7 @@ __all__ = [
     "ShardedTensorShard",
     "make_sharded_tensor",
     "one_rank_mesh",
+    "root_mesh",
     "shard_placement",
     "sharded_tensor_process_group",
 ]
@@ -72,3 +74,18 @@ def one_rank_mesh(device_type: str, rank: int) -> DeviceMesh:
     table. DTensor needs no communication on a one-rank mesh.
     """
     return DeviceMesh(device_type, [rank], _init_backend=False)
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (``mesh`` itself when it was not sliced); non-collective.
+
+    ``mesh["shard"]`` of a 2-D ``(replica, shard)`` mesh has the 2-D mesh as its
+    root; a mesh built directly is its own root.
+
+    Example::
+
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
+        >>> root_mesh(mesh["shard"]) is mesh
+        True
+    """
+    return mesh._get_root_mesh()

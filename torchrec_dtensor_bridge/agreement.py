@@ -31,17 +31,16 @@ API, in the order a caller uses it:
    - :func:`raise_if_any` - every rank's list of problems through
      ``all_gather_object``; raises on every rank with all messages, grouped by
      rank (the checkpoint's form: many problems per rank, strings are fine
-     off the hot path).
+     off the hot path); :func:`raise_gathered` - the same on problems already
+     gathered with other values (no collective of its own).
 4. Helpers for the values: :func:`check_same` (a column of the agreed table
    must hold one value: else a ``DISAGREEMENT`` on every rank),
    :func:`float_code` (a float as exact int64 bits) and
    ``ShardLayout.digest()`` (a layout as 62 bits).
 
-A checkpoint's ``agree`` module maps onto this one as: its ``(kind, message)``
-tuples -> ``Problem(ProblemKind.INCOMPLETE / BAD_VALUE / FAILURE, message,
-exception)``; ``raise_if_any(problems, group, what)`` ->
-``raise_if_any(what, problems, group, mixed=CheckpointError)``; ``gather`` ->
-:func:`gather_objects`; ``from_rank0`` stays a broadcast of its own.
+The checkpoint (``checkpoint/agree.py``) adds only its own kinds of problem
+(each a :class:`ProblemKind` and a :class:`~.checkpoint.CheckpointError`
+subclass) and a broadcast from rank 0 of the group.
 
 Example::
 
@@ -77,6 +76,7 @@ __all__ = [
     "exchange",
     "float_code",
     "gather_objects",
+    "raise_gathered",
     "raise_if_any",
 ]
 
@@ -279,18 +279,47 @@ def raise_if_any(
     *collective* (one ``all_gather_object``).
 
     The exception is the problems' common exception type, or ``mixed`` when they differ.
+
+    Example::
+
+        >>> raise_if_any("checkpoint.load(/ckpt)", problems, group, mixed=CheckpointError)
     """
     g = _group(group)
-    everyone = _objects(list(problems), g)
-    flat = [(g.members[r], p) for r, ps in enumerate(everyone) for p in ps]
-    if not flat:
+    raise_gathered(what, _objects(list(problems), g), g, mixed=mixed)
+
+
+def raise_gathered(
+    what: str,
+    everyone: Sequence[Sequence[Problem]],
+    group: CommGroup | dist.ProcessGroup | None,
+    *,
+    common: Sequence[Problem] = (),
+    mixed: type[Exception] = RuntimeError,
+) -> None:
+    """:func:`raise_if_any` on problems already gathered (with other values, in one collective); no collective.
+
+    Args:
+        what: the call, heading the message.
+        everyone: every rank's problems, in group-rank order (as :func:`gather_objects` returns them).
+        group: the group they were gathered on (its members name the ranks: global ranks).
+        common: problems every rank found alike in the gathered values (a disagreement):
+            listed after the others, without ranks.
+        mixed: the exception when the problems' exception types differ.
+
+    Example::
+
+        >>> everyone = gather_objects((save_id, problems), group)
+        >>> raise_gathered("checkpoint.save(/ckpt)", [p for _, p in everyone], group, mixed=CheckpointError)
+    """
+    members = _group(group).members
+    flat = [(members[r], p) for r, ps in enumerate(everyone) for p in ps]
+    if not flat and not common:
         return
     seen: dict[str, list[int]] = {}
     for r, p in flat:
         seen.setdefault(p.message, []).append(r)
-    text = "\n  ".join(
-        f"{msg} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for msg, rs in seen.items()
-    )
-    types = {p.exception for _, p in flat}
+    lines = [f"{msg} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for msg, rs in seen.items()]
+    text = "\n  ".join(lines + [p.message for p in common])
+    types = {p.exception for _, p in flat} | {p.exception for p in common}
     exc = types.pop() if len(types) == 1 else mixed
     raise exc(f"{what}:\n  {text}")

@@ -71,10 +71,13 @@ def _check_2d_dtensors(rank, module, mesh, tables):
         assert torch.equal(tdb.full_tensor(dt), table), key
         picture = tdb.visualize_sharding(dt, name=key)
         assert str(replica_peer) in picture and str(rank) in picture, picture
-        # a lookup on the 2-D table: every rank its own batch, the unsharded result
+        # a lookup on the 2-D table (its layout attached once, zero-copy): every rank its own batch, the
+        # unsharded result
         ids = torch.randint(0, table.shape[0], (11,), generator=torch.Generator().manual_seed(rank))
         offsets = torch.tensor([0, 4, 4, 9])
-        got = tdb.sharded_embedding_bag(ids, dt, offsets, mode="sum")
+        attached = tdb.to_dtensor(dt, name=key)
+        assert attached.placements == dt.placements and attached.device_mesh == dt.device_mesh
+        got = tdb.sharded_embedding_bag(ids, attached, offsets, mode="sum")
         torch.testing.assert_close(got, F.embedding_bag(ids, table, offsets, mode="sum"))
 
 

@@ -214,6 +214,9 @@ def layout_less_sub_mesh(rank: int, world_size: int) -> None:
     attached = tdb.to_dtensor(tdb.to_sharded_tensor(dt))
     torch.testing.assert_close(tdb.sharded_embedding_bag(ids, attached, offsets, mode="sum"),
                                F.embedding_bag(ids, table, offsets, mode="sum"))
+    attached = tdb.to_dtensor(dt)  # the same, without the ShardedTensor round trip
+    torch.testing.assert_close(tdb.sharded_embedding_bag(ids, attached, offsets, mode="sum"),
+                               F.embedding_bag(ids, table, offsets, mode="sum"))
 
 
 def test_layout_less_wrappers_on_sub_meshes(pool):

@@ -107,10 +107,14 @@ def _check_our_api_on_torchrec_dtensors(rank, world_size):
         ids = torch.randint(0, table.shape[0], (9,), generator=g)
         offsets = torch.tensor([0, 2, 2, 7])
         # A lookup makes no hidden collective: TorchRec's layout-less wrapper is refused on every rank with
-        # the fix, and the zero-copy DTensor of its ShardedTensor view (which carries the layout) looks up.
-        with pytest.raises(NotImplementedError, match="without the table's layout"):
+        # the fix: to_dtensor(dt) attaches the layout (collective, zero-copy), then it looks up.
+        with pytest.raises(NotImplementedError, match=r"tdb\.to_dtensor\(weight\)"):
             tdb.sharded_embedding_bag(ids, dt, offsets, mode="sum")
-        got = tdb.sharded_embedding_bag(ids, tdb.to_dtensor(st), offsets, mode="sum")
+        attached = tdb.to_dtensor(dt)
+        assert sorted(t.data_ptr() for t in attached._local_tensor.local_shards()) == sorted(
+            t.data_ptr() for t in dt._local_tensor.local_shards()), f"{key}: to_dtensor(DTensor) copied"
+        assert attached.device_mesh == dt.device_mesh and attached.placements == dt.placements
+        got = tdb.sharded_embedding_bag(ids, attached, offsets, mode="sum")
         torch.testing.assert_close(got, F.embedding_bag(ids, table, offsets, mode="sum"))
     # ... into TorchRec's own ShardedTensor module, through our ShardedTensor view.
     result = reference.load_state_dict(tdb.state_dict_to_sharded_tensor(sd))

@@ -5,12 +5,20 @@ without a process group every call sees one rank, which is what these tests pin 
 """
 
 import math
+import pickle
 
 import pytest
 import torch
 
 from torchrec_dtensor_bridge import agreement
 from torchrec_dtensor_bridge.agreement import Problem, ProblemKind, Rejected, check_same, float_code
+from torchrec_dtensor_bridge.checkpoint import agree as ckpt_agree
+from torchrec_dtensor_bridge.checkpoint.commit import (
+    CheckpointBusyError,
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
 
 
 @pytest.mark.parametrize("exc,kind", [
@@ -73,3 +81,64 @@ def test_raise_if_any_lists_every_message_once_with_its_ranks():
     mixed = [Problem.of(ProblemKind.BAD_VALUE, "a"), Problem.of(ProblemKind.INCOMPLETE, "b", Mine)]
     with pytest.raises(RuntimeError, match=r"load:\n  a \(rank 0\)\n  b \(rank 0\)"):
         agreement.raise_if_any("load", mixed, None)
+
+
+def test_raise_gathered_lists_common_problems_after_the_ranks_and_names_no_rank_for_them():
+    agreement.raise_gathered("save", [[], []], None)
+    common = [Problem.of(ProblemKind.DISAGREEMENT, "key 'w': ranks disagree")]
+    with pytest.raises(ValueError, match=r"^save:\n  key 'w': ranks disagree$"):
+        agreement.raise_gathered("save", [[]], None, common=common)
+    mine = [Problem.of(ProblemKind.BAD_VALUE, "x is bad")]
+    with pytest.raises(ValueError, match=r"^save:\n  x is bad \(rank 0\)\n  key 'w': ranks disagree$"):
+        agreement.raise_gathered("save", [mine], None, common=common)
+    odd = [Problem.of(ProblemKind.FAILURE, "disk", OSError)]
+    with pytest.raises(KeyError, match="disk"):
+        agreement.raise_gathered("save", [odd], None, common=common, mixed=KeyError)
+
+
+# ---------------------------------------------------------------- the checkpoint's kinds on this module
+
+
+@pytest.mark.parametrize("kind,problem_kind,exc", [
+    (ckpt_agree.Kind.VALUE, ProblemKind.BAD_VALUE, ValueError),
+    (ckpt_agree.Kind.INCOMPLETE, ProblemKind.INCOMPLETE, IncompleteCheckpointError),
+    (ckpt_agree.Kind.CORRUPT, ProblemKind.FAILURE, CorruptCheckpointError),
+    (ckpt_agree.Kind.BUSY, ProblemKind.FAILURE, CheckpointBusyError),
+    (ckpt_agree.Kind.IO, ProblemKind.FAILURE, CheckpointError),
+])
+def test_checkpoint_problems_are_agreement_problems(kind, problem_kind, exc):
+    p = ckpt_agree.Problem(kind, "data file __0_0.distcp, key 'w': bad")
+    assert isinstance(p, Problem) and p.kind is problem_kind and p.exception is exc
+    assert pickle.loads(pickle.dumps(p)) == p  # gathered between ranks
+    with pytest.raises(exc, match=r"^load\(/c\) refused:\n  data file __0_0.distcp, key 'w': bad \(rank 0\)$"):
+        ckpt_agree.raise_if_any([p], None, "load(/c) refused")
+
+
+def test_checkpoint_problem_from_an_exception_keeps_its_type_and_names_the_errno():
+    cases = [
+        (CheckpointBusyError("/c is being saved"), CheckpointBusyError, "at /c: /c is being saved"),
+        (IncompleteCheckpointError("no checkpoint at /c"), IncompleteCheckpointError, "at /c: no checkpoint at /c"),
+        (CorruptCheckpointError("bad"), CorruptCheckpointError, "at /c: bad"),
+        (FileNotFoundError(2, "No such file or directory", "/c/x"), CheckpointError,
+         "at /c: OSError [2 ENOENT] [Errno 2] No such file or directory: '/c/x'"),
+        (CheckpointError("rename failed"), CheckpointError, "at /c: rename failed"),
+        (KeyError("w"), CorruptCheckpointError, "at /c: KeyError: 'w'"),
+    ]
+    for e, exc, message in cases:
+        p = ckpt_agree.problem_from(e, "at /c")
+        assert (p.exception, p.message) == (exc, message)
+
+
+def test_checkpoint_problems_of_different_kinds_raise_checkpoint_error_with_every_message():
+    problems = [ckpt_agree.Problem(ckpt_agree.Kind.VALUE, "key 'a' is not in the checkpoint"),
+                ckpt_agree.Problem(ckpt_agree.Kind.CORRUPT, "data file f is truncated")]
+    with pytest.raises(CheckpointError) as info:
+        ckpt_agree.raise_gathered("load(/c)", [problems], None)
+    assert type(info.value) is CheckpointError
+    assert str(info.value) == ("load(/c):\n  key 'a' is not in the checkpoint (rank 0)\n"
+                               "  data file f is truncated (rank 0)")
+
+
+def test_checkpoint_steps_need_this_rank_in_the_group():
+    assert ckpt_agree.member_group(None, "save(/c)").members == (0,)
+    assert ckpt_agree.from_rank0({"name": "g"}, None) == {"name": "g"}

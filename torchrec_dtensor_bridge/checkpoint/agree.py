@@ -1,66 +1,92 @@
-"""The few collectives that make checkpoint decisions unanimous: every rank raises, or none does.
+"""The checkpoint's kinds of problem, on the package's one agreement module.
 
-Every checkpoint collective runs on one process group (``group``; ``None`` is
-the default group). The object collectives used here put their tensors on the
-group's device themselves (the current CUDA device for NCCL, CPU for gloo).
+Every checkpoint step agrees through :mod:`torchrec_dtensor_bridge.agreement`:
+a rank that finds a problem records an :class:`~..agreement.Problem` (a typed
+kind, a message naming the file and key, the exception every rank raises)
+instead of raising; one gather (:func:`~..agreement.gather_objects`, or
+:func:`raise_if_any`) then lets every rank raise the same exception, listing
+every rank's messages with the (global) ranks that found them. What this
+module adds is checkpoint-specific only:
 
-A rank that finds a problem records a :class:`Problem` (a typed kind and a
-message naming the file and key) instead of raising; :func:`raise_if_any`
-then gathers every rank's problems and every rank raises the same exception.
+- :class:`Kind`: the checkpoint's kinds of problem, each an agreement
+  :class:`~..agreement.ProblemKind` and the checkpoint exception it raises;
+  ``Problem(Kind.CORRUPT, message)`` builds the agreement Problem;
+- :func:`problem_from`: the Problem of an exception caught on this rank;
+- :func:`raise_if_any` / :func:`raise_gathered`: the agreement's, raising
+  :class:`.CheckpointError` when the ranks' problems are of different kinds;
+- :func:`member_group`: the :class:`~..convert.groups.CommGroup` a step runs
+  on, refused (ValueError) on a rank that is not one of its members;
+- :func:`from_rank0`: a decision rank 0 of the group took, on every rank.
+
+The object collectives put their tensors on the group's device themselves
+(the current CUDA device for NCCL, CPU for gloo).
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import errno
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 
+from .. import agreement
+from ..agreement import ProblemKind
+from ..convert.groups import CommGroup, of_group
 from .commit import CheckpointBusyError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 __all__ = [
     "Kind",
     "Problem",
-    "dist_info",
     "from_rank0",
-    "gather",
+    "member_group",
     "problem_from",
-    "problems_text",
-    "raise_for",
+    "raise_gathered",
     "raise_if_any",
 ]
 
 
 class Kind(enum.Enum):
-    """What kind of problem a rank found; decides the exception every rank raises."""
+    """A checkpoint problem's kind: the agreement's kind and the exception every rank raises."""
 
-    VALUE = "value"  # the caller's arguments or state_dict: ValueError
-    INCOMPLETE = "incomplete"  # no committed checkpoint: IncompleteCheckpointError
-    CORRUPT = "corrupt"  # damaged, hostile or inconsistent files: CorruptCheckpointError
-    BUSY = "busy"  # another save holds the path: CheckpointBusyError
-    IO = "io"  # the file system refused (OSError, errno named): CheckpointError
+    VALUE = (ProblemKind.BAD_VALUE, ValueError)  # the caller's arguments or state_dict
+    INCOMPLETE = (ProblemKind.INCOMPLETE, IncompleteCheckpointError)  # no committed checkpoint
+    CORRUPT = (ProblemKind.FAILURE, CorruptCheckpointError)  # damaged, hostile or inconsistent files
+    BUSY = (ProblemKind.FAILURE, CheckpointBusyError)  # another save holds the path
+    IO = (ProblemKind.FAILURE, CheckpointError)  # the file system refused (OSError, errno named)
+
+    @property
+    def problem_kind(self) -> ProblemKind:
+        return self.value[0]
+
+    @property
+    def exception(self) -> type[Exception]:
+        return self.value[1]
 
 
-_EXCEPTIONS: dict[Kind, type[Exception]] = {
-    Kind.VALUE: ValueError,
-    Kind.INCOMPLETE: IncompleteCheckpointError,
-    Kind.CORRUPT: CorruptCheckpointError,
-    Kind.BUSY: CheckpointBusyError,
-    Kind.IO: CheckpointError,
-}
+class Problem(agreement.Problem):
+    """An agreement :class:`~..agreement.Problem` built from a checkpoint :class:`Kind`.
 
+    Example::
 
-@dataclass(frozen=True)
-class Problem:
-    """One rank's finding: its kind and a message naming the file, key and values."""
+        >>> p = Problem(Kind.CORRUPT, "data file __0_0.distcp is truncated: ...")
+        >>> (p.kind, p.exception)
+        (<ProblemKind.FAILURE: 6>, <class '...CorruptCheckpointError'>)
+    """
 
-    kind: Kind
-    message: str
+    def __init__(self, kind: Kind, message: str) -> None:
+        super().__init__(kind.problem_kind, message, kind.exception)
 
 
 def problem_from(e: BaseException, where: str = "") -> Problem:
-    """A :class:`Problem` for an exception caught on this rank (``where`` prefixes the message)."""
+    """The :class:`Problem` of an exception caught on this rank (``where`` prefixes the message).
+
+    Example::
+
+        >>> problem_from(FileNotFoundError(2, "No such file", "/ckpt"), "cannot open /ckpt").message
+        "cannot open /ckpt: OSError [2 ENOENT] [Errno 2] No such file: '/ckpt'"
+    """
     prefix = f"{where}: " if where else ""
     if isinstance(e, CheckpointBusyError):
         return Problem(Kind.BUSY, f"{prefix}{e}")
@@ -69,71 +95,53 @@ def problem_from(e: BaseException, where: str = "") -> Problem:
     if isinstance(e, CorruptCheckpointError):
         return Problem(Kind.CORRUPT, f"{prefix}{e}")
     if isinstance(e, OSError):
-        errno_name = f"[{e.errno} {_errno_name(e.errno)}] " if e.errno else ""
+        errno_name = f"[{e.errno} {errno.errorcode.get(e.errno, '?')}] " if e.errno else ""
         return Problem(Kind.IO, f"{prefix}OSError {errno_name}{e}")
     if isinstance(e, CheckpointError):
         return Problem(Kind.IO, f"{prefix}{e}")
     return Problem(Kind.CORRUPT, f"{prefix}{type(e).__name__}: {e}")
 
 
-def _errno_name(code: int | None) -> str:
-    import errno
-
-    return errno.errorcode.get(code or 0, "?")
-
-
-def dist_info(group: dist.ProcessGroup | None) -> tuple[int, int, bool]:
-    """(rank in ``group``, its size, whether a process group is up); ``(0, 1, False)`` without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group), True
-    return 0, 1, False
+def raise_if_any(problems: Sequence[agreement.Problem], group: CommGroup | dist.ProcessGroup | None,
+                 what: str) -> None:
+    """Every rank raises if any rank reported a problem, with every rank's messages; *collective*."""
+    agreement.raise_if_any(what, problems, group, mixed=CheckpointError)
 
 
-def gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    """Every rank's ``obj``, on every rank (``[obj]`` without a process group)."""
-    _, world, on = dist_info(group)
-    if not on:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
+def raise_gathered(what: str, everyone: Sequence[Sequence[agreement.Problem]],
+                   group: CommGroup | dist.ProcessGroup | None, common: Sequence[agreement.Problem] = ()) -> None:
+    """Raise on every rank for problems already gathered (see :func:`~..agreement.raise_gathered`); no collective."""
+    agreement.raise_gathered(what, everyone, group, common=common, mixed=CheckpointError)
 
 
-def from_rank0(obj: Any, group: dist.ProcessGroup | None) -> Any:
-    """Rank 0's (of ``group``) ``obj``, on every rank."""
-    _, _, on = dist_info(group)
-    if not on:
+def from_rank0(obj: Any, group: CommGroup | dist.ProcessGroup | None) -> Any:
+    """Rank 0's (of ``group``) ``obj``, on every rank; *collective* (one broadcast).
+
+    Example::
+
+        >>> name = from_rank0(committed_name(path) if rank == 0 else None, group)
+    """
+    g = group if isinstance(group, CommGroup) else of_group(group)
+    if not (dist.is_available() and dist.is_initialized()) or g.size == 1:
         return obj
     box = [obj]
-    src = dist.get_global_rank(group, 0) if group is not None and group is not dist.GroupMember.WORLD else 0
-    dist.broadcast_object_list(box, src=src, group=group)
+    dist.broadcast_object_list(box, src=g.members[0], group=g.group)
     return box[0]
 
 
-def problems_text(everyone: list[list[Problem]], common: list[Problem] | None = None) -> tuple[Kind | None, str]:
-    """The kind every rank raises (``None`` if no problem) and one message listing each problem with its ranks;
-    ``common``: problems every rank found from the gathered values (listed without ranks)."""
-    flat = [(r, p) for r, probs in enumerate(everyone) for p in probs]
-    shared = list(common or [])
-    if not flat and not shared:
-        return None, ""
-    seen: dict[str, list[int]] = {}
-    for r, p in flat:
-        seen.setdefault(p.message, []).append(r)
-    lines = [f"{msg} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})" for msg, rs in seen.items()]
-    text = "\n  ".join(lines + [p.message for p in shared])
-    kinds = {p.kind for _, p in flat} | {p.kind for p in shared}
-    kind = kinds.pop() if len(kinds) == 1 else Kind.IO
-    return kind, text
+def member_group(group: dist.ProcessGroup | None, what: str) -> CommGroup:
+    """The :class:`~..convert.groups.CommGroup` of ``group`` (``None``: the default group); no collective.
 
+    Raises:
+        ValueError: this rank is not a member (a rank outside a group takes no part in its collectives).
 
-def raise_for(kind: Kind, text: str, what: str) -> None:
-    """Raise the exception of ``kind`` with every rank's messages."""
-    raise _EXCEPTIONS[kind](f"{what}:\n  {text}")
+    Example::
 
-
-def raise_if_any(problems: list[Problem], group: dist.ProcessGroup | None, what: str) -> None:
-    """Every rank raises if any rank reported a problem, with every rank's messages; *collective*."""
-    kind, text = problems_text(gather(problems, group))
-    if kind is not None:
-        raise_for(kind, text, what)
+        >>> member_group(None, "checkpoint.save(/ckpt)").members
+        (0, 1)
+    """
+    g = of_group(group)
+    if g.rank is None:
+        me = dist.get_rank() if dist.is_initialized() else 0
+        raise ValueError(f"{what}: process_group holds ranks {list(g.members)}, not this rank {me}")
+    return g

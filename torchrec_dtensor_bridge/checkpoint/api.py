@@ -48,10 +48,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .agree import Kind, Problem, problem_from, problems_text, raise_for
-from .agree import dist_info as _dist
-from .agree import from_rank0 as _from_rank0
-from .agree import gather as _gather
+from ..agreement import gather_objects
+from ..convert.groups import CommGroup
+from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_gathered
 from .commit import (
     CheckpointError,
     DirLock,
@@ -88,11 +87,11 @@ def _signature(state_dict: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int,
     return out
 
 
-def _disagreements(signatures: list[dict[str, tuple[str, tuple[int, ...], str]]]) -> list[Problem]:
+def _disagreements(signatures: list[dict[str, tuple[str, tuple[int, ...], str]]], g: CommGroup) -> list[Problem]:
     problems = []
     keys = sorted({k for sig in signatures for k in sig})
     for key in keys:
-        seen = {r: sig[key][1:] for r, sig in enumerate(signatures) if key in sig}
+        seen = {g.members[r]: sig[key][1:] for r, sig in enumerate(signatures) if key in sig}
         if len(set(seen.values())) > 1:
             per = ", ".join(f"rank {r}: shape {list(s)} {d}" for r, (s, d) in seen.items())
             problems.append(Problem(Kind.VALUE, f"key {key!r}: ranks disagree on its shape or dtype ({per})"))
@@ -132,9 +131,10 @@ def save(
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
     group = process_group if process_group is not None else default_process_group(state_dict)
-    rank, world, _ = _dist(group)
     path = Path(path).absolute()
     what = f"checkpoint.save({path})"
+    g = member_group(group, what)
+    rank, world = g.rank, g.size
     problems: list[Problem] = []
     lock: SaveLock | None = None
     gen_lock: DirLock | None = None
@@ -151,25 +151,25 @@ def save(
             _, gen_lock = prepare_generation(path, gen, reuse=keep_spare)
         except Exception as e:  # reported to every rank
             problems.append(problem_from(e, f"cannot prepare {gen.name}"))
-    everyone = _gather((save_id, problems, _signature(state_dict)), group)
+    everyone = gather_objects((save_id, problems, _signature(state_dict)), g)
     save_id = everyone[0][0]
     gen = generation_dir(path, save_id)
-    kind, text = problems_text([p for _, p, _ in everyone], common=_disagreements([s for _, _, s in everyone]))
+    disagree = _disagreements([s for _, _, s in everyone], g)
     try:
-        if kind is not None:
+        if disagree or any(p for _, p, _ in everyone):
             if rank == 0 and gen_lock is not None:
                 shutil.rmtree(gen, ignore_errors=True)
-            raise_for(kind, text, what + " refused, nothing was written")
+            raise_gathered(what + " refused, nothing was written", [p for _, p, _ in everyone], g, disagree)
         _stage("prepared")
-        local_sums = _write_generation(state_dict, gen, group, what)
+        local_sums = _write_generation(state_dict, gen, g, what)
         _stage("dcp_saved")
-        sums = _gather(local_sums, group)
+        sums = gather_objects(local_sums, g)
         _stage("checksummed")
         outcome: str | None = None
         if rank == 0:
             outcome = _commit(path, gen, sums, world, keep_spare, gen_lock)
             gen_lock = None
-        outcome = _from_rank0(outcome, group)
+        outcome = from_rank0(outcome, g)
         if outcome:
             raise CheckpointError(outcome)
     finally:
@@ -180,15 +180,13 @@ def save(
     return save_id
 
 
-def _write_generation(state_dict: Mapping[str, Any], gen: Path, group: dist.ProcessGroup | None,
-                      what: str) -> dict[str, Any]:
+def _write_generation(state_dict: Mapping[str, Any], gen: Path, g: CommGroup, what: str) -> dict[str, Any]:
     """``dcp.save`` into ``gen``; on failure every rank raises with every rank's OS errors (errno named) and rank 0
     removes ``gen``."""
-    rank, _, _ = _dist(group)
     writer = ChecksummingWriter(gen, sync_files=True)
     problems: list[Problem] = []
     try:
-        dcp.save(state_dict, storage_writer=writer, process_group=group)
+        dcp.save(state_dict, storage_writer=writer, process_group=g.group)
     except CheckpointException as e:
         local = writer.os_errors
         problems += [problem_from(err, f"writing {name}") for name, err in local]
@@ -196,11 +194,11 @@ def _write_generation(state_dict: Mapping[str, Any], gen: Path, group: dist.Proc
             failures = dcp_failures(e)
             oserr = [f for f in failures if isinstance(f, OSError)]
             problems.append(problem_from(oserr[0]) if oserr else Problem(Kind.IO, f"dcp.save failed: {e}"))
-    kind, text = problems_text(_gather(problems, group))
-    if kind is not None:
-        if rank == 0:
+    everyone = gather_objects(problems, g)
+    if any(everyone):
+        if g.rank == 0:
             shutil.rmtree(gen, ignore_errors=True)
-        raise_for(kind, text, f"{what} failed, the previous checkpoint is intact and {gen.name} was removed")
+        raise_gathered(f"{what} failed, the previous checkpoint is intact and {gen.name} was removed", everyone, g)
     return writer.file_sums
 
 

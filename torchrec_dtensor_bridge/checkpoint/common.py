@@ -8,8 +8,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .._compat import root_mesh
+from ..convert.groups import group_of_mesh
 from ..wrapper import LocalShardsWrapper
 from .commit import CheckpointError
 
@@ -39,31 +42,37 @@ def run_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 # -------------------------------------------------------------------- process group
 def default_process_group(state_dict: Mapping[str, Any]) -> dist.ProcessGroup | None:
-    """The group a save or load of ``state_dict`` runs on when none is given.
+    """The group a save or load of ``state_dict`` runs on when none is given; collective-free.
 
-    The group of the DTensors' device mesh when every DTensor on more than one
-    rank shares one one-dimensional mesh (DTensors on a one-rank mesh, such as
-    table-wise tables, do not count); for one n-dimensional mesh spanning every
-    rank, or no such DTensor, or DTensors on different meshes, the default
-    group. DTensors on a submesh of a larger mesh: pass ``process_group``.
+    The DTensors' *root* mesh decides (a sub-mesh, such as the shard dimension
+    of a 2-D ``(replica, shard)`` mesh, counts as the mesh it was sliced from:
+    every replica takes part in one save, which writes each block once). When
+    every DTensor whose root mesh holds more than one rank shares one root
+    mesh: that mesh's group if it is one-dimensional, the default group if it
+    spans every rank; an n-dimensional root mesh of only some ranks has no
+    single group (ValueError: pass ``process_group``). DTensors on a one-rank
+    mesh of their own (table-wise tables) do not count; with no DTensor left,
+    or DTensors on different root meshes, the default group.
 
     Example::
 
         >>> default_process_group({"t": dtensor_on_ranks_0_1})  # that mesh's group
+        >>> default_process_group({"t": dtensor_on_mesh_2x2["shard"]})  # None: the 2x2 mesh is the world
     """
-    meshes: list[Any] = []
+    roots: list[DeviceMesh] = []
     for _, v in leaves(state_dict):
-        if isinstance(v, DTensor) and v.device_mesh.size() > 1 and not any(v.device_mesh == m for m in meshes):
-            meshes.append(v.device_mesh)
-    if len(meshes) != 1 or not dist.is_initialized():
+        if isinstance(v, DTensor):
+            root = root_mesh(v.device_mesh)
+            if root.size() > 1 and not any(root == m for m in roots):
+                roots.append(root)
+    if len(roots) != 1 or not dist.is_initialized():
         return None
-    mesh = meshes[0]
-    if mesh.ndim == 1:
-        return mesh.get_group()
-    if mesh.size() != dist.get_world_size():
-        raise ValueError(f"the state_dict's DTensors live on a {mesh.ndim}-d mesh of {mesh.size()} of the "
-                         f"{dist.get_world_size()} ranks; pass process_group= (the group spanning that mesh)")
-    return None
+    root = roots[0]
+    if root.ndim > 1 and root.size() != dist.get_world_size():
+        raise ValueError(f"the state_dict's DTensors live on a {root.ndim}-d mesh of ranks "
+                         f"{root.mesh.flatten().tolist()}, not all {dist.get_world_size()} ranks; pass "
+                         "process_group= (a group spanning that mesh)")
+    return group_of_mesh(root, None).group
 
 
 def leaves(sd: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

@@ -20,10 +20,9 @@ from torch.distributed.tensor import DTensor
 from .._compat import ShardedTensor
 from ..convert import layout_of
 from ..wrapper import LocalShardsWrapper
-from .agree import Kind, Problem, problem_from, problems_text, raise_for
-from .agree import dist_info as _dist
-from .agree import from_rank0 as _from_rank0
-from .agree import gather as _gather
+from ..agreement import gather_objects
+from ..convert.groups import CommGroup
+from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_gathered
 from .commit import CheckpointError, CorruptCheckpointError, DirLock, committed_name, lock_generation
 from .common import default_process_group, global_shape, leaves, run_dcp
 from .manifest import Checksums, item_key, read_manifest
@@ -173,9 +172,10 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
 
 
 def _open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify: bool,
-                 group: dist.ProcessGroup | None, what: str, extra: list[Problem]) -> _Opened:
+                 g: CommGroup, what: str, extra: list[Problem]) -> _Opened:
     """Resolve ``path`` once (rank 0), lock and examine that generation on every rank, agree; *collective*."""
-    rank, _, _ = _dist(group)
+    rank = g.rank
+    assert rank is not None, "member_group checked it"
     for _ in range(_RESOLVE_ATTEMPTS):
         name: str | None = None
         first: Problem | None = None
@@ -184,12 +184,12 @@ def _open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify
                 name = committed_name(path)
             except Exception as e:  # told to every rank
                 first = problem_from(e)
-        name, first = _from_rank0((name, first), group)
+        name, first = from_rank0((name, first), g)
         if first is not None:
-            raise_for(first.kind, first.message, what + " refused, nothing was modified")
+            raise first.error(f"{what} refused, nothing was modified:\n  {first.message} (rank {g.members[0]})")
         assert name is not None
         lock, manifest, md, problems, ident = _examine(path, name, state_dict, strict, verify, rank)
-        everyone = _gather((lock is None and not problems, problems + extra, ident), group)
+        everyone = gather_objects((lock is None and not problems, problems + extra, ident), g)
         if any(moved for moved, _, _ in everyone):
             if lock is not None:
                 lock.release()
@@ -198,11 +198,10 @@ def _open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify
         idents = [i for _, _, i in everyone]
         mixed = [] if len(set(idents)) == 1 or None in idents else [
             Problem(Kind.CORRUPT, f"ranks read different saves of {path}: {idents} (rank order)")]
-        kind, text = problems_text([p for _, p, _ in everyone], common=mixed)
-        if kind is not None:
+        if mixed or any(p for _, p, _ in everyone):
             if lock is not None:
                 lock.release()
-            raise_for(kind, text, what + " refused, nothing was modified")
+            raise_gathered(what + " refused, nothing was modified", [p for _, p, _ in everyone], g, mixed)
         assert lock is not None and md is not None
         return _Opened(path.parent / name if name else path, lock, manifest, md)
     raise CheckpointError(f"{what}: {path} changed under the load {_RESOLVE_ATTEMPTS} times in a row")
@@ -306,7 +305,7 @@ def load(
     extra: list[Problem] = []
     if staging_bytes is not None and (not isinstance(staging_bytes, int) or staging_bytes < 0):
         extra.append(Problem(Kind.VALUE, f"staging_bytes must be a non-negative int or None, got {staging_bytes!r}"))
-    opened = _open_agreed(path, state_dict, strict, verify, group, what, extra)
+    opened = _open_agreed(path, state_dict, strict, verify, member_group(group, what), what, extra)
     try:
         checksums = Checksums(opened.manifest) if verify and opened.manifest is not None else None
         reader = VerifiedReader(opened.root, checksums=checksums, process_group=group, staging_bytes=staging_bytes,

@@ -98,9 +98,17 @@ def _device_of_layout(layout: ShardLayout) -> torch.device:
 
 
 def to_dtensor(
-    sharded_tensor: ShardedTensor, device_mesh: DeviceMesh | None = None, *, name: str | None = None
+    sharded_tensor: ShardedTensor | DTensor, device_mesh: DeviceMesh | None = None, *, name: str | None = None
 ) -> DTensor:
     """The DTensor view of a ShardedTensor; not collective, zero-copy.
+
+    Given a DTensor instead (e.g. one of TorchRec's ``output_dtensor=True``
+    DTensors, whose local tensor is a shards wrapper without the table's
+    layout), returns the same DTensor - same mesh, placements and local
+    shards - with our :class:`LocalShardsWrapper` carrying the whole layout,
+    which lookups need. This is *collective* exactly when :func:`layout_of` is
+    (a layout-less wrapper on a mesh of several ranks: every rank of its group
+    calls it); a DTensor that already carries its layout is returned as is.
 
     The result's local shards are the ShardedTensor's local tensors (same
     ``data_ptr``). A ShardedTensor of a sub-group gives a DTensor on that
@@ -115,8 +123,10 @@ def to_dtensor(
         >>> dt = tdb.to_dtensor(model.state_dict()["ebc.embedding_bags.t0.weight"])
         >>> tdb.full_tensor(dt)  # the whole table on every rank
     """
+    if isinstance(sharded_tensor, DTensor):
+        return _with_layout(sharded_tensor, name or "table")
     if not isinstance(sharded_tensor, ShardedTensor):
-        raise TypeError(f"to_dtensor expects a ShardedTensor, got {type(sharded_tensor).__name__}")
+        raise TypeError(f"to_dtensor expects a ShardedTensor or DTensor, got {type(sharded_tensor).__name__}")
     layout = layout_from_sharded_tensor(sharded_tensor, name=name or "table")
     tensors = _in_layout_order(sharded_tensor, layout.shards_on(_rank()))
     group = sharded_tensor_process_group(sharded_tensor)
@@ -125,6 +135,31 @@ def to_dtensor(
         # table's collectives to the default group)
         device_mesh = world_mesh(_device_of_layout(layout).type if not tensors else tensors[0].device.type, group)
     return dtensor_from_local_shards(layout, tensors, device_mesh=device_mesh, process_group=group, wrap=True)
+
+
+def _with_layout(t: DTensor, name: str) -> DTensor:
+    """``t`` with its local tensor our wrapper carrying the whole layout (zero-copy; see :func:`to_dtensor`)."""
+    local: Any = t._local_tensor
+    if isinstance(local, LocalShardsWrapper) and local.layout_of_table is not None:
+        return t
+    layout = layout_of(t, name=name)
+    if layout.dtype is None:
+        layout = ShardLayout(layout.global_shape, layout.shards, t.dtype, layout.name)
+    pool: dict[tuple, list[torch.Tensor]] = {}
+    for s in local_shards_of(t):
+        pool.setdefault(tuple(s.shape), []).append(s)
+    offsets = [tuple(int(v) for v in o) for o in local.local_offsets()] if _is_shards_wrapper(local) else None
+    mine = layout.shards_on(_rank())
+    if offsets is not None:  # match by offsets and sizes: an empty block may share offsets with a real one
+        by_key = {(o, tuple(s.shape)): s for o, s in zip(offsets, local.local_shards())}
+        tensors = [by_key[(spec.offsets, spec.sizes)] for spec in mine]
+    else:
+        tensors = [pool[spec.sizes].pop(0) for spec in mine]
+    dev = tensors[0].device if tensors else local.device
+    wrapped = LocalShardsWrapper(tensors, [s.offsets for s in mine], layout.global_shape, layout=layout,
+                                 dtype=t.dtype, device=dev, _trusted=_consistent(tensors))
+    return DTensor.from_local(wrapped, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
 
 
 def _is_shards_wrapper(t: Any) -> bool:

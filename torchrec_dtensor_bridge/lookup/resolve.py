@@ -16,7 +16,7 @@ part of the weight's layout, renumbered (``ShardLayout.on_ranks``).
 A DTensor whose local tensor is a shards wrapper without a layout (TorchRec's
 own) would need a collective to learn its layout; lookups refuse it with a
 clear error on every rank instead (through the agreement step):
-``tdb.to_dtensor(tdb.to_sharded_tensor(w))`` (collective, zero-copy) gives the
+``tdb.to_dtensor(w)`` (collective, zero-copy) gives the
 same table with its layout attached.
 """
 
@@ -112,7 +112,7 @@ def resolve_table(fn: str, weight: object, group: CommGroup) -> ResolvedTable:
             NotImplementedError,
             f"{fn}: the weight's local tensor is a shards wrapper without the table's layout (TorchRec's own "
             "wrapper); a lookup does not gather layouts - attach it once with "
-            "tdb.to_dtensor(tdb.to_sharded_tensor(weight)) (collective, zero-copy)",
+            "tdb.to_dtensor(weight) (collective, zero-copy)",
         )
     try:
         whole = layout_of(weight)
