@@ -39,11 +39,8 @@ each was checked once against ``F.embedding_bag`` on the full tables:
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import platform
-import queue
-import socket
 import statistics
 import sys
 import time
@@ -54,7 +51,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench_results import record
+from bench_results import record, spawn_ranks
 
 TOL = 1e-4
 
@@ -80,12 +77,6 @@ def _check(name: str, got, want, tol: float = TOL) -> None:
     err = (got - want).abs().max().item() if got.numel() else 0.0
     if not err <= tol:  # absolute: sums of 20 fp32 rows differ by ~1e-6 between summation orders
         raise Mismatch(f"{name}: max abs error {err:.3g} vs reference (tolerance {tol})")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------ the workload
@@ -396,34 +387,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
 
 
 def _run_world(world: int, cfg: dict) -> dict:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: list[dict] = []
-    deadline = time.monotonic() + 1800
-    while len(results) < world and not any("error" in r for r in results):
-        try:
-            results.append(q.get(timeout=5))
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                why = f"a rank exited with code {dead[0]}" if dead else "no result within 30 minutes"
-                raise SystemExit(f"bench_lookup: FAILED (world {world}): {why}") from None
-    for p in procs:
-        p.join(timeout=5 if any("error" in r for r in results) else 60)
-        if p.is_alive():
-            p.kill()
-    errors = [r for r in results if "error" in r]
-    if errors:
-        e = errors[0]
-        kind = "WRONG RESULT" if e["mismatch"] else "FAILED"
-        raise SystemExit(f"bench_lookup: {kind} on rank {e['rank']} (world {world}): {e['error']}\n{e['traceback']}")
-    return min(results, key=lambda r: r["rank"])
+    """Rank 0's result of :func:`_worker` on ``world`` spawned ranks (exits the benchmark if a rank fails)."""
+    return spawn_ranks(_worker, world, (cfg,), name="bench_lookup")[0]
 
 
 # --------------------------------------------------------------- the local lookup alone
