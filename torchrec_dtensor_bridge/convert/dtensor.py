@@ -145,16 +145,12 @@ def _with_layout(t: DTensor, name: str) -> DTensor:
     layout = layout_of(t, name=name)
     if layout.dtype is None:
         layout = ShardLayout(layout.global_shape, layout.shards, t.dtype, layout.name)
-    pool: dict[tuple, list[torch.Tensor]] = {}
-    for s in local_shards_of(t):
-        pool.setdefault(tuple(s.shape), []).append(s)
-    offsets = [tuple(int(v) for v in o) for o in local.local_offsets()] if _is_shards_wrapper(local) else None
     mine = layout.shards_on(_rank())
-    if offsets is not None:  # match by offsets and sizes: an empty block may share offsets with a real one
-        by_key = {(o, tuple(s.shape)): s for o, s in zip(offsets, local.local_shards())}
+    if _is_shards_wrapper(local):  # match by offsets and sizes: an empty block may share offsets with a real one
+        by_key = dict(zip(_blocks(local), local.local_shards()))
         tensors = [by_key[(spec.offsets, spec.sizes)] for spec in mine]
-    else:
-        tensors = [pool[spec.sizes].pop(0) for spec in mine]
+    else:  # a plain local tensor: this rank's one block (or none)
+        tensors = local_shards_of(t)
     dev = tensors[0].device if tensors else local.device
     wrapped = LocalShardsWrapper(tensors, [s.offsets for s in mine], layout.global_shape, layout=layout,
                                  dtype=t.dtype, device=dev, _trusted=_consistent(tensors))
