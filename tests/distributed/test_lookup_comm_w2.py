@@ -18,8 +18,10 @@ in the agreement step) - a second one only for ``per_sample_weights``; then
 per strategy:
 
 * LOCAL (replicated weight): nothing in forward; backward one ``all_reduce`` of the gradient;
-* REDUCE (row-wise, grid): forward one ``reduce_scatter`` (max: one ``all_reduce(MAX)``, plus one
-  ``all_reduce(MIN)`` picking the winning rank when a gradient is tracked); backward one ``all_gather``;
+* REDUCE (row-wise, grid): forward one reduce-scatter, made of ONE ``all_to_all`` (gloo's own
+  ``reduce_scatter`` is slower: ``lookup/exchange.py``) (max: one ``all_reduce(MAX)``, plus one
+  ``all_reduce(MIN)`` picking the winning rank when a gradient is tracked); backward one all-gather of the
+  output gradients, also ONE ``all_to_all``;
 * COLUMNS (column-wise, table-wise): forward one ``all_to_all``; backward one ``all_to_all``;
 * ``max_norm`` on column-cut rows: one more ``all_reduce`` of partial norms.
 
@@ -120,7 +122,7 @@ def _plus(*parts: dict[str, int]) -> dict[str, int]:
 
 
 LOCAL = (AGREE, {"all_reduce": 1})
-REDUCE = (_plus(AGREE, GATHER_IDS, {"reduce_scatter": 1}), {"all_gather": 1})
+REDUCE = (_plus(AGREE, GATHER_IDS, {"all_to_all": 1}), {"all_to_all": 1})
 COLUMNS = (_plus(AGREE, GATHER_IDS, {"all_to_all": 1}), {"all_to_all": 1})
 
 # name: (layout, call, options, same batch on every rank, (forward counts, backward counts))
@@ -136,13 +138,13 @@ CASES: dict[str, tuple[str, str, dict, bool, tuple[dict, dict]]] = {
     # mean divides locally after the exchange: no extra collective
     "row_wise_mean": ("row_wise", "bag", {"mode": "mean"}, False, REDUCE),
     "column_wise_mean": ("column_wise", "bag", {"mode": "mean"}, False, COLUMNS),
-    # max: all_reduce(MAX) instead of reduce_scatter, plus all_reduce(MIN) for the winners (grad tracked)
+    # max: all_reduce(MAX) instead of the reduce-scatter, plus all_reduce(MIN) for the winners (grad tracked)
     "row_wise_max": ("row_wise", "bag", {"mode": "max"}, False,
-                     (_plus(AGREE, GATHER_IDS, {"all_reduce": 2}), {"all_gather": 1})),
+                     (_plus(AGREE, GATHER_IDS, {"all_reduce": 2}), {"all_to_all": 1})),
     "column_wise_max": ("column_wise", "bag", {"mode": "max"}, False, COLUMNS),
     # per_sample_weights travel in a second all_to_all
     "row_wise_psw": ("row_wise", "bag", {"mode": "sum", "psw": True}, False,
-                     (_plus(AGREE, GATHER_IDS, GATHER_IDS, {"reduce_scatter": 1}), {"all_gather": 1})),
+                     (_plus(AGREE, GATHER_IDS, GATHER_IDS, {"all_to_all": 1}), {"all_to_all": 1})),
     # max_norm: whole rows local -> no collective; column-cut rows -> one all_reduce of partial norms;
     # a replicated weight gathers the ids so every replica renormalises the same rows
     "row_wise_max_norm": ("row_wise", "bag", {"max_norm": 1.0}, False, REDUCE),
@@ -287,12 +289,12 @@ MULTI: dict[str, tuple[list[ShardLayout], dict, dict]] = {
     "table_wise_x16": (_TW[:16], COLUMNS[0], COLUMNS[1]),
     # more than 16 tables: a second agreement all_gather for the others
     "table_wise_x20": (_TW, _plus(COLUMNS[0], AGREE), COLUMNS[1]),
-    # every strategy at once: one all_to_all (table/column-wise), one reduce_scatter (row-wise, grid);
-    # the replicated table needs no ids and, in backward, all-reduces its gradient
+    # every strategy at once: one all_to_all (table/column-wise), one all_to_all reduce-scatter (row-wise,
+    # grid); the replicated table needs no ids and, in backward, all-reduces its gradient
     "mixed": ([_TW[0], LAYOUTS["column_wise_two_per_rank"], LAYOUTS["row_wise"], LAYOUTS["grid"],
                LAYOUTS["replicated"], _TW[1]],
-              _plus(AGREE, GATHER_IDS, {"all_to_all": 1, "reduce_scatter": 1}),
-              {"all_to_all": 1, "all_gather": 1, "all_reduce": 1}),
+              _plus(AGREE, GATHER_IDS, {"all_to_all": 2}),
+              {"all_to_all": 2, "all_reduce": 1}),
 }
 
 

@@ -22,11 +22,13 @@ Steps of a lookup (every rank, in this order):
      one ``all_to_all`` (for all such tables together) hands every rank the
      columns of its own bags. Backward is the reverse ``all_to_all``.
    * ``REDUCE`` - rows are cut (row-wise, table-row-wise, grid): the partial
-     bags of all ranks' batches are summed with one ``reduce_scatter`` (for
-     all such tables together) back to each rank's own bags (max: one
+     bags of all ranks' batches are summed by one reduce-scatter (for all such
+     tables together; an ``all_to_all`` of the partials, then a local sum:
+     :func:`.exchange.sum_into`) back to each rank's own bags (max: one
      ``all_reduce(MAX)`` per table, which also tells every rank where the
      winning rows are). Backward all-gathers the output gradients of all such
-     tables at once (masked to the winning rows for max).
+     tables at once (one ``all_to_all``: :func:`.exchange.share_flat`; masked
+     to the winning rows for max).
 3. ``mean`` (dividing by the true bag size) and max's "empty bag is 0" are
    applied by the caller after this Function, with plain autograd ops.
 
@@ -126,7 +128,7 @@ def _local_output(plan: LookupPlan, blocks: list[Block]) -> torch.Tensor:
 
 
 def _reduces_sum(plan: LookupPlan) -> bool:
-    """The table's partial sums are combined by the fused ``reduce_scatter`` (:class:`.fused.ReduceMessage`)."""
+    """The table's partial sums are combined by the fused reduce-scatter (:class:`.fused.ReduceMessage`)."""
     return plan.strategy is Strategy.REDUCE and not plan.local_only and not plan.max_mode
 
 
