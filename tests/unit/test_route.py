@@ -61,6 +61,35 @@ def test_row_cuts_partition_the_ids(name: str) -> None:
         assert ids.dtype == torch.int32 and weights is None
         assert torch.equal(ids.to(torch.int64), want_ids)
         assert torch.equal(counts, want_counts), (q, counts, want_counts)
+        # where the ids were in the batch (per-sample weights' gradients go back there)
+        assert torch.equal(bags.ids[route.positions[q]], want_ids)
+
+
+@pytest.mark.parametrize("world,sizes,ranks", [
+    (2, [30, 20], None),  # two runs: the prefix-sum grouping
+    (2, [30, 20], [1, 0]),
+    (3, [10, 15, 25], [2, 0, 1]),  # three runs: the stable sort
+    (4, [5, 5, 20, 20], [3, 3, 0, 1]),  # adjacent blocks of one rank make one run
+])
+@pytest.mark.parametrize("low_only", [False, True])
+def test_partition_routes_every_id_once_in_batch_order(world, sizes, ranks, low_only) -> None:
+    layout = ShardLayout.row_wise((50, 4), sizes, ranks=ranks)
+    bags = _bags(50, seed=world + len(sizes))
+    if low_only:  # every id in the first block: the other ranks read, but get nothing
+        bags = Bags(bags.ids % sizes[0], bags.lengths, None)
+    route = route_for(layout, bags, world, everyone=False)
+    assert route.partition and sum(route.counts) == bags.ids.numel()
+    picked = _pick_all([bags], [route], [None], world, torch.int64)
+    owner = ranks or list(range(len(sizes)))
+    for q in range(world):
+        ranges = [(sum(sizes[:k]), sum(sizes[: k + 1])) for k, r in enumerate(owner) if r == q]
+        want_ids, want_counts = _reference(bags, ranges)
+        assert route.reads(q) == bool(ranges)
+        assert route.counts[q] == want_ids.numel()
+        if ranges:
+            assert torch.equal(picked[q][0][0], want_ids)
+            assert torch.equal(picked[q][0][1], want_counts)
+            assert torch.equal(bags.ids[route.positions[q]], want_ids)
 
 
 def test_grid_sends_an_id_to_every_rank_holding_its_rows() -> None:

@@ -149,6 +149,10 @@ def _pick_all(
     out: list[list[Picked]] = [[] for _ in range(world)]
     for b, r, f in zip(bags, routes, factors):
         ids = b.ids.to(dtype)  # once per table, not once per destination
+        if r.per_bag:  # the partition fast path worked them out already
+            for q in range(world):
+                out[q].append(_pick(ids, b.lengths, r, q, r.per_bag[q], f))
+            continue
         cut = [q for q in range(world) if isinstance(r.masks[q], torch.Tensor)]
         last = cut[-1] if r.partition and cut else -1
         per_bag: dict[int, torch.Tensor] = {}
@@ -177,9 +181,10 @@ def _pick(
         return ids, lengths, weights
     if mask is False:
         return ids.new_empty(0), lengths.new_zeros(0), None if weights is None else weights.new_empty(0)
-    assert isinstance(mask, torch.Tensor) and per_bag is not None
+    assert per_bag is not None
     at = route.positions[q] if route.positions else None
     if at is None:
+        assert isinstance(mask, torch.Tensor)
         at = mask.nonzero().squeeze(1)
     return ids.index_select(0, at), per_bag, None if weights is None else weights.index_select(0, at)
 

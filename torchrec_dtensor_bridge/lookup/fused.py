@@ -268,8 +268,12 @@ def psw_backward(
             mask = route.masks[q]
             if mask is True:
                 grad += got
-            elif isinstance(mask, torch.Tensor):
-                grad.index_add_(0, mask.nonzero().squeeze(1), got)
+            elif mask is not False:
+                where = route.positions[q] if route.positions else None
+                if where is None:
+                    assert isinstance(mask, torch.Tensor)
+                    where = mask.nonzero().squeeze(1)
+                grad.index_add_(0, where, got)
         out[t] = grad
     return out
 
@@ -277,6 +281,8 @@ def psw_backward(
 def _own_ids(plan: LookupPlan) -> int:
     """How many ids this rank's own batch of the table has (the length of its per-sample weights)."""
     route = plan.route
+    if route.partition:  # every id goes to exactly one rank
+        return sum(route.counts)
     for mask, count in zip(route.masks, route.counts):
         if isinstance(mask, torch.Tensor):
             return mask.numel()

@@ -30,19 +30,22 @@ _ALL, _NONE = True, False
 
 @dataclass(frozen=True)
 class Route:
-    """Per destination rank: ``True`` (every id), ``False`` (nothing: not a reader) or a boolean mask of
-    the ids it takes; ``counts``: how many ids each rank receives from this one.
+    """Per destination rank: ``True`` (every id), ``False`` (nothing: not a reader), a boolean mask of
+    the ids it takes, or ``None`` (some ids, given by ``positions`` and ``per_bag`` alone: the
+    partition fast path, which builds no masks); ``counts``: how many ids each rank receives from
+    this one.
 
     ``positions[q]``: where a mask destination's ids are in the batch (its mask's ``nonzero``, found
     once here); ``partition``: the mask destinations take every id exactly once (their row ranges
     cover the table and no id is counted twice), so the last one's per-bag counts are the bag
-    lengths minus the others'.
+    lengths minus the others'. ``per_bag[q]`` (when given): how many of each bag's ids go to ``q``.
     """
 
-    masks: tuple[bool | torch.Tensor, ...]
+    masks: tuple[bool | torch.Tensor | None, ...]
     counts: tuple[int, ...]
     positions: tuple[torch.Tensor | None, ...] = ()
     partition: bool = False
+    per_bag: tuple[torch.Tensor | None, ...] = ()
 
     def reads(self, rank: int) -> bool:
         """``rank`` takes part in this table's lookup (receives every rank's bag lengths)."""
@@ -85,16 +88,102 @@ def _covers(ranges: list[list[tuple[int, int]]], rows: int) -> bool:
     return at >= rows
 
 
+def _cuts(per_rank: list[list[tuple[int, int]] | None], rows: int) -> list[tuple[int, int]] | None:
+    """When the ranks' row ranges are disjoint and cover ``[0, rows)`` (every id goes to exactly one
+    rank): ``(first row, rank)`` of each maximal run of rows one rank holds, in row order; else ``None``."""
+    if any(r is None for r in per_rank):
+        return None
+    ranges = sorted((r0, r1, q) for q, rs in enumerate(per_rank) for r0, r1 in rs or () if r1 > r0)
+    runs: list[tuple[int, int]] = []
+    at = 0
+    for r0, r1, q in ranges:
+        if r0 != at:
+            return None  # a gap or an overlap
+        if not runs or runs[-1][1] != q:
+            runs.append((r0, q))
+        at = r1
+    return runs if at == rows and len(runs) > 1 else None
+
+
+_IOTA: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _iota(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``arange(n)``, a read-only view of one kept tensor (an arange of 40,960 ids cost 0.05 ms per call)."""
+    key = (dtype, device)
+    have = _IOTA.get(key)
+    if have is None or have.numel() < n:
+        have = _IOTA[key] = torch.arange(max(n, 1024), dtype=dtype, device=device)
+    return have[:n]
+
+
+def _partition(bags: Bags, runs: list[tuple[int, int]], world: int) -> Route:
+    """The route of a row partition without one mask and one ``nonzero`` per destination (a ``nonzero``
+    of a random half of 40,960 ids took 0.27 ms here): each id's destination, then ONE stable grouping
+    of the ids by destination (a prefix sum for two runs, a stable sort of one byte per id for more)."""
+    ids, n, dev = bags.ids, bags.ids.numel(), bags.ids.device
+    bounds = torch.zeros(bags.num_bags + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(bags.lengths, 0, out=bounds[1:])
+    if len(runs) == 2:
+        (_, low), (cut, high) = runs
+        upper = ids >= cut
+        small = torch.int32 if n < 2**30 else torch.int64  # int32 arithmetic vectorises (int64 mul does not)
+        prefix = torch.zeros(n + 1, dtype=small, device=dev)
+        torch.cumsum(upper, 0, dtype=small, out=prefix[1:])
+        n_low = n - int(prefix[-1])
+        c, i = prefix[1:], _iota(n, small, dev)
+        # each id's place when the low run's ids come first, each run in batch order:
+        # a low id at i goes to i - c[i], a high one to n_low + c[i] - 1
+        slot = c * 2
+        slot += n_low - 1
+        slot -= i
+        slot *= upper
+        slot += i
+        slot -= c
+        perm = torch.empty(n, dtype=torch.int64, device=dev).scatter_(
+            0, slot.long(), _iota(n, torch.int64, dev))
+        high_per_bag = (prefix[bounds[1:]] - prefix[bounds[:-1]]).long()
+        got = {low: (perm[:n_low], bags.lengths - high_per_bag), high: (perm[n_low:], high_per_bag)}
+    else:
+        starts = torch.tensor([r0 for r0, _ in runs[1:]], dtype=ids.dtype, device=dev)
+        owner = torch.tensor([q for _, q in runs], dtype=torch.int64, device=dev)
+        dest = owner.index_select(0, torch.bucketize(ids, starts, right=True))
+        perm = torch.sort(dest.to(torch.uint8) if world < 256 else dest, stable=True).indices
+        sizes = torch.bincount(dest, minlength=world).tolist()
+        per = torch.bincount(bags.bag_of_id() * world + dest, minlength=bags.num_bags * world)
+        per = per.view(bags.num_bags, world)
+        got = {}
+        owners = {q for _, q in runs}
+        at = 0
+        for q in range(world):
+            if q in owners:
+                got[q] = (perm[at : at + sizes[q]], per[:, q])
+            at += sizes[q]
+    masks: list[bool | torch.Tensor | None] = []
+    positions: list[torch.Tensor | None] = []
+    per_bag: list[torch.Tensor | None] = []
+    for q in range(world):
+        pos, counts = got.get(q, (None, None))
+        masks.append(_NONE if pos is None else None)
+        positions.append(pos)
+        per_bag.append(counts)
+    return Route(tuple(masks), tuple(0 if p is None else int(p.numel()) for p in positions), tuple(positions),
+                 True, tuple(per_bag))
+
+
 def route_for(layout: ShardLayout, bags: Bags, world: int, *, everyone: bool) -> Route:
     """This rank's route for one table; ``everyone``: every rank takes every id (``max_norm``)."""
     n = bags.ids.numel()
     if everyone:
         return Route((_ALL,) * world, (n,) * world)
     rows = layout.global_shape[0]
-    masks: list[bool | torch.Tensor] = []
+    masks: list[bool | torch.Tensor | None] = []
     positions: list[torch.Tensor | None] = []
     counts = []
     per_rank = _row_ranges(layout, world)
+    runs = _cuts(per_rank, rows)
+    if runs is not None:
+        return _partition(bags, runs, world)
     for ranges in per_rank:
         if ranges is None:
             masks.append(_ALL)
