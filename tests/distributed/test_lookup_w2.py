@@ -40,10 +40,10 @@ def _weight(layout: ShardLayout, table: torch.Tensor, rank: int):
     return dtensor_from_local_shards(layout, shards).requires_grad_()
 
 
-def _batch(rank: int, rows: int, opt: str, seed: int) -> dict:
-    """This rank's own batch (sizes differ per rank), with one empty bag."""
+def _batch(rank: int, rows: int, opt: str, seed: int, extra: int = 0) -> dict:
+    """This rank's own batch (sizes differ per rank; ``extra`` more bags), with one empty bag."""
     g = torch.Generator().manual_seed(seed * 97 + rank)
-    num_bags = 3 + 2 * rank
+    num_bags = 3 + 2 * rank + extra
     if opt == "2d":
         return {"input": torch.randint(0, rows, (num_bags, 3), generator=g)}
     lengths = torch.randint(1, 5, (num_bags,), generator=g)
@@ -191,17 +191,21 @@ TABLE_CASES = [("sum", "offsets"), ("mean", "padding"), ("max", "2d"), ("sum", "
                ("mean", "max_norm"), ("max", "padding"), ("sum", "last_offset"), ("mean", "2d")]
 
 
-def check_bags_parity(rank: int, world_size: int, layouts: list[ShardLayout], seed: int = 0) -> int:
+def check_bags_parity(rank: int, world_size: int, layouts: list[ShardLayout], seed: int = 0,
+                      vary: bool = False) -> int:
     """``sharded_embedding_bags`` over tables of different layouts, shapes, modes and options at once:
     every output equals ``F.embedding_bag`` on its full table and every ``weight.grad`` the gradient of
-    all ranks' batches; ``max_norm`` renormalises its table in place."""
+    all ranks' batches; ``max_norm`` renormalises its table in place. ``vary``: the tables' batches
+    also differ in size from one table to the next (the exchanges cannot lay all tables' rows side
+    by side)."""
     import torchrec_dtensor_bridge as tdb
 
     tables = [_table(lay.global_shape, seed + t) for t, lay in enumerate(layouts)]
     weights = [_weight(lay, tab, rank) for lay, tab in zip(layouts, tables)]
     cases = [TABLE_CASES[(t + seed) % len(TABLE_CASES)] for t in range(len(layouts))]
     # every table's batch: different sizes per rank and per table; 2-D and 1-D inputs mixed
-    mine = [_batch(rank, lay.global_shape[0], opt, seed + 31 * t) for t, (lay, (_, opt)) in enumerate(zip(layouts, cases))]
+    mine = [_batch(rank, lay.global_shape[0], opt, seed + 31 * t, t % 3 if vary else 0)
+            for t, (lay, (_, opt)) in enumerate(zip(layouts, cases))]
     for kw in mine:
         if "offsets" in kw and not kw.get("include_last_offset"):
             continue
@@ -251,6 +255,12 @@ def test_embedding_bags_shifted_options(pool):
     """The same tables with every table given another mode/option case than above."""
     layouts = [lay.with_name(name) for name, lay in sorted(LAYOUTS_W2.items())]
     assert pool.run(check_bags_parity, layouts, 3) == [len(layouts)] * 2
+
+
+def test_embedding_bags_tables_of_different_batch_sizes(pool):
+    """Every layout at once, each table with its own number of bags per rank."""
+    layouts = [lay.with_name(name) for name, lay in sorted(LAYOUTS_W2.items())]
+    assert pool.run(check_bags_parity, layouts, 1, True) == [len(layouts)] * 2
 
 
 def check_bags_edge_cases(rank: int, world_size: int) -> None:

@@ -21,7 +21,7 @@ from .validate import RankInfo
 
 __all__ = [
     "all_to_all_flat", "all_to_all_rows", "gather_bags", "gather_flat", "gather_rows", "reduce_scatter_rows",
-    "row_starts", "share_flat", "sum_into",
+    "row_starts", "share_flat", "share_rows", "sum_into",
 ]
 
 
@@ -215,6 +215,35 @@ def share_flat(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup 
     parts = list(recv.split(recv_splits))
     parts[rank] = t
     return parts
+
+
+def share_rows(full: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """An all-gather in place: ``full`` (contiguous) holds every rank's rows in rank order (``counts[r]``
+    rows each), this rank's own already written; every other rank's are filled in through ONE
+    ``all_to_all_single`` (see :func:`share_flat`); *collective*. Returns ``full``.
+
+    With two ranks this rank's rows are sent from where they are and the other's received in place:
+    no copy at all; with more, the own rows are repeated once per rank (one copy).
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 1:
+        return full
+    per_row = full[0].numel() if full.shape[0] else 0
+    starts = row_starts(counts)
+    flat = full.view(-1)
+    own = flat[starts[rank] * per_row : (starts[rank] + counts[rank]) * per_row]
+    if world == 2:
+        other = 1 - rank
+        into = flat[starts[other] * per_row : (starts[other] + counts[other]) * per_row]
+        recv = [0, 0]
+        recv[other] = into.numel()
+        send = [0, 0]
+        send[other] = own.numel()
+        dist.all_to_all_single(into, own, recv, send, group=group)
+        return full
+    dist.all_to_all_single(flat, own.repeat(world), [c * per_row for c in counts], [own.numel()] * world,
+                           group=group)
+    return full
 
 
 def sum_into(own: torch.Tensor, others: torch.Tensor, sizes: Sequence[int],

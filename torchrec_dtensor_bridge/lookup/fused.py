@@ -18,8 +18,9 @@ import dataclasses
 import functools
 
 import torch
+import torch.distributed as dist
 
-from .exchange import all_to_all_flat, row_starts, share_flat, sum_into
+from .exchange import all_to_all_flat, row_starts, share_flat, share_rows, sum_into
 from .plan import Block, LookupPlan, Strategy
 
 __all__ = ["ReduceMessage", "columns_backward", "exchange_columns", "gather_grads", "psw_backward", "reduce_sum"]
@@ -172,11 +173,21 @@ def _common_dtype(plans: list[LookupPlan]) -> torch.dtype:
 def columns_backward(
     plans: list[LookupPlan], blocks: list[list[Block]], grad_outs: tuple[torch.Tensor, ...], tables: list[int]
 ) -> list[list[torch.Tensor]]:
-    """COLUMNS backward for ``tables`` together: ONE reverse ``all_to_all``; per table, each block's gradient."""
+    """COLUMNS backward for ``tables`` together: ONE reverse ``all_to_all``; per table, each block's gradient.
+
+    When every table has the same bags per rank, each message is rows of all its blocks side by side
+    (``(bags, widths)``, written straight into the flat send buffer), so what arrives from all ranks IS
+    ``(all bags, this rank's blocks' widths)``: each block's gradient is a column slice of it (strided;
+    fbgemm's kernels take it as it is), with no per-block copy. Otherwise blocks travel back to back and
+    each block's rows are concatenated.
+    """
     if not tables:
         return []
     p0, dtype = plans[tables[0]], _common_dtype([plans[t] for t in tables])
     world, dev = p0.world, p0.batch.ids.device
+    bags = p0.num_bags
+    if all(plans[t].num_bags == bags for t in tables):
+        return _columns_backward_rows(plans, blocks, grad_outs, tables, dtype)
     send = [_flat([grad_outs[t][:, c0 : c0 + w].reshape(-1) for t in tables for c0, w in plans[t].columns_of(p)],
                   dtype, dev) for p in range(world)]
     sizes = [sum(plans[t].num_bags[p] * b.cols[1] for t in tables for b in blocks[t]) for p in range(world)]
@@ -192,14 +203,62 @@ def columns_backward(
     return [[torch.cat(parts).to(plans[t].layout.dtype) for parts in got[t]] for t in tables]
 
 
+def _columns_backward_rows(
+    plans: list[LookupPlan], blocks: list[list[Block]], grad_outs: tuple[torch.Tensor, ...], tables: list[int],
+    dtype: torch.dtype,
+) -> list[list[torch.Tensor]]:
+    """:func:`columns_backward` for tables with the same bags per rank: row-major messages."""
+    p0 = plans[tables[0]]
+    world, rank, dev, bags = p0.world, p0.rank, p0.batch.ids.device, p0.num_bags
+    widths = [sum(w for t in tables for _, w in plans[t].columns_of(p)) for p in range(world)]
+    send_sizes = [bags[rank] * widths[p] for p in range(world)]
+    flat_in = torch.empty(sum(send_sizes), dtype=dtype, device=dev)
+    for p, piece in enumerate(flat_in.split(send_sizes)):
+        parts = [grad_outs[t][:, c0 : c0 + w].to(dtype) for t in tables for c0, w in plans[t].columns_of(p)]
+        if parts:
+            torch.cat(parts, dim=1, out=piece.view(bags[rank], widths[p]))
+    mine = widths[rank]
+    full = torch.empty(sum(bags), mine, dtype=dtype, device=dev)
+    dist.all_to_all_single(full.view(-1), flat_in, [n * mine for n in bags], send_sizes, group=p0.group)
+    del flat_in
+    out, at = [], 0
+    for t in tables:
+        table = []
+        for b in blocks[t]:
+            table.append(full[:, at : at + b.cols[1]].to(plans[t].layout.dtype))
+            at += b.cols[1]
+        out.append(table)
+    return out
+
+
 def gather_grads(
     plans: list[LookupPlan], grad_outs: tuple[torch.Tensor, ...], tables: list[int]
 ) -> list[torch.Tensor]:
-    """REDUCE backward for ``tables`` together: ONE all-gather of the output gradients; per table all ranks' rows."""
+    """REDUCE backward for ``tables`` together: ONE all-gather of the output gradients; per table all ranks' rows.
+
+    When every table has the same bags per rank (one batch size, as a KJT's features) the
+    gradients travel as rows of all the tables side by side, ``(bags, sum of dims)``: what
+    arrives IS every table's gradient, a column slice each (strided; fbgemm's kernels
+    take it as it is), with no per-table copy. Otherwise each rank's tables travel back
+    to back and each table's rows are concatenated.
+    """
     if not tables:
         return []
     p0 = plans[tables[0]]
     dtype = _common_dtype([plans[t] for t in tables])
+    bags = plans[tables[0]].num_bags
+    if all(plans[t].num_bags == bags for t in tables):
+        dims = [plans[t].layout.global_shape[1] for t in tables]
+        full = torch.empty(sum(bags), sum(dims), dtype=dtype, device=grad_outs[tables[0]].device)
+        start = row_starts(bags)[p0.rank]
+        own = full[start : start + bags[p0.rank]]
+        if len(tables) == 1:
+            own.copy_(grad_outs[tables[0]])
+        else:
+            torch.cat([grad_outs[t].to(dtype) for t in tables], dim=1, out=own)
+        share_rows(full, bags, p0.group)
+        at = row_starts(dims)
+        return [full[:, a : a + d].to(plans[t].layout.dtype) for t, a, d in zip(tables, at, dims)]
     mine = torch.cat([grad_outs[t].reshape(-1).to(dtype) for t in tables])
     dims = [plans[t].layout.global_shape[1] for t in tables]
     counts = [sum(plans[t].num_bags[r] * d for t, d in zip(tables, dims)) for r in range(p0.world)]
