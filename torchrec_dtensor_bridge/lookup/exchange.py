@@ -20,7 +20,7 @@ from .bags import Bags
 from .validate import RankInfo
 
 __all__ = [
-    "all_to_all_flat", "all_to_all_rows", "gather_bags", "gather_flat", "gather_rows", "reduce_scatter_rows",
+    "all_to_all_flat", "all_to_all_parts", "all_to_all_rows", "gather_bags", "gather_flat", "gather_rows", "reduce_scatter_rows",
     "row_starts", "share_flat", "share_rows", "sum_into",
 ]
 
@@ -284,6 +284,25 @@ def reduce_scatter_rows(
     out = torch.empty_like(pieces[rank])
     dist.reduce_scatter(out, [p.contiguous() for p in pieces], op=op, group=group)
     return out
+
+
+def all_to_all_parts(
+    parts: Sequence[Sequence[torch.Tensor]], recv_sizes: Sequence[int], group: dist.ProcessGroup | None,
+    *, dtype: torch.dtype, device: torch.device,
+) -> list[torch.Tensor]:
+    """Send ``parts[q]`` (tensors of any shape, flattened back to back, cast to ``dtype``) to rank ``q``;
+    receive ``recv_sizes[p]`` elements from each ``p``; *collective*. The parts are copied once, straight
+    into the one flat send buffer of ONE ``all_to_all_single``."""
+    send_sizes = [sum(x.numel() for x in ps) for ps in parts]
+    flat_in = torch.empty(sum(send_sizes), dtype=dtype, device=device)
+    at = 0
+    for ps in parts:
+        for x in ps:
+            flat_in[at : at + x.numel()].view(x.shape).copy_(x)
+            at += x.numel()
+    flat_out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
+    dist.all_to_all_single(flat_out, flat_in, list(recv_sizes), send_sizes, group=group)
+    return list(flat_out.split(list(recv_sizes)))
 
 
 def all_to_all_flat(

@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from .exchange import all_to_all_flat, row_starts, share_flat, share_rows, sum_into
+from .exchange import all_to_all_parts, row_starts, share_flat, share_rows, sum_into
 from .plan import Block, LookupPlan, Strategy
 
 __all__ = ["ReduceMessage", "columns_backward", "exchange_columns", "gather_grads", "psw_backward", "reduce_sum"]
@@ -128,12 +128,12 @@ def exchange_columns(plans: list[LookupPlan], blocks: list[list[Block]], tables:
         parts = []
         for t in tables if q != rank else ():
             s, n = row_starts(plans[t].num_bags)[q], plans[t].num_bags[q]
-            parts += [b.out[s : s + n].reshape(-1) for b in blocks[t]]
-        send.append(_flat(parts, dtype, dev))
+            parts += [b.out[s : s + n] for b in blocks[t]]
+        send.append(parts)
     own = {t: plans[t].num_bags[rank] for t in tables}
     sizes = [0 if p == rank else sum(own[t] * w for t in tables for _, w in plans[t].columns_of(p))
              for p in range(world)]
-    recv = all_to_all_flat(send, sizes, p0.group, dtype=dtype, device=dev)
+    recv = all_to_all_parts(send, sizes, p0.group, dtype=dtype, device=dev)
     pieces: dict[int, list[tuple[int, torch.Tensor]]] = {t: [] for t in tables}  # (first column, values)
     for t in tables:
         start = row_starts(plans[t].num_bags)[rank]
@@ -155,11 +155,6 @@ def exchange_columns(plans: list[LookupPlan], blocks: list[list[Block]], tables:
             out[:, c0 : c0 + values.shape[1]] = values
         outs.append(out)
     return outs
-
-
-def _flat(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """One flat message of ``parts`` in ``dtype`` (empty when there are none)."""
-    return torch.cat([p.to(dtype) for p in parts]) if parts else torch.empty(0, dtype=dtype, device=device)
 
 
 def _common_dtype(plans: list[LookupPlan]) -> torch.dtype:
@@ -188,10 +183,9 @@ def columns_backward(
     bags = p0.num_bags
     if all(plans[t].num_bags == bags for t in tables):
         return _columns_backward_rows(plans, blocks, grad_outs, tables, dtype)
-    send = [_flat([grad_outs[t][:, c0 : c0 + w].reshape(-1) for t in tables for c0, w in plans[t].columns_of(p)],
-                  dtype, dev) for p in range(world)]
+    send = [[grad_outs[t][:, c0 : c0 + w] for t in tables for c0, w in plans[t].columns_of(p)] for p in range(world)]
     sizes = [sum(plans[t].num_bags[p] * b.cols[1] for t in tables for b in blocks[t]) for p in range(world)]
-    recv = all_to_all_flat(send, sizes, p0.group, dtype=dtype, device=dev)
+    recv = all_to_all_parts(send, sizes, p0.group, dtype=dtype, device=dev)
     got: dict[int, list[list[torch.Tensor]]] = {t: [[] for _ in blocks[t]] for t in tables}
     for p, flat in enumerate(recv):
         at = 0
@@ -312,10 +306,9 @@ def psw_backward(
     p0 = plans[routed[0][0]]
     dtype = _common_dtype([plans[t] for t, _ in routed])
     dev = p0.batch.ids.device
-    send = [_flat([partial.split(list(plans[t].received))[q] for t, partial in routed], dtype, dev)
-            for q in range(p0.world)]
+    send = [[partial.split(list(plans[t].received))[q] for t, partial in routed] for q in range(p0.world)]
     sizes = [sum(plans[t].route.counts[q] for t, _ in routed) for q in range(p0.world)]
-    recv = all_to_all_flat(send, sizes, p0.group, dtype=dtype, device=dev)
+    recv = all_to_all_parts(send, sizes, p0.group, dtype=dtype, device=dev)
     at = [0] * p0.world
     for t, _ in routed:
         route, n = plans[t].route, _own_ids(plans[t])
