@@ -3,8 +3,7 @@
 Workload (issue 12): 8 tables x 1,000,000 rows x 128 fp32 (4 GiB of tables, 2
 GiB per rank), 2 local gloo ranks (one torch thread each: this machine has 2
 cores), 2048 bags of 20 ids per rank and table, ``mode="sum"``. Two layouts,
-one after the other in the same processes (the first freed before the second
-is built):
+each in its own fresh pair of processes (so neither inherits the other's heap):
 
 * table-wise (table ``t`` on rank ``t % 2``) with SGD: TorchRec's
   ``EXACT_SGD`` vs ours ``FusedOptimizer(weights, "sgd")``;
@@ -555,6 +554,21 @@ STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHO
                  "MALLOC_TOP_PAD_": str(64 * 2**20)}
 
 
+def _one_run(cfg: dict) -> list[dict]:
+    """One run: each layout in its own fresh pair of processes (no heap history from another layout or its
+    dense baseline), the ranks' results merged."""
+    ranks: list[dict] = []
+    for key in cfg["layouts"]:
+        got = spawn_ranks(_worker, 2, ({**cfg, "layouts": [key]},), name="bench_train")
+        if not ranks:
+            ranks = got
+            continue
+        for mine, more in zip(ranks, got):
+            mine["layouts"].update(more["layouts"])
+            mine["max_rss_bytes"] = max(mine["max_rss_bytes"], more["max_rss_bytes"])
+    return ranks
+
+
 def run(cfg: dict) -> dict:
     """Run the benchmark ``cfg["runs"]`` times (fresh processes each) and summarize."""
     t_start = time.perf_counter()
@@ -563,7 +577,7 @@ def run(cfg: dict) -> dict:
     if cfg["malloc"] == "steady":
         os.environ.update(STEADY_MALLOC)
     try:
-        runs = [spawn_ranks(_worker, 2, (cfg,), name="bench_train") for _ in range(cfg["runs"])]
+        runs = [_one_run(cfg) for _ in range(cfg["runs"])]
     finally:
         for k, v in saved.items():
             if v is None:
