@@ -266,6 +266,41 @@ def _peak_growth(fn) -> int:
     return field("VmHWM:") - before
 
 
+def check_ranks_disagree_on_the_optimizer(rank: int, world: int) -> list[str]:
+    """One rank's optimizer differs (its kind, its lr, or it passes none): every rank raises before any
+    update, naming what differs, and the next good step runs on every rank."""
+    table = _table(0)
+    w = _weight(LAYOUTS["row_wise_uneven"].with_name("t"), table, rank)
+    before = tdb.full_tensor(w.detach()).clone()
+    b = _batch(rank, 0, 0, False)
+    cases = {
+        "kind": lambda: tdb.FusedOptimizer([w], "sgd" if rank == 1 else "adagrad", lr=0.1),
+        "lr": lambda: tdb.FusedOptimizer([w], "sgd", lr=0.2 if rank == 2 else 0.1),
+        "none": lambda: None if rank == 0 else tdb.FusedOptimizer([w], "sgd", lr=0.1),
+    }
+    messages = []
+    for what, make in cases.items():
+        opt = make()
+        with pytest.raises(ValueError) as err:
+            out = tdb.sharded_embedding_bags([b["input"]], [w], [b["offsets"]], optimizer=opt)[0]
+            out.sum().backward()
+        messages.append(f"{what}: {err.value}")
+        assert torch.equal(tdb.full_tensor(w.detach()), before), f"{what}: the weight changed"
+        assert w.grad is None
+    opt = tdb.FusedOptimizer([w], "sgd", lr=0.1)  # the same on every rank: trains
+    tdb.sharded_embedding_bags([b["input"]], [w], [b["offsets"]], optimizer=opt)[0].sum().backward()
+    assert not torch.equal(tdb.full_tensor(w.detach()), before)
+    return messages
+
+
+def test_ranks_that_disagree_on_the_optimizer_all_raise(pool):
+    for messages in pool.run(check_ranks_disagree_on_the_optimizer):
+        kind, lr, none = messages
+        assert "optimizer" in kind, kind
+        assert "hyper-parameters differ between ranks" in lr and "lr" in lr, lr
+        assert "optimizer" in none, none
+
+
 def check_no_table_sized_buffer(rank: int, world: int, layout: str, kind: str | None) -> list[int]:
     """Peak memory growth of training steps on a ~13 MB shard: a fraction of the shard with the optimizer."""
     rows, dim = 300_000, 32

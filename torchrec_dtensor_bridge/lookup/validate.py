@@ -20,6 +20,7 @@ import enum
 import hashlib
 import math
 import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -245,6 +246,8 @@ class TableCodes:
         layout: ``ShardLayout.digest()`` of the weight's layout in the group (-1: unknown).
         optimizer: index of the fused optimizer's kind in ``OptimKind`` (-1: none).
         psw_grad: 1 when backward computes the per-sample weights' gradient.
+        hyper: a digest of the fused optimizer's hyper-parameters (lr, eps, weight decay and its
+            mode, betas; 0: none): ranks stepping with different ones would part ways silently.
     """
 
     op: int
@@ -258,6 +261,7 @@ class TableCodes:
     layout: int
     optimizer: int = -1
     psw_grad: int = 0
+    hyper: int = 0
 
     @classmethod
     def of(cls, op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
@@ -273,6 +277,7 @@ class TableCodes:
             int(shape[0]) if two_d else -1, int(shape[1]) if two_d else -1,
             DTYPES.index(dtype) if dtype in DTYPES else -1, layout,
             -1 if optimizer is None else list(OptimKind).index(optimizer.hyper.kind), int(psw_grad),
+            0 if optimizer is None else _hyper_code(optimizer.hyper),
         )
 
     def values(self) -> list[int]:
@@ -292,6 +297,13 @@ def _table_fields(bags: Bags | None, codes: TableCodes, sends: Sequence[int] | N
     return sizes + codes.values() + routed
 
 
+def _hyper_code(hyper: Any) -> int:
+    """A digest of an optimizer's hyper-parameters, the same in every process (CRC-32 of their bytes)."""
+    values = [hyper.lr, hyper.eps, hyper.weight_decay, float(hyper.weight_decay_mode.value), hyper.beta1,
+              hyper.beta2]
+    return zlib.crc32(struct.pack(f"<{len(values)}d", *values)) + 1  # never 0 ("no optimizer")
+
+
 def _float(code: int) -> float:
     return float(struct.unpack("<d", struct.pack("<q", code))[0])
 
@@ -299,6 +311,8 @@ def _float(code: int) -> float:
 def _shown(name: str, column: list[int]) -> list[object]:
     if name == "mode":
         return [MODES[c] if 0 <= c < len(MODES) else "?" for c in column]
+    if name == "hyper":
+        return ["none" if c == 0 else f"{c:08x}" for c in column]
     if name in ("max_norm", "norm_type"):
         return [None if name == "max_norm" and c == 0 else _float(c) for c in column]
     if name == "padding_idx":
@@ -317,6 +331,12 @@ def _check_same(fn: str, rows: list[list[int]], table: int | None) -> list[RankI
                 f"{fn}: the weight's dtype differs between ranks{where}: {names} (rank order); a rank "
                 "holding no shard of a table must still build its DTensor with the table's dtype "
                 "(give the ShardLayout a dtype)"
+            )
+        if f.name == "hyper" and any(c != column[0] for c in column):
+            raise ValueError(
+                f"{fn}: the fused optimizer's hyper-parameters differ between ranks{where} (digests "
+                f"{_shown(f.name, column)}, rank order); build the FusedOptimizer with the same lr, eps, "
+                "weight_decay, weight_decay_mode and betas on every rank"
             )
         if f.name == "layout" and any(c != column[0] for c in column):
             raise ValueError(
