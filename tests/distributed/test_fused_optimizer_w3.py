@@ -8,6 +8,8 @@ some batch referenced (fbgemm's sparse ``EXACT_*`` semantics).
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -255,10 +257,12 @@ def test_fbgemm_kernels_update_row_wise_tables(pool):
 
 
 def _peak_growth(fn) -> int:
-    """Bytes the resident set grew to above its level before ``fn`` (peak reset first; Linux)."""
+    """Bytes the resident set grew to above its level before ``fn`` (free heap pages handed back and the
+    peak reset first, so that memory ``fn`` allocates shows whatever earlier calls left behind; Linux)."""
     def field(name: str) -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(name))
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = field("VmRSS:")
