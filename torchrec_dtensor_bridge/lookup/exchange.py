@@ -20,7 +20,7 @@ from .bags import Bags
 from .validate import RankInfo
 
 __all__ = [
-    "all_to_all_flat", "all_to_all_parts", "all_to_all_rows", "gather_bags", "gather_flat", "gather_rows", "reduce_scatter_rows",
+    "all_to_all_flat", "all_to_all_parts", "all_to_all_rows", "gather_bags", "gather_rows", "reduce_scatter_rows",
     "row_starts", "share_flat", "share_rows", "sum_into",
 ]
 
@@ -189,17 +189,12 @@ def _pick(
     return ids.index_select(0, at), per_bag, None if weights is None else weights.index_select(0, at)
 
 
-def gather_flat(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
-    """Every rank's 1-D ``t`` (``counts[r]`` elements each), in rank order; *collective*."""
-    return _gather_padded(t, counts, group)
-
-
 def share_flat(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Every rank's 1-D ``t`` (``counts[r]`` elements each), in rank order, through ONE ``all_to_all_single``:
     this rank's own entry is ``t`` itself; *collective*.
 
-    The same result as :func:`gather_flat` for large messages: gloo's ``all_gather``
-    copies the input and every output through staging buffers and took 1.7x
+    An all-gather of uneven sizes with no padding: gloo's ``all_gather``
+    copies the input and every output through staging buffers and took 1.4x
     as long as an ``all_to_all_single`` moving the same bytes (8 MiB per rank,
     2 ranks; ``BENCHMARKS.md``). With two ranks ``t`` is sent as it is; with
     more it is repeated once per other rank (one copy).
@@ -253,7 +248,7 @@ def sum_into(own: torch.Tensor, others: torch.Tensor, sizes: Sequence[int],
 
     ``others`` holds this rank's pieces for every other rank, back to back in rank order
     (``sizes[q]`` elements for rank ``q``; its own is not in it); every rank's ``own`` has
-    ``sizes[rank]`` elements. Moves the bytes of a ``reduce_scatter`` in 0.6x of gloo's time
+    ``sizes[rank]`` elements. Moves the bytes of a ``reduce_scatter`` in about half of gloo's time
     (it stages every input and output; ``BENCHMARKS.md``).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)

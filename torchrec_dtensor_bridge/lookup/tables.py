@@ -14,8 +14,8 @@ communication of all tables fused:
 4. ``max_norm`` renormalisation per table that asks for it;
 5. every rank pools what it stores of every table, then ONE ``all_to_all`` for all
    tables whose blocks span whole rows (table-wise, column-wise) and ONE
-   reduce-scatter (also an ``all_to_all``) for all row-cut tables (row-wise, grid) - ``max`` on row
-   cuts adds one ``all_reduce`` per table;
+   reduce-scatter (also an ``all_to_all``) for all row-cut tables (row-wise,
+   grid) - ``max`` on row cuts adds one ``all_reduce`` per table;
 6. ``mean`` / ``max`` finishing per table.
 
 So a table-wise collection of up to 16 tables costs three collectives in

@@ -220,7 +220,8 @@ def update_rows(bind: Any, plan: Any, block: Any, grad: torch.Tensor) -> None:
     # a column slice of the exchanged gradients is read in place: the kernel goes through strides
     # (tested: the same rows and momentum as from a contiguous copy)
     common = (
-        grad if grad.stride(-1) == 1 else grad.contiguous(), shard.view(-1), place, w_off, d_off, shard.shape[1], hash_cumsum,
+        grad if grad.stride(-1) == 1 else grad.contiguous(), shard.view(-1), place, w_off, d_off, shard.shape[1],
+        hash_cumsum,
         max(int(shard.shape[0]).bit_length(), 1), block.ids, block.offsets, _POOL_SUM, block.weights, False,
     )
     lr = _learning_rate(hyper.lr)

@@ -9,8 +9,8 @@ this order on every rank:
    summed gradient row each - O(batch), no dense gradient. Where the update
    needs nothing from other ranks, fbgemm's backward-with-optimizer kernel
    does steps 1 and 3 in one pass (:func:`..lookup.tbe.update_rows`).
-2. ONE exchange for all tables that need one (two ``all_gather``: sizes, then a
-   padded float64 payload): replicated tables publish each rank's sparse
+2. ONE exchange for all tables that need one (an ``all_gather`` of the sizes,
+   then an ``all_to_all`` of the float64 payloads): replicated tables publish each rank's sparse
    gradient (every replica applies the sum of all ranks'), replicated blocks
    their computing copy's (the other copies apply the same), and row-wise
    Adagrad on column-cut tables every block's per-row partial sums of
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..lookup.exchange import gather_flat
+from ..lookup.exchange import share_flat
 from ..lookup.plan import Block, LookupPlan, Strategy
 from ..lookup.tbe import update_rows, update_rows_supported
 from .kinds import OptimKind
@@ -139,7 +139,7 @@ def _exchange(segments: list[_Segment], group: dist.ProcessGroup | None) -> list
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
     dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group)
     out = []
-    for flat in gather_flat(mine, [int(n) for n in sizes], group):
+    for flat in share_flat(mine, [int(n) for n in sizes], group):
         n = int(flat[0])
         heads = flat[1 : 1 + _HEADER * n].view(n, _HEADER).to(torch.int64).tolist()
         at = 1 + _HEADER * n
