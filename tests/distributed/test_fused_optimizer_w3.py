@@ -9,6 +9,7 @@ some batch referenced (fbgemm's sparse ``EXACT_*`` semantics).
 from __future__ import annotations
 
 import ctypes
+import os
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
 from torchrec_dtensor_bridge.layout import ShardLayout
+from torchrec_dtensor_bridge.lookup import native
 
 from .harness import make_pool_fixture
 
@@ -235,25 +237,45 @@ def test_weight_decay_every_kind(pool):
     pool.run(check_weight_decay)
 
 
-def check_fbgemm_kernels(rank: int, world: int) -> list[str]:
-    """Row-wise tables update through fbgemm's backward-with-optimizer kernels (seen by torch's profiler)."""
+def check_update_kernels(rank: int, world: int) -> list[str]:
+    """Row-wise tables update in one pass over the touched rows (seen by torch's profiler): through this
+    package's native kernel by default, through fbgemm's backward-with-optimizer kernels with
+    ``TDB_NATIVE_KERNELS=0``; both give the reference's rows (checked against each other here, and
+    against the unsharded optimizer by the parity tests)."""
     seen = []
-    for kind in ("sgd", "rowwise_adagrad", "adagrad"):
-        w = _weight(LAYOUTS["row_wise_even"], _table(0), rank)
-        opt = tdb.FusedOptimizer([w], kind, lr=0.1)
-        b = _batch(rank, 0, 0)
-        out = tdb.sharded_embedding_bag(b["input"], w, b["offsets"], mode="sum", optimizer=opt)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            out.sum().backward()
-        names = {e.name for e in prof.events()}
-        op = f"fbgemm::split_embedding_backward_codegen_{kind}_cpu"
-        assert op in names, sorted(n for n in names if "fbgemm" in n)
-        seen.append(op)
+    results: dict[str, dict[str, torch.Tensor]] = {}
+    for native_on in (True, False):
+        os.environ["TDB_NATIVE_KERNELS"] = "1" if native_on else "0"
+        native.kernel.cache_clear()
+        try:
+            for kind in ("sgd", "rowwise_adagrad", "adagrad"):
+                w = _weight(LAYOUTS["row_wise_even"], _table(0), rank)
+                opt = tdb.FusedOptimizer([w], kind, lr=0.1)
+                b = _batch(rank, 0, 0, psw=True)
+                out = tdb.sharded_embedding_bag(b["input"], w, b["offsets"], mode="sum", optimizer=opt,
+                                                per_sample_weights=b["per_sample_weights"])
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                    out.sum().backward()
+                names = {e.name for e in prof.events()}
+                fbgemm_op = f"fbgemm::split_embedding_backward_codegen_{kind}_cpu"
+                ours = f"tdb::sparse_update_{kind}"
+                want, not_want = (ours, fbgemm_op) if native_on else (fbgemm_op, ours)
+                assert want in names and not_want not in names, sorted(n for n in names if "::" in n)
+                seen.append(want)
+                results.setdefault(kind, {})[want] = tdb.full_tensor(w.detach())
+        finally:
+            os.environ.pop("TDB_NATIVE_KERNELS", None)
+            native.kernel.cache_clear()
+    for kind, got in results.items():
+        a, b = got.values()
+        torch.testing.assert_close(a, b, msg=lambda m: f"{kind}: native vs fbgemm kernel: {m}")
     return seen
 
 
-def test_fbgemm_kernels_update_row_wise_tables(pool):
-    assert pool.run(check_fbgemm_kernels)[0][1].endswith("rowwise_adagrad_cpu")
+def test_update_kernels_native_and_fbgemm(pool):
+    seen = pool.run(check_update_kernels)[0]
+    assert seen[:3] == [f"tdb::sparse_update_{k}" for k in ("sgd", "rowwise_adagrad", "adagrad")]
+    assert seen[3:] == [f"fbgemm::split_embedding_backward_codegen_{k}_cpu" for k in ("sgd", "rowwise_adagrad", "adagrad")]
 
 
 def _peak_growth(fn) -> int:

@@ -1,0 +1,173 @@
+"""The native sparse-update kernel (lookup/native.py) against fbgemm's own CPU backward-with-optimizer
+kernels and against a plain torch reference: duplicates within and across bags, empty bags, per-sample
+weights, a strided (column-slice) gradient, several threads, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrec_dtensor_bridge.lookup import native
+from torchrec_dtensor_bridge.lookup.tbe import tbe_available
+
+KINDS = {"sgd": native.SGD, "rowwise_adagrad": native.ROWWISE_ADAGRAD, "adagrad": native.ADAGRAD}
+LR, EPS = 0.05, 1e-3
+
+
+@pytest.fixture(scope="module")
+def kernel() -> native.NativeKernel:
+    k = native.kernel()
+    assert k is not None, "the native kernel must build on this project's machines (a C compiler is there)"
+    return k
+
+
+def _case(rows: int, dim: int, bags: int, seed: int, *, strided: bool, psw: bool):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 6, (bags,), generator=g)
+    lengths[0] = 0  # an empty bag
+    n = int(lengths.sum())
+    ids = torch.randint(0, rows, (n,), generator=g)
+    if n > 3:
+        ids[1] = ids[0]  # a duplicate within a bag
+        ids[-1] = ids[0]  # and across bags
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    full = torch.randn(bags, 3 * dim if strided else dim, generator=g)
+    grad = full[:, dim : 2 * dim] if strided else full
+    weights = torch.rand(n, generator=g) + 0.5 if psw else None
+    return torch.randn(rows, dim, generator=g), grad, ids, offsets, weights
+
+
+def _state(kind: str, weight: torch.Tensor) -> torch.Tensor | None:
+    if kind == "rowwise_adagrad":
+        return torch.rand(weight.shape[0])
+    if kind == "adagrad":
+        return torch.rand_like(weight)
+    return None
+
+
+def _reference(kind, weight, grad, ids, offsets, psw, state):
+    """The textbook update on the touched rows, from torch ops (fp64 sums)."""
+    bag = torch.repeat_interleave(torch.arange(offsets.numel() - 1), offsets[1:] - offsets[:-1])
+    per_id = grad.double().index_select(0, bag)
+    if psw is not None:
+        per_id = per_id * psw.double().unsqueeze(1)
+    g = torch.zeros(weight.shape, dtype=torch.float64).index_add_(0, ids, per_id)
+    rows = ids.unique()
+    w, s = weight.clone(), None if state is None else state.clone()
+    gr = g[rows]
+    if kind == "sgd":
+        w[rows] = (w[rows].double() - LR * gr).float()
+    elif kind == "rowwise_adagrad":
+        m = s[rows].double() + (gr * gr).mean(1)
+        s[rows] = m.float()
+        w[rows] = (w[rows].double() - (LR / (m.sqrt() + EPS)).unsqueeze(1) * gr).float()
+    else:
+        m = s[rows].double() + gr * gr
+        s[rows] = m.float()
+        w[rows] = (w[rows].double() - LR * gr / (m.sqrt() + EPS)).float()
+    return w, s
+
+
+def _fbgemm(kind, weight, grad, ids, offsets, psw, state):
+    w, s = weight.clone(), None if state is None else state.clone()
+    rows, dim = w.shape
+    place = torch.full((1,), 3, dtype=torch.int32)
+    w_off = torch.zeros(1, dtype=torch.int64)
+    common = (grad.contiguous(), w.view(-1), place, w_off, torch.tensor([0, dim], dtype=torch.int32), dim,
+              torch.tensor([0, rows]), max(rows.bit_length(), 1), ids, offsets, 0, psw, False)
+    op = getattr(torch.ops.fbgemm, f"split_embedding_backward_codegen_{kind}_cpu")
+    lr = torch.tensor(LR)
+    if kind == "sgd":
+        op(*common, lr)
+    else:
+        op(*common, s.view(-1), place, w_off, lr, eps=EPS)
+    return w, s
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("psw", [False, True])
+def test_matches_reference_and_fbgemm(kernel, kind, strided, psw):
+    weight, grad, ids, offsets, weights = _case(300, 20, 64, seed=7, strided=strided, psw=psw)
+    state = _state(kind, weight)
+    w, s = weight.clone(), None if state is None else state.clone()
+    kernel.update(KINDS[kind], w, grad, ids, offsets, weights, s, LR, EPS)
+    want_w, want_s = _reference(kind, weight, grad, ids, offsets, weights, state)
+    torch.testing.assert_close(w, want_w)
+    untouched = torch.ones(weight.shape[0], dtype=torch.bool)
+    untouched[ids] = False
+    assert torch.equal(w[untouched], weight[untouched]), "rows no id touched must stay bit-identical"
+    if state is not None:
+        torch.testing.assert_close(s, want_s)
+    if tbe_available():
+        fb_w, fb_s = _fbgemm(kind, weight, grad, ids, offsets, weights, state)
+        torch.testing.assert_close(w, fb_w)
+        if state is not None:
+            torch.testing.assert_close(s, fb_s)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_threads_split_on_row_boundaries(kernel, kind):
+    """Enough ids for several threads (each a disjoint range of rows): the same result as one thread."""
+    weight, grad, ids, offsets, weights = _case(2000, 8, 20000, seed=3, strided=False, psw=True)
+    assert ids.numel() >= 2 * native._MIN_PER_THREAD
+    state = _state(kind, weight)
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            assert len(native._row_cuts(ids.sort().values.int(), threads)) - 1 == min(
+                threads, ids.numel() // native._MIN_PER_THREAD)
+            w, s = weight.clone(), None if state is None else state.clone()
+            kernel.update(KINDS[kind], w, grad, ids, offsets, weights, s, LR, EPS)
+            results.append((w, s))
+    finally:
+        torch.set_num_threads(before)
+    (w1, s1), (w4, s4) = results
+    assert torch.equal(w1, w4), "each row is summed in the same order whatever the thread count"
+    if s1 is not None:
+        assert torch.equal(s1, s4)
+
+
+def test_row_cuts_never_split_a_row():
+    keys = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 5, 5, 5, 5, 5, 5, 9, 9], dtype=torch.int32)
+    for parts in range(1, 6):
+        cuts = native._row_cuts(keys, parts) if keys.numel() >= parts else [0, keys.numel()]
+        assert cuts[0] == 0 and cuts[-1] == keys.numel()
+        for c in cuts[1:-1]:
+            assert keys[c - 1] != keys[c], (parts, cuts)
+
+
+def test_ids_out_of_range_raise_and_change_nothing(kernel):
+    weight, grad, ids, offsets, _ = _case(50, 4, 8, seed=1, strided=False, psw=False)
+    ids[-1] = 50
+    w = weight.clone()
+    with pytest.raises(ValueError, match=r"outside \[0, 50\)"):
+        kernel.update(native.SGD, w, grad, ids, offsets, None, None, LR, EPS)
+    assert torch.equal(w, weight)
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("TDB_NATIVE_KERNELS", "0")
+    native.kernel.cache_clear()
+    try:
+        assert native.kernel() is None
+    finally:
+        monkeypatch.delenv("TDB_NATIVE_KERNELS")
+        native.kernel.cache_clear()
+    assert native.kernel() is not None
+
+
+def test_build_failure_falls_back(tmp_path, monkeypatch):
+    """A compiler that fails: kernel() is None (fbgemm's kernels serve), nothing half-written is left."""
+    monkeypatch.setenv("TDB_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    native.kernel.cache_clear()
+    try:
+        assert native.kernel() is None
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        monkeypatch.delenv("CC")
+        monkeypatch.delenv("TDB_KERNEL_CACHE")
+        native.kernel.cache_clear()

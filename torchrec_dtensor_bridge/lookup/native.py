@@ -1,0 +1,178 @@
+"""This package's own CPU kernel for the fused optimizers' sparse updates (``sparse_update.c``).
+
+Why a kernel of our own: fbgemm_gpu-cpu 1.8's backward-with-optimizer kernels
+are slow on CPU for large tables. Measured on one thread (a 1,000,000 x 128
+fp32 shard, 4096 bags of 20 ids, the update of one step): ``EXACT_SGD`` 14-15
+ms, ``EXACT_ROWWISE_ADAGRAD`` 41-42 ms, while fbgemm's forward over the same ids
+takes 2.6 ms; the SGD kernel sums each row's gradient element by element, and
+the row-wise Adagrad one runs its gradient-summing kernel with one "bag" per
+touched row. ``sparse_update.c`` sorts the occurrences by row (a radix sort),
+then walks the touched rows in increasing order, prefetching the rows ahead,
+reading a row's bag gradient in place when it occurs once (most rows) and
+summing it first otherwise (scripts/bench_train.py, BENCHMARKS.md: the figures).
+The math is fbgemm's (``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` /
+``EXACT_ADAGRAD``, no weight decay), tested against fbgemm's own kernels and
+against the unsharded reference optimizer.
+
+The C file is compiled on first use, with the C compiler of ``$CC`` (else
+``cc``) into ``$TDB_KERNEL_CACHE`` (default ``~/.cache/torchrec_dtensor_bridge``),
+named by a hash of the source and flags, written to a temporary name and
+renamed into place (processes that race build the same file); then loaded
+with :mod:`ctypes`, which releases the GIL during the call, so a step with
+several torch threads splits the touched rows over that many threads. It needs
+no Python or torch headers. Without a working compiler, or with
+``TDB_NATIVE_KERNELS=0``, :func:`kernel` is ``None`` and the caller uses
+fbgemm's kernels.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["ROWWISE_ADAGRAD", "SGD", "ADAGRAD", "NativeKernel", "kernel"]
+
+log = logging.getLogger(__name__)
+
+SGD, ROWWISE_ADAGRAD, ADAGRAD = 0, 1, 2
+_SOURCE = Path(__file__).with_name("sparse_update.c")
+_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11")
+_VERSION = 1
+_MAX_DIM = 8192
+_MIN_PER_THREAD = 16384  # occurrences: below this, one thread
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("TDB_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "torchrec_dtensor_bridge"
+
+
+def _build(source: Path, cache: Path) -> Path:
+    """The compiled library for ``source`` in ``cache`` (built unless already there)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (set $CC, or install cc)")
+    text = source.read_bytes()
+    digest = hashlib.sha256(text + " ".join((cc, *_FLAGS)).encode()).hexdigest()[:16]
+    target = cache / f"sparse_update-{digest}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".sparse_update-", suffix=".so")
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
+                              timeout=120, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: a racing process builds the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class NativeKernel:
+    """The loaded library: :meth:`group` the occurrences by row, then :meth:`apply` an optimizer."""
+
+    def __init__(self, path: Path) -> None:
+        lib = ctypes.CDLL(str(path))
+        if lib.tdb_version() != _VERSION:
+            raise RuntimeError(f"{path}: kernel version {lib.tdb_version()}, expected {_VERSION}")
+        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        lib.tdb_group.argtypes = [p, i64, p, i64, i64, p, p, p, p, p]
+        lib.tdb_group.restype = ctypes.c_int
+        lib.tdb_apply.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, i64, p, p, p, p, i64, i64, f32, f32]
+        lib.tdb_apply.restype = ctypes.c_int
+        self.lib, self.path = lib, path
+
+    def update(
+        self, kind: int, weight: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+        per_sample_weights: torch.Tensor | None, state: torch.Tensor | None, lr: float, eps: float,
+    ) -> None:
+        """Update ``weight`` (and ``state``) in place at the rows ``ids`` touches.
+
+        ``weight``: a contiguous fp32 CPU shard ``(rows, dim)``; ``grad``: the bags' output gradient
+        ``(bags, dim)`` fp32 with unit column stride (a column slice is read in place); ``ids``,
+        ``offsets``: int64 local rows and ``bags + 1`` bag boundaries; ``state``: per-row fp32
+        momentum ``(rows,)`` (row-wise Adagrad) or one like ``weight`` (Adagrad), else ``None``.
+        """
+        rows, dim = weight.shape
+        n, bags = ids.numel(), offsets.numel() - 1
+        if n == 0:
+            return
+        assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu"
+        assert grad.dtype == torch.float32 and grad.stride(1) == 1 and tuple(grad.shape) == (bags, dim)
+        assert ids.dtype == offsets.dtype == torch.int64 and ids.is_contiguous() and offsets.is_contiguous()
+        assert rows < 2**31 and n < 2**31 and dim <= _MAX_DIM
+        psw = None
+        if per_sample_weights is not None:
+            psw = per_sample_weights.to(torch.float32).contiguous()
+        lds = 0
+        if state is not None:
+            assert state.dtype == torch.float32 and state.is_contiguous()
+            lds = dim if state.dim() == 2 else 1
+        work = torch.empty(5, n, dtype=torch.int32)
+        keys, occ, bag_of = work[0], work[1], work[2]
+        rc = self.lib.tdb_group(ids.data_ptr(), n, offsets.data_ptr(), bags, rows, keys.data_ptr(),
+                                occ.data_ptr(), bag_of.data_ptr(), work[3].data_ptr(), work[4].data_ptr())
+        if rc != 0:
+            raise ValueError(f"sparse update: ids outside [0, {rows}) or offsets out of order")
+        common = (kind, weight.data_ptr(), dim, dim, 0 if state is None else state.data_ptr(), lds,
+                  grad.data_ptr(), grad.stride(0), None if psw is None else psw.data_ptr(),
+                  keys.data_ptr(), occ.data_ptr(), bag_of.data_ptr())
+        cuts = _row_cuts(keys, torch.get_num_threads())
+        if len(cuts) == 2:
+            self._check(self.lib.tdb_apply(*common, cuts[0], cuts[1], lr, eps))
+            return
+        futures = [_pool(len(cuts) - 1).submit(self.lib.tdb_apply, *common, a, b, lr, eps)
+                   for a, b in zip(cuts[:-1], cuts[1:])]
+        for f in futures:
+            self._check(f.result())
+
+    @staticmethod
+    def _check(rc: int) -> None:
+        if rc != 0:
+            raise RuntimeError(f"sparse update kernel failed ({rc})")
+
+
+def _row_cuts(keys: torch.Tensor, threads: int) -> list[int]:
+    """``[0, ..., n]``: split points of the row-sorted occurrences on row boundaries, one range per thread."""
+    n = keys.numel()
+    parts = max(1, min(threads, n // _MIN_PER_THREAD))
+    if parts == 1:
+        return [0, n]
+    guesses = [keys[n * k // parts].item() for k in range(1, parts)]
+    starts = torch.searchsorted(keys, torch.tensor(guesses, dtype=keys.dtype)).tolist()
+    return sorted({0, n, *starts})
+
+
+@functools.lru_cache(maxsize=None)
+def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tdb-sparse-update")
+
+
+@functools.lru_cache(maxsize=1)
+def kernel() -> NativeKernel | None:
+    """The native kernel, built on first use; ``None`` when disabled (``TDB_NATIVE_KERNELS=0``) or it
+    cannot be built (then logged once, and fbgemm's kernels serve)."""
+    if os.environ.get("TDB_NATIVE_KERNELS", "1") == "0":
+        return None
+    try:
+        return NativeKernel(_build(_SOURCE, _cache_dir()))
+    except Exception as e:  # noqa: BLE001 - any build or load failure falls back to fbgemm's kernels
+        log.warning("torchrec_dtensor_bridge: native sparse-update kernel unavailable, using fbgemm's: %s", e)
+        return None

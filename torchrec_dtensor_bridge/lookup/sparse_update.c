@@ -1,0 +1,144 @@
+/*
+ * Sparse optimizer updates of one shard, in place, from a bag lookup's output gradient.
+ *
+ * Loaded by torchrec_dtensor_bridge/lookup/native.py (ctypes; compiled on first use, no
+ * Python or torch headers). Two steps:
+ *
+ *   tdb_group  sorts the lookup's occurrences by row (a stable LSD radix sort of 32-bit
+ *              keys, 8 bits a pass, as many passes as the shard's row count needs): keys[i]
+ *              is the row of the i-th occurrence in row order, occ[i] its position in ids,
+ *              and bag_of[p] the bag of occurrence p.
+ *   tdb_apply  walks [begin, end) of that order (begin and end on row boundaries, so disjoint
+ *              ranges can run on threads at once): per touched row, the gradient summed over
+ *              its occurrences (times the per-sample weight), then the update of the row and
+ *              its state. Rows are visited in increasing order and prefetched ahead.
+ *
+ * The math (per touched row r with summed gradient g, the shard's width D):
+ *   SGD              w -= lr * g
+ *   row-wise Adagrad m[r] += sum(g^2) / D;  w -= lr / (sqrt(m[r]) + eps) * g
+ *   Adagrad          m += g^2 (element-wise);  w -= lr * g / (sqrt(m) + eps)
+ * which is fbgemm's EXACT_SGD / EXACT_ROWWISE_ADAGRAD / EXACT_ADAGRAD without weight decay.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TDB_SGD 0
+#define TDB_ROWWISE_ADAGRAD 1
+#define TDB_ADAGRAD 2
+#define TDB_PREFETCH 8 /* rows ahead */
+#define TDB_MAX_DIM 8192
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TDB_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define TDB_CLONES
+#endif
+
+int tdb_version(void) { return 1; }
+
+/* Returns 0, or -1 when an id lies outside [0, rows) or a bag's offsets run backwards. */
+int tdb_group(const int64_t* ids, int64_t n, const int64_t* offsets, int64_t bags, int64_t rows,
+              int32_t* keys, int32_t* occ, int32_t* bag_of, int32_t* tmp_keys, int32_t* tmp_occ) {
+  for (int64_t b = 0; b < bags; ++b) {
+    if (offsets[b + 1] < offsets[b] || offsets[b] < 0 || offsets[b + 1] > n) return -1;
+    for (int64_t p = offsets[b]; p < offsets[b + 1]; ++p) bag_of[p] = (int32_t)b;
+  }
+  for (int64_t p = 0; p < n; ++p) {
+    if (ids[p] < 0 || ids[p] >= rows) return -1;
+    keys[p] = (int32_t)ids[p];
+    occ[p] = (int32_t)p;
+  }
+  int bits = 0;
+  while (bits < 32 && (((int64_t)1) << bits) < rows) ++bits;
+  int32_t *src_k = keys, *src_o = occ, *dst_k = tmp_keys, *dst_o = tmp_occ;
+  for (int shift = 0; shift < bits; shift += 8) {
+    int64_t count[257];
+    memset(count, 0, sizeof(count));
+    for (int64_t i = 0; i < n; ++i) count[(((uint32_t)src_k[i]) >> shift & 0xFF) + 1]++;
+    for (int k = 0; k < 256; ++k) count[k + 1] += count[k];
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t at = count[((uint32_t)src_k[i]) >> shift & 0xFF]++;
+      dst_k[at] = src_k[i];
+      dst_o[at] = src_o[i];
+    }
+    int32_t* t = src_k; src_k = dst_k; dst_k = t;
+    t = src_o; src_o = dst_o; dst_o = t;
+  }
+  if (src_k != keys) {
+    memcpy(keys, src_k, (size_t)n * sizeof(int32_t));
+    memcpy(occ, src_o, (size_t)n * sizeof(int32_t));
+  }
+  return 0;
+}
+
+static inline void tdb_axpy(float* restrict y, const float* restrict x, float a, int64_t d) {
+  for (int64_t k = 0; k < d; ++k) y[k] += a * x[k];
+}
+
+static inline float tdb_square_sum(const float* restrict x, int64_t d) {
+  float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= d; k += 8)
+    for (int j = 0; j < 8; ++j) part[j] += x[k + j] * x[k + j];
+  float s = 0;
+  for (; k < d; ++k) s += x[k] * x[k];
+  for (int j = 0; j < 8; ++j) s += part[j];
+  return s;
+}
+
+static inline void tdb_prefetch_row(const float* p, int64_t d) {
+  for (int64_t k = 0; k < d; k += 16) __builtin_prefetch(p + k, 1, 0);
+}
+
+/* Returns 0, or -1 for an unknown kind or a width above TDB_MAX_DIM. */
+TDB_CLONES
+int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, int64_t lds,
+              const float* grad, int64_t ldg, const float* psw, const int32_t* keys, const int32_t* occ,
+              const int32_t* bag_of, int64_t begin, int64_t end, float lr, float eps) {
+  if (kind < TDB_SGD || kind > TDB_ADAGRAD || dim > TDB_MAX_DIM) return -1;
+  float acc[TDB_MAX_DIM];
+  int64_t i = begin;
+  while (i < end) {
+    if (i + TDB_PREFETCH < end) {
+      int64_t ahead = keys[i + TDB_PREFETCH];
+      tdb_prefetch_row(weight + ahead * ldw, dim);
+      if (kind == TDB_ROWWISE_ADAGRAD) __builtin_prefetch(state + ahead, 1, 0);
+      if (kind == TDB_ADAGRAD) tdb_prefetch_row(state + ahead * lds, dim);
+    }
+    int64_t row = keys[i], j = i + 1;
+    while (j < end && keys[j] == row) ++j;
+    const float* g;
+    float scale;
+    if (j - i == 1) { /* most rows: one occurrence, its bag's gradient read in place */
+      int32_t p = occ[i];
+      g = grad + (int64_t)bag_of[p] * ldg;
+      scale = psw ? psw[p] : 1.0f;
+    } else {
+      memset(acc, 0, (size_t)dim * sizeof(float));
+      for (int64_t k = i; k < j; ++k) {
+        int32_t p = occ[k];
+        tdb_axpy(acc, grad + (int64_t)bag_of[p] * ldg, psw ? psw[p] : 1.0f, dim);
+      }
+      g = acc;
+      scale = 1.0f;
+    }
+    float* w = weight + row * ldw;
+    if (kind == TDB_SGD) {
+      tdb_axpy(w, g, -lr * scale, dim);
+    } else if (kind == TDB_ROWWISE_ADAGRAD) {
+      float m = state[row] + scale * scale * tdb_square_sum(g, dim) / (float)dim;
+      state[row] = m;
+      tdb_axpy(w, g, -lr * scale / (sqrtf(m) + eps), dim);
+    } else {
+      float* m = state + row * lds;
+      for (int64_t k = 0; k < dim; ++k) {
+        float gk = scale * g[k];
+        m[k] += gk * gk;
+        w[k] -= lr * gk / (sqrtf(m[k]) + eps);
+      }
+    }
+    i = j;
+  }
+  return 0;
+}
