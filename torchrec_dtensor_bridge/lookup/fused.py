@@ -202,20 +202,40 @@ def _columns_backward_rows(
     plans: list[LookupPlan], blocks: list[list[Block]], grad_outs: tuple[torch.Tensor, ...], tables: list[int],
     dtype: torch.dtype,
 ) -> list[list[torch.Tensor]]:
-    """:func:`columns_backward` for tables with the same bags per rank: row-major messages."""
+    """:func:`columns_backward` for tables with the same bags per rank: row-major messages.
+
+    This rank's own bags' columns never travel: they are copied into their rows of the result, and the
+    ``all_to_all`` fills the other ranks' rows (in place when those rows are contiguous: this rank's rows
+    first or last, as always with two ranks). gloo's ``all_to_all`` copies a rank's piece for itself
+    through its transport; leaving it out took a 2-rank exchange of 4 MiB per rank from 7-11 ms to
+    3-4.5 ms (fresh buffers, as in a training step).
+    """
     p0 = plans[tables[0]]
     world, rank, dev, bags = p0.world, p0.rank, p0.batch.ids.device, p0.num_bags
     widths = [sum(w for t in tables for _, w in plans[t].columns_of(p)) for p in range(world)]
-    send_sizes = [bags[rank] * widths[p] for p in range(world)]
+
+    def columns(p: int) -> list[torch.Tensor]:
+        return [grad_outs[t][:, c0 : c0 + w].to(dtype) for t in tables for c0, w in plans[t].columns_of(p)]
+
+    send_sizes = [0 if p == rank else bags[rank] * widths[p] for p in range(world)]
     flat_in = torch.empty(sum(send_sizes), dtype=dtype, device=dev)
     for p, piece in enumerate(flat_in.split(send_sizes)):
-        parts = [grad_outs[t][:, c0 : c0 + w].to(dtype) for t in tables for c0, w in plans[t].columns_of(p)]
-        if parts:
-            torch.cat(parts, dim=1, out=piece.view(bags[rank], widths[p]))
-    mine = widths[rank]
-    full = torch.empty(sum(bags), mine, dtype=dtype, device=dev)
-    dist.all_to_all_single(full.view(-1), flat_in, [n * mine for n in bags], send_sizes, group=p0.group)
+        if p != rank and piece.numel():
+            torch.cat(columns(p), dim=1, out=piece.view(bags[rank], widths[p]))
+    mine, total, start = widths[rank], sum(bags), row_starts(bags)[rank]
+    full = torch.empty(total, mine, dtype=dtype, device=dev)
+    if mine and bags[rank]:
+        torch.cat(columns(rank), dim=1, out=full[start : start + bags[rank]])
+    recv_sizes = [0 if p == rank else n * mine for p, n in enumerate(bags)]
+    head, tail = full[:start], full[start + bags[rank] :]
+    in_place = start == 0 or tail.shape[0] == 0  # the other ranks' rows are one contiguous piece of full
+    into = (tail if start == 0 else head) if in_place else torch.empty(total - bags[rank], mine, dtype=dtype,
+                                                                        device=dev)
+    dist.all_to_all_single(into.view(-1), flat_in, recv_sizes, send_sizes, group=p0.group)
     del flat_in
+    if not in_place:
+        head.copy_(into[:start])
+        tail.copy_(into[start:])
     out, at = [], 0
     for t in tables:
         table = []

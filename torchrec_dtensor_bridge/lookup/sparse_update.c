@@ -105,6 +105,10 @@ int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, i
       tdb_prefetch_row(weight + ahead * ldw, dim);
       if (kind == TDB_ROWWISE_ADAGRAD) __builtin_prefetch(state + ahead, 1, 0);
       if (kind == TDB_ADAGRAD) tdb_prefetch_row(state + ahead * lds, dim);
+      if (kind != TDB_SGD) { /* their update waits on the gradient's square sum: fetch it early too */
+        const float* g_ahead = grad + (int64_t)bag_of[occ[i + TDB_PREFETCH]] * ldg;
+        for (int64_t k = 0; k < dim; k += 16) __builtin_prefetch(g_ahead + k, 0, 1);
+      }
     }
     int64_t row = keys[i], j = i + 1;
     while (j < end && keys[j] == row) ++j;
