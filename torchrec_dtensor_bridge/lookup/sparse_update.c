@@ -88,7 +88,7 @@ static inline float tdb_square_sum(const float* restrict x, int64_t d) {
 }
 
 static inline void tdb_prefetch_row(const float* p, int64_t d) {
-  for (int64_t k = 0; k < d; k += 16) __builtin_prefetch(p + k, 1, 0);
+  for (int64_t k = 0; k < d; k += 16) __builtin_prefetch(p + k, 1, 3);
 }
 
 /* Returns 0, or -1 for an unknown kind or a width above TDB_MAX_DIM. */
@@ -103,7 +103,7 @@ int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, i
     if (i + TDB_PREFETCH < end) {
       int64_t ahead = keys[i + TDB_PREFETCH];
       tdb_prefetch_row(weight + ahead * ldw, dim);
-      if (kind == TDB_ROWWISE_ADAGRAD) __builtin_prefetch(state + ahead, 1, 0);
+      if (kind == TDB_ROWWISE_ADAGRAD) __builtin_prefetch(state + ahead, 1, 3);
       if (kind == TDB_ADAGRAD) tdb_prefetch_row(state + ahead * lds, dim);
       if (kind != TDB_SGD) { /* their update waits on the gradient's square sum: fetch it early too */
         const float* g_ahead = grad + (int64_t)bag_of[occ[i + TDB_PREFETCH]] * ldg;

@@ -1,0 +1,133 @@
+"""The fused optimizers' update kernel: this package's own (``lookup/native.py``) vs fbgemm_gpu-cpu's.
+
+One process, one thread. ``--tables`` tables of ``--rows`` x ``--dim`` fp32 (4 x
+1,000,000 x 128 = 2 GiB by default, so the rows a step touches are not in the
+cache, as in training), ``--bags`` bags of ``--bag`` ids per table (the ids one
+rank of the training benchmark's table-wise layout updates: 2 ranks x 2048 bags
+of 20), fresh random ids every repetition. The gradient is a column slice of
+one wide matrix, as the lookups' backward hands it over. Per kind, both kernels
+update the same tables from the same state, interleaved (the order alternates),
+after checking on a copy that they give the same rows and state.
+
+    python scripts/bench_sparse_update.py --reps 7 --out bench/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_results import record
+
+KINDS = ("sgd", "rowwise_adagrad", "adagrad")
+LR, EPS = 0.01, 1e-8
+
+
+def _fbgemm(kind: str, weight, grad, ids, offsets, state) -> None:
+    import torch
+
+    rows, dim = weight.shape
+    place = torch.full((1,), 3, dtype=torch.int32)  # EmbeddingLocation.HOST
+    w_off = torch.zeros(1, dtype=torch.int64)
+    common = (grad, weight.view(-1), place, w_off, torch.tensor([0, dim], dtype=torch.int32), dim,
+              torch.tensor([0, rows]), max(rows.bit_length(), 1), ids, offsets, 0, None, False)
+    op = getattr(torch.ops.fbgemm, f"split_embedding_backward_codegen_{kind}_cpu")
+    if kind == "sgd":
+        op(*common, torch.tensor(LR))
+    else:
+        op(*common, state.view(-1), place, w_off, torch.tensor(LR), eps=EPS)
+
+
+def run(cfg: dict) -> dict[str, Any]:
+    import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm
+    import torch
+
+    from torchrec_dtensor_bridge.lookup import native
+
+    torch.set_num_threads(1)
+    kernel = native.kernel()
+    if kernel is None:
+        raise SystemExit("bench_sparse_update: the native kernel could not be built (see the log)")
+    codes = {"sgd": native.SGD, "rowwise_adagrad": native.ROWWISE_ADAGRAD, "adagrad": native.ADAGRAD}
+    rows, dim, n_tables = cfg["rows"], cfg["dim"], cfg["tables"]
+    bags, bag = cfg["bags"], cfg["bag"]
+    tables = [torch.empty(rows, dim).uniform_(-0.01, 0.01) for _ in range(n_tables)]
+    offsets = torch.arange(0, bags * bag + 1, bag)
+    wide = torch.rand(bags, (n_tables + 1) * dim)
+    grads = [wide[:, (t + 1) * dim : (t + 2) * dim] for t in range(n_tables)]  # strided, as in backward
+    gen = torch.Generator().manual_seed(0)
+    out: dict[str, Any] = {}
+    for kind in cfg["kinds"]:
+        def state_like(w: torch.Tensor) -> torch.Tensor | None:
+            return None if kind == "sgd" else torch.zeros(w.shape[0]) if kind == "rowwise_adagrad" else torch.zeros_like(w)
+        states = {p: [state_like(w) for w in tables] for p in ("ours", "fbgemm")}
+        # the same rows and state from one step of each, on a small copy
+        small = tables[0][:100_000].clone()
+        ids = torch.randint(0, small.shape[0], (bags * bag,), generator=gen)
+        got = {}
+        for path in ("ours", "fbgemm"):
+            w, s = small.clone(), state_like(small)
+            if path == "ours":
+                kernel.update(codes[kind], w, grads[0], ids, offsets, None, s, LR, EPS)
+            else:
+                _fbgemm(kind, w, grads[0].contiguous(), ids, offsets, s)
+            got[path] = (w, s)
+        torch.testing.assert_close(got["ours"][0], got["fbgemm"][0])
+        if got["ours"][1] is not None:
+            torch.testing.assert_close(got["ours"][1], got["fbgemm"][1])
+        times: dict[str, list[float]] = {"ours": [], "fbgemm": []}
+        for rep in range(cfg["warmup"] + cfg["reps"]):
+            for path in (("ours", "fbgemm") if rep % 2 == 0 else ("fbgemm", "ours")):
+                ids = [torch.randint(0, rows, (bags * bag,), generator=gen) for _ in tables]
+                t0 = time.perf_counter()
+                for t, w in enumerate(tables):
+                    if path == "ours":
+                        kernel.update(codes[kind], w, grads[t], ids[t], offsets, None, states[path][t], LR, EPS)
+                    else:
+                        _fbgemm(kind, w, grads[t].contiguous(), ids[t], offsets, states[path][t])
+                if rep >= cfg["warmup"]:
+                    times[path].append((time.perf_counter() - t0) / n_tables)
+        ratios = [f / o for f, o in zip(times["fbgemm"], times["ours"])]
+        out[kind] = {p: {"median": statistics.median(v), "min": min(v), "max": max(v)} for p, v in times.items()}
+        out[kind]["ratio"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        del states
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--tables", type=int, default=4)
+    parser.add_argument("--bags", type=int, default=4096, help="bags per table and update")
+    parser.add_argument("--bag", type=int, default=20, help="ids per bag")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--kinds", default="sgd,rowwise_adagrad", help="comma-separated subset of " + ", ".join(KINDS))
+    parser.add_argument("--out", type=Path, default=Path("bench/results.json"))
+    args = parser.parse_args(argv)
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or any(k not in KINDS for k in kinds):
+        parser.error(f"--kinds: choose from {', '.join(KINDS)}, got {args.kinds!r}")
+    if min(args.rows, args.dim, args.tables, args.bags, args.bag, args.reps) < 1 or args.warmup < 0:
+        parser.error("--rows, --dim, --tables, --bags, --bag and --reps must be >= 1")
+    cfg = {k: getattr(args, k) for k in ("rows", "dim", "tables", "bags", "bag", "reps", "warmup")} | {"kinds": kinds}
+    res = run(cfg)
+    print(f"sparse update of one table ({cfg['rows']:,} x {cfg['dim']} fp32, {cfg['tables']} tables, "
+          f"{cfg['bags']} bags of {cfg['bag']} fresh random ids), one thread; ms per table, median [min .. max] "
+          f"of {cfg['reps']}")
+    for kind, r in res.items():
+        o, f, q = r["ours"], r["fbgemm"], r["ratio"]
+        print(f"  {kind:<16} fbgemm {f['median'] * 1e3:6.2f} [{f['min'] * 1e3:.2f} .. {f['max'] * 1e3:.2f}]   "
+              f"ours {o['median'] * 1e3:6.2f} [{o['min'] * 1e3:.2f} .. {o['max'] * 1e3:.2f}]   "
+              f"fbgemm / ours {q['median']:.2f}x [{q['min']:.2f} .. {q['max']:.2f}]")
+    record(args.out, "sparse_update", {"config": cfg, "kinds": res})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
