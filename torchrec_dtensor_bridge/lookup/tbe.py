@@ -23,7 +23,10 @@ Which fbgemm entry point, and why:
   (``host_weights``) and its momentum as in-place arguments: backward sums each
   touched row's gradient and updates the row in one pass, with no gradient
   tensor at all (:func:`update_rows`). fbgemm_gpu-cpu 1.8 builds no CPU Adam
-  backward, and its row-wise Adagrad kernel ignores ``weight_decay``.
+  backward, and its row-wise Adagrad kernel ignores ``weight_decay``. These are
+  the fallback: :func:`update_rows` runs this package's own kernel
+  (:mod:`.native`, the same math, 1.5-2.7x faster on large tables) when it
+  could be built.
 
 One fused call for all of a rank's shards would need the shards to live in ONE
 buffer (the kernels address tables by offset into a single weight tensor); the
