@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 SGD, ROWWISE_ADAGRAD, ADAGRAD = 0, 1, 2
 _SOURCE = Path(__file__).with_name("sparse_update.c")
 _FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11")
-_VERSION = 1
+_VERSION = 2
 _MAX_DIM = 8192
 _MIN_PER_THREAD = 16384  # occurrences: below this, one thread
 
@@ -95,7 +95,9 @@ class NativeKernel:
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         lib.tdb_group.argtypes = [p, i64, p, i64, i64, p, p, p, p, p]
         lib.tdb_group.restype = ctypes.c_int
-        lib.tdb_apply.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, i64, p, p, p, p, i64, i64, f32, f32]
+        lib.tdb_apply.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, i64, p, p, p, p, p, i64, i64, f32, f32]
+        lib.tdb_bag_square_sums.argtypes = [p, i64, i64, i64, p]
+        lib.tdb_bag_square_sums.restype = None
         lib.tdb_apply.restype = ctypes.c_int
         self.lib, self.path = lib, path
 
@@ -131,9 +133,13 @@ class NativeKernel:
                                 occ.data_ptr(), bag_of.data_ptr(), work[3].data_ptr(), work[4].data_ptr())
         if rc != 0:
             raise ValueError(f"sparse update: ids outside [0, {rows}) or offsets out of order")
+        bag_sq = None
+        if kind == ROWWISE_ADAGRAD:  # a row touched once takes its statistic from here, not from its gradient
+            bag_sq = torch.empty(bags, dtype=torch.float32)
+            self.lib.tdb_bag_square_sums(grad.data_ptr(), grad.stride(0), dim, bags, bag_sq.data_ptr())
         common = (kind, weight.data_ptr(), dim, dim, 0 if state is None else state.data_ptr(), lds,
                   grad.data_ptr(), grad.stride(0), None if psw is None else psw.data_ptr(),
-                  keys.data_ptr(), occ.data_ptr(), bag_of.data_ptr())
+                  keys.data_ptr(), occ.data_ptr(), bag_of.data_ptr(), None if bag_sq is None else bag_sq.data_ptr())
         cuts = _row_cuts(keys, torch.get_num_threads())
         if len(cuts) == 2:
             self._check(self.lib.tdb_apply(*common, cuts[0], cuts[1], lr, eps))

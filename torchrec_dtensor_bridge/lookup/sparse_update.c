@@ -8,6 +8,7 @@
  *              keys, 8 bits a pass, as many passes as the shard's row count needs): keys[i]
  *              is the row of the i-th occurrence in row order, occ[i] its position in ids,
  *              and bag_of[p] the bag of occurrence p.
+ *   tdb_bag_square_sums  (row-wise Adagrad) each bag's gradient row's sum of squares, up front.
  *   tdb_apply  walks [begin, end) of that order (begin and end on row boundaries, so disjoint
  *              ranges can run on threads at once): per touched row, the gradient summed over
  *              its occurrences (times the per-sample weight), then the update of the row and
@@ -35,7 +36,7 @@
 #define TDB_CLONES
 #endif
 
-int tdb_version(void) { return 1; }
+int tdb_version(void) { return 2; }
 
 /* Returns 0, or -1 when an id lies outside [0, rows) or a bag's offsets run backwards. */
 int tdb_group(const int64_t* ids, int64_t n, const int64_t* offsets, int64_t bags, int64_t rows,
@@ -91,11 +92,20 @@ static inline void tdb_prefetch_row(const float* p, int64_t d) {
   for (int64_t k = 0; k < d; k += 16) __builtin_prefetch(p + k, 1, 3);
 }
 
-/* Returns 0, or -1 for an unknown kind or a width above TDB_MAX_DIM. */
+/* out[b] = sum of squares of bag b's gradient row: row-wise Adagrad's statistic of a row touched once,
+   known before that row is visited (its update then waits on no gradient load). */
+TDB_CLONES
+void tdb_bag_square_sums(const float* grad, int64_t ldg, int64_t dim, int64_t bags, float* out) {
+  for (int64_t b = 0; b < bags; ++b) out[b] = tdb_square_sum(grad + b * ldg, dim);
+}
+
+/* Returns 0, or -1 for an unknown kind or a width above TDB_MAX_DIM. bag_sq: tdb_bag_square_sums of
+   grad for row-wise Adagrad (else unused, may be NULL). */
 TDB_CLONES
 int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, int64_t lds,
               const float* grad, int64_t ldg, const float* psw, const int32_t* keys, const int32_t* occ,
-              const int32_t* bag_of, int64_t begin, int64_t end, float lr, float eps) {
+              const int32_t* bag_of, const float* bag_sq, int64_t begin, int64_t end, float lr, float eps) {
+  if (kind == TDB_ROWWISE_ADAGRAD && bag_sq == NULL) return -1;
   if (kind < TDB_SGD || kind > TDB_ADAGRAD || dim > TDB_MAX_DIM) return -1;
   float acc[TDB_MAX_DIM];
   int64_t i = begin;
@@ -105,7 +115,7 @@ int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, i
       tdb_prefetch_row(weight + ahead * ldw, dim);
       if (kind == TDB_ROWWISE_ADAGRAD) __builtin_prefetch(state + ahead, 1, 3);
       if (kind == TDB_ADAGRAD) tdb_prefetch_row(state + ahead * lds, dim);
-      if (kind != TDB_SGD) { /* their update waits on the gradient's square sum: fetch it early too */
+      if (kind == TDB_ADAGRAD) { /* its update waits on the gradient's squares: fetch it early too */
         const float* g_ahead = grad + (int64_t)bag_of[occ[i + TDB_PREFETCH]] * ldg;
         for (int64_t k = 0; k < dim; k += 16) __builtin_prefetch(g_ahead + k, 0, 1);
       }
@@ -113,11 +123,12 @@ int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, i
     int64_t row = keys[i], j = i + 1;
     while (j < end && keys[j] == row) ++j;
     const float* g;
-    float scale;
+    float scale, square_sum = -1.0f;
     if (j - i == 1) { /* most rows: one occurrence, its bag's gradient read in place */
       int32_t p = occ[i];
       g = grad + (int64_t)bag_of[p] * ldg;
       scale = psw ? psw[p] : 1.0f;
+      if (kind == TDB_ROWWISE_ADAGRAD) square_sum = bag_sq[bag_of[p]];
     } else {
       memset(acc, 0, (size_t)dim * sizeof(float));
       for (int64_t k = i; k < j; ++k) {
@@ -131,7 +142,8 @@ int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, i
     if (kind == TDB_SGD) {
       tdb_axpy(w, g, -lr * scale, dim);
     } else if (kind == TDB_ROWWISE_ADAGRAD) {
-      float m = state[row] + scale * scale * tdb_square_sum(g, dim) / (float)dim;
+      if (square_sum < 0.0f) square_sum = tdb_square_sum(g, dim);
+      float m = state[row] + scale * scale * square_sum / (float)dim;
       state[row] = m;
       tdb_axpy(w, g, -lr * scale / (sqrtf(m) + eps), dim);
     } else {
