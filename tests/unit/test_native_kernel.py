@@ -4,6 +4,10 @@ weights, a strided (column-slice) gradient, several threads, and bad input."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -171,3 +175,28 @@ def test_build_failure_falls_back(tmp_path, monkeypatch):
         monkeypatch.delenv("CC")
         monkeypatch.delenv("TDB_KERNEL_CACHE")
         native.kernel.cache_clear()
+
+
+def _build_and_use(cache: str) -> str:
+    """In a fresh process: build the kernel into ``cache`` and run one update; the library's path."""
+    os.environ["TDB_KERNEL_CACHE"] = cache
+    from torchrec_dtensor_bridge.lookup import native as fresh
+
+    k = fresh.kernel()
+    assert k is not None
+    w = torch.zeros(4, 2)
+    k.update(fresh.SGD, w, torch.ones(1, 2), torch.tensor([1, 1]), torch.tensor([0, 2]), None, None, 0.5, 0.0)
+    assert torch.equal(w[1], torch.tensor([-1.0, -1.0])) and not w[[0, 2, 3]].any()
+    return str(k.path)
+
+
+def test_first_use_builds_once_even_when_processes_race(tmp_path):
+    """Four processes build into one empty cache at the same time: all load a working kernel, one library
+    file remains (named by the source's hash) and no temporary file is left behind."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        paths = pool.map(_build_and_use, [str(tmp_path / "cache")] * 4)
+    assert len(set(paths)) == 1
+    left = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert left == [Path(paths[0]).name] and left[0].startswith("sparse_update-"), left
+    assert (tmp_path / "cache").stat().st_mode & 0o077 == 0, "the cache directory is private to its user"

@@ -70,7 +70,7 @@ def _build(source: Path, cache: Path) -> Path:
     target = cache / f"sparse_update-{digest}.so"
     if target.exists():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(mode=0o700, parents=True, exist_ok=True)  # a library loaded from here runs as this user
     fd, tmp = tempfile.mkstemp(dir=cache, prefix=".sparse_update-", suffix=".so")
     os.close(fd)
     try:
