@@ -1,15 +1,16 @@
 """This package's own CPU kernel for the fused optimizers' sparse updates (``sparse_update.c``).
 
 Why a kernel of our own: fbgemm_gpu-cpu 1.8's backward-with-optimizer kernels
-are slow on CPU for large tables. Measured on one thread (a 1,000,000 x 128
-fp32 shard, 4096 bags of 20 ids, the update of one step): ``EXACT_SGD`` 14-15
-ms, ``EXACT_ROWWISE_ADAGRAD`` 41-42 ms, while fbgemm's forward over the same ids
-takes 2.6 ms; the SGD kernel sums each row's gradient element by element, and
-the row-wise Adagrad one runs its gradient-summing kernel with one "bag" per
+are slow on CPU for large tables. Measured on one thread (1,000,000 x 128 fp32
+tables, out of cache, 4096 bags of 20 ids, one step's update of one table;
+``scripts/bench_sparse_update.py``): ``EXACT_SGD`` 15-16 ms and
+``EXACT_ROWWISE_ADAGRAD`` 44-45 ms, while fbgemm's forward reads the same rows
+in 7.3 ms; the SGD kernel sums each row's gradient element by element, the
+row-wise Adagrad one runs its gradient-summing kernel with one "bag" per
 touched row. ``sparse_update.c`` sorts the occurrences by row (a radix sort),
 then walks the touched rows in increasing order, prefetching the rows ahead,
 reading a row's bag gradient in place when it occurs once (most rows) and
-summing it first otherwise (scripts/bench_train.py, BENCHMARKS.md: the figures).
+summing it first otherwise: 10 ms and 11.5 ms (BENCHMARKS.md).
 The math is fbgemm's (``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` /
 ``EXACT_ADAGRAD``, no weight decay), tested against fbgemm's own kernels and
 against the unsharded reference optimizer.

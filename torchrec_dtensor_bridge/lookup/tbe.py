@@ -25,7 +25,7 @@ Which fbgemm entry point, and why:
   tensor at all (:func:`update_rows`). fbgemm_gpu-cpu 1.8 builds no CPU Adam
   backward, and its row-wise Adagrad kernel ignores ``weight_decay``. These are
   the fallback: :func:`update_rows` runs this package's own kernel
-  (:mod:`.native`, the same math, 1.5-2.7x faster on large tables) when it
+  (:mod:`.native`, the same math, 1.6-3.9x faster on large tables) when it
   could be built.
 
 One fused call for all of a rank's shards would need the shards to live in ONE
@@ -218,7 +218,7 @@ def update_rows(bind: Any, plan: Any, block: Any, grad: torch.Tensor) -> None:
     touched row's gradient is summed from it and the row (and its momentum)
     updated in place: the shard's own storage, no dense gradient. Only for
     blocks :func:`update_rows_supported` accepts. Runs this package's own kernel
-    (:mod:`.native`: the same math, 2-3x faster than fbgemm_gpu-cpu's on large
+    (:mod:`.native`: the same math, 1.6-3.9x faster than fbgemm_gpu-cpu's on large
     tables) when it could be built, else fbgemm's backward-with-optimizer kernel.
     """
     hyper, state = bind.hyper, bind.table
