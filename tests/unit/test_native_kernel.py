@@ -200,3 +200,16 @@ def test_first_use_builds_once_even_when_processes_race(tmp_path):
     left = sorted(p.name for p in (tmp_path / "cache").iterdir())
     assert left == [Path(paths[0]).name] and left[0].startswith("sparse_update-"), left
     assert (tmp_path / "cache").stat().st_mode & 0o077 == 0, "the cache directory is private to its user"
+
+
+def test_strided_ids_and_offsets(kernel):
+    """ids and offsets that are views with a stride (as a user's ``input[::2]`` reaches backward)."""
+    weight, grad, ids, offsets, _ = _case(300, 8, 16, seed=5, strided=True, psw=False)
+    spread = torch.zeros(2 * ids.numel(), dtype=torch.int64)
+    spread[::2] = ids
+    wide = torch.zeros(2 * offsets.numel(), dtype=torch.int64)
+    wide[::2] = offsets
+    a, b = weight.clone(), weight.clone()
+    kernel.update(native.SGD, a, grad, spread[::2], wide[::2], None, None, LR, EPS)
+    kernel.update(native.SGD, b, grad, ids, offsets, None, None, LR, EPS)
+    assert torch.equal(a, b)

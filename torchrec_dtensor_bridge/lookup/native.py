@@ -119,7 +119,8 @@ class NativeKernel:
             return
         assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu"
         assert grad.dtype == torch.float32 and grad.stride(1) == 1 and tuple(grad.shape) == (bags, dim)
-        assert ids.dtype == offsets.dtype == torch.int64 and ids.is_contiguous() and offsets.is_contiguous()
+        assert ids.dtype == offsets.dtype == torch.int64
+        ids, offsets = ids.contiguous(), offsets.contiguous()  # a strided view of the caller's ids is read as is
         assert rows < 2**31 and n < 2**31 and dim <= _MAX_DIM
         psw = None
         if per_sample_weights is not None:
