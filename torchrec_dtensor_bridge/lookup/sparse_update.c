@@ -88,8 +88,11 @@ static inline float tdb_square_sum(const float* restrict x, int64_t d) {
   return s;
 }
 
+/* The row's first and last cache lines only: the hardware fetches the lines between (prefetching all
+   eight lines of a 512-byte row took 10.0 ms per 81,920-row update, its two ends 8.4-8.6 ms). */
 static inline void tdb_prefetch_row(const float* p, int64_t d) {
-  for (int64_t k = 0; k < d; k += 16) __builtin_prefetch(p + k, 1, 3);
+  __builtin_prefetch(p, 1, 3);
+  __builtin_prefetch(p + d - 1, 1, 3);
 }
 
 /* out[b] = sum of squares of bag b's gradient row: row-wise Adagrad's statistic of a row touched once,
