@@ -1,4 +1,5 @@
-"""The fused optimizers' update kernel: this package's own (``lookup/native.py``) vs fbgemm_gpu-cpu's.
+"""This package's CPU kernels (``lookup/native.py``) vs fbgemm_gpu-cpu's: the fused optimizers' update and the
+lookup's pooled sum.
 
 One process, one thread. ``--tables`` tables of ``--rows`` x ``--dim`` fp32 (4 x
 1,000,000 x 128 = 2 GiB by default, so the rows a step touches are not in the
@@ -7,7 +8,9 @@ rank of the training benchmark's table-wise layout updates: 2 ranks x 2048 bags
 of 20), fresh random ids every repetition. The gradient is a column slice of
 one wide matrix, as the lookups' backward hands it over. Per kind, both kernels
 update the same tables from the same state, interleaved (the order alternates),
-after checking on a copy that they give the same rows and state.
+after checking on a copy that they give the same rows and state. Then the
+pooled sum of a lookup (the forward) over the same tables, ours vs fbgemm's
+forward kernel (checked bit-identical first).
 
     python scripts/bench_sparse_update.py --reps 7 --out bench/results.json
 """
@@ -95,7 +98,40 @@ def run(cfg: dict) -> dict[str, Any]:
         out[kind] = {p: {"median": statistics.median(v), "min": min(v), "max": max(v)} for p, v in times.items()}
         out[kind]["ratio"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
         del states
+    if cfg["forward"]:
+        out["pool_sum (forward)"] = _forward(cfg, kernel, tables, offsets, gen)
     return out
+
+
+def _forward(cfg: dict, kernel: Any, tables: list, offsets: Any, gen: Any) -> dict[str, Any]:
+    """The lookup's pooled sum over the same tables: ours vs fbgemm's forward kernel (checked equal first)."""
+    import torch
+
+    rows, dim = cfg["rows"], cfg["dim"]
+    args = (torch.zeros(1, dtype=torch.int64), torch.tensor([0, dim], dtype=torch.int32), dim,
+            torch.tensor([0, rows]))
+
+    def fbgemm(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        w_off, d_off, d, hash_cumsum = args
+        return torch.ops.fbgemm.split_embedding_codegen_forward_cpu(w.view(-1), w_off, d_off, d, hash_cumsum, ids,
+                                                                    offsets, 0, None, 0)
+
+    ids = torch.randint(0, rows, (cfg["bags"] * cfg["bag"],), generator=gen)
+    if not torch.equal(kernel.pool_sum(tables[0], ids, offsets, None), fbgemm(tables[0], ids)):
+        raise SystemExit("bench_sparse_update: the pooled sums differ from fbgemm's")
+    times: dict[str, list[float]] = {"ours": [], "fbgemm": []}
+    for rep in range(cfg["warmup"] + cfg["reps"]):
+        for path in (("ours", "fbgemm") if rep % 2 == 0 else ("fbgemm", "ours")):
+            batch = [torch.randint(0, rows, (cfg["bags"] * cfg["bag"],), generator=gen) for _ in tables]
+            t0 = time.perf_counter()
+            for w, i in zip(tables, batch):
+                kernel.pool_sum(w, i, offsets, None) if path == "ours" else fbgemm(w, i)
+            if rep >= cfg["warmup"]:
+                times[path].append((time.perf_counter() - t0) / len(tables))
+    ratios = [f / o for f, o in zip(times["fbgemm"], times["ours"])]
+    res: dict[str, Any] = {p: {"median": statistics.median(v), "min": min(v), "max": max(v)} for p, v in times.items()}
+    res["ratio"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    return res
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--kinds", default="sgd,rowwise_adagrad", help="comma-separated subset of " + ", ".join(KINDS))
+    parser.add_argument("--no-forward", dest="forward", action="store_false",
+                        help="skip the pooled sum (the lookup's forward) comparison")
     parser.add_argument("--out", type=Path, default=Path("bench/results.json"))
     args = parser.parse_args(argv)
     kinds = [k for k in args.kinds.split(",") if k]
@@ -115,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--kinds: choose from {', '.join(KINDS)}, got {args.kinds!r}")
     if min(args.rows, args.dim, args.tables, args.bags, args.bag, args.reps) < 1 or args.warmup < 0:
         parser.error("--rows, --dim, --tables, --bags, --bag and --reps must be >= 1")
-    cfg = {k: getattr(args, k) for k in ("rows", "dim", "tables", "bags", "bag", "reps", "warmup")} | {"kinds": kinds}
+    cfg = {k: getattr(args, k) for k in ("rows", "dim", "tables", "bags", "bag", "reps", "warmup", "forward")}
+    cfg["kinds"] = kinds
     res = run(cfg)
-    print(f"sparse update of one table ({cfg['rows']:,} x {cfg['dim']} fp32, {cfg['tables']} tables, "
+    print(f"sparse update / pooled sum of one table ({cfg['rows']:,} x {cfg['dim']} fp32, {cfg['tables']} tables, "
           f"{cfg['bags']} bags of {cfg['bag']} fresh random ids), one thread; ms per table, median [min .. max] "
           f"of {cfg['reps']}")
     for kind, r in res.items():

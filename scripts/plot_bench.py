@@ -217,12 +217,12 @@ def plot_train(res: dict, out: Path) -> Path:
 
 
 def plot_sparse_update(res: dict, out: Path) -> Path:
-    """sparse_update.png: one table's optimizer update, fbgemm's CPU kernel vs ours, per kind."""
+    """sparse_update.png: one table's optimizer update (per kind) and pooled sum, fbgemm's CPU kernel vs ours."""
     cfg, kinds = res["config"], res["kinds"]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     names = list(kinds)
     for i, (key, label, color) in enumerate((("fbgemm", "fbgemm-gpu-cpu kernel", "tab:gray"),
-                                              ("ours", "ours (sparse_update.c)", "tab:blue"))):
+                                              ("ours", "ours (cpu_kernels.c)", "tab:blue"))):
         med, err = _err([kinds[k][key] for k in names], 1e3)
         ax.bar([j + (i - 0.5) * 0.4 for j in range(len(names))], med, 0.4, yerr=err, capsize=2, color=color,
                label=label, edgecolor="k", linewidth=0.3)
@@ -231,7 +231,7 @@ def plot_sparse_update(res: dict, out: Path) -> Path:
         ax.annotate(f"{r['median']:.2f}x", (j, kinds[k]["fbgemm"]["max"] * 1e3 * 1.03), ha="center", fontsize=7)
     ax.set_ylim(top=ax.get_ylim()[1] * 1.1)  # room for the ratios
     ax.set_xticks(range(len(names)), names, fontsize=8)
-    ax.set_ylabel("ms per table update (median, min..max)")
+    ax.set_ylabel("ms per table (median, min..max)")
     ax.set_title(f"{cfg['rows']:,} x {cfg['dim']} fp32 tables, {cfg['bags']} bags of {cfg['bag']} ids, one thread",
                  fontsize=8)
     ax.legend(fontsize=7)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchrec_dtensor_bridge.lookup import tbe
+from torchrec_dtensor_bridge.lookup import native, tbe
 from torchrec_dtensor_bridge.lookup.validate import RejectedArguments, bags_for_embedding, bags_from_input, check_options
 
 
@@ -89,15 +89,26 @@ def test_options():
         "f", (10,), mode="sum", padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False))
 
 
+@pytest.fixture(params=[tbe.KERNEL_NATIVE, tbe.KERNEL_TBE])
+def sum_kernel(request, monkeypatch):
+    """Each fp32 sum kernel in turn: this package's own (the default), and fbgemm's with it switched off."""
+    if request.param == tbe.KERNEL_TBE:
+        monkeypatch.setenv("TDB_NATIVE_KERNELS", "0")
+    native.kernel.cache_clear()
+    yield request.param
+    monkeypatch.delenv("TDB_NATIVE_KERNELS", raising=False)
+    native.kernel.cache_clear()
+
+
 @pytest.mark.skipif(not tbe.tbe_available(), reason="fbgemm_gpu not installed")
 @pytest.mark.parametrize("with_psw", [False, True])
-def test_tbe_kernel_matches_torch_and_uses_the_shard(with_psw):
+def test_sum_kernels_match_torch_and_use_the_shard(with_psw, sum_kernel):
     g = torch.Generator().manual_seed(0)
     shard = torch.randn(50, 8, generator=g)
     ids = torch.randint(0, 50, (40,), generator=g)
     offsets = torch.tensor([0, 0, 7, 20, 40])  # an empty bag first
     psw = torch.rand(40, generator=g) if with_psw else None
-    assert tbe.select_kernel(shard, max_mode=False) == tbe.KERNEL_TBE
+    assert tbe.select_kernel(shard, max_mode=False) == sum_kernel
     before = shard.clone()
     out, argmax = tbe.pool_rows(shard, ids, offsets, psw)
     assert argmax is None
@@ -132,3 +143,34 @@ def test_torch_fallback_backward_matches():
     grad = torch.randn(ref.shape, dtype=torch.float64)
     ref.backward(grad)
     torch.testing.assert_close(tbe.pool_rows_backward(grad, shard, ids, offsets, psw), ref_w.grad)
+
+
+@pytest.mark.skipif(not tbe.tbe_available(), reason="fbgemm_gpu not installed")
+@pytest.mark.parametrize("with_psw", [False, True])
+def test_native_sum_is_fbgemms_to_the_bit(with_psw):
+    """The native pooled sum adds in fbgemm's order: the same bits, on a table with duplicates and empty bags."""
+    g = torch.Generator().manual_seed(3)
+    shard = torch.randn(1000, 64, generator=g)
+    lengths = torch.randint(0, 30, (200,), generator=g)
+    ids = torch.randint(0, 1000, (int(lengths.sum()),), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    psw = torch.rand(ids.numel(), generator=g) if with_psw else None
+    fast = native.kernel()
+    assert fast is not None
+    ours = fast.pool_sum(shard, ids, offsets, psw)
+    theirs = torch.ops.fbgemm.split_embedding_codegen_forward_cpu(
+        shard.view(-1), torch.zeros(1, dtype=torch.int64), torch.tensor([0, 64], dtype=torch.int32), 64,
+        torch.tensor([0, 1000]), ids, offsets, 0, psw, 0)
+    assert torch.equal(ours, theirs)
+
+
+def test_native_sum_refuses_out_of_range_ids_and_bad_offsets():
+    fast = native.kernel()
+    assert fast is not None
+    shard = torch.randn(10, 4)
+    with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
+        fast.pool_sum(shard, torch.tensor([3, 10]), torch.tensor([0, 2]), None)
+    with pytest.raises(ValueError, match="offsets"):
+        fast.pool_sum(shard, torch.tensor([3, 4]), torch.tensor([0, 2, 1]), None)
+    with pytest.raises(ValueError, match="offsets"):
+        fast.pool_sum(shard, torch.tensor([3, 4]), torch.tensor([0, 3]), None)

@@ -198,7 +198,7 @@ def test_first_use_builds_once_even_when_processes_race(tmp_path):
         paths = pool.map(_build_and_use, [str(tmp_path / "cache")] * 4)
     assert len(set(paths)) == 1
     left = sorted(p.name for p in (tmp_path / "cache").iterdir())
-    assert left == [Path(paths[0]).name] and left[0].startswith("sparse_update-"), left
+    assert left == [Path(paths[0]).name] and left[0].startswith("cpu_kernels-"), left
     assert (tmp_path / "cache").stat().st_mode & 0o077 == 0, "the cache directory is private to its user"
 
 

@@ -1,4 +1,4 @@
-"""This package's own CPU kernel for the fused optimizers' sparse updates (``sparse_update.c``).
+"""This package's own CPU kernels (``cpu_kernels.c``): the pooled sum of a lookup, the fused optimizers' updates.
 
 Why a kernel of our own: fbgemm_gpu-cpu 1.8's backward-with-optimizer kernels
 are slow on CPU for large tables. Measured on one thread (1,000,000 x 128 fp32
@@ -7,7 +7,7 @@ tables, out of cache, 4096 bags of 20 ids, one step's update of one table;
 ``EXACT_ROWWISE_ADAGRAD`` 44-45 ms, while fbgemm's forward reads the same rows
 in 7.3 ms; the SGD kernel sums each row's gradient element by element, the
 row-wise Adagrad one runs its gradient-summing kernel with one "bag" per
-touched row. ``sparse_update.c`` sorts the occurrences by row (a radix sort),
+touched row. ``cpu_kernels.c`` sorts the occurrences by row (a radix sort),
 then walks the touched rows in increasing order, prefetching the rows ahead,
 reading a row's bag gradient in place when it occurs once (most rows) and
 summing it first otherwise: 10 ms and 11.5 ms (BENCHMARKS.md).
@@ -46,9 +46,9 @@ __all__ = ["ROWWISE_ADAGRAD", "SGD", "ADAGRAD", "NativeKernel", "kernel"]
 log = logging.getLogger(__name__)
 
 SGD, ROWWISE_ADAGRAD, ADAGRAD = 0, 1, 2
-_SOURCE = Path(__file__).with_name("sparse_update.c")
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11")
-_VERSION = 2
+_VERSION = 3
 _MAX_DIM = 8192
 _MIN_PER_THREAD = 16384  # occurrences: below this, one thread
 
@@ -68,16 +68,19 @@ def _build(source: Path, cache: Path) -> Path:
         raise RuntimeError("no C compiler (set $CC, or install cc)")
     text = source.read_bytes()
     digest = hashlib.sha256(text + " ".join((cc, *_FLAGS)).encode()).hexdigest()[:16]
-    target = cache / f"sparse_update-{digest}.so"
+    target = cache / f"cpu_kernels-{digest}.so"
     if target.exists():
         return target
     cache.mkdir(mode=0o700, parents=True, exist_ok=True)  # a library loaded from here runs as this user
-    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".sparse_update-", suffix=".so")
+    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".cpu_kernels-", suffix=".so")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True,
-                              timeout=120, check=False)
-        if proc.returncode != 0:
+        for extra in ((), ("-DTDB_NO_CLONES",)):  # per-feature-level copies need GCC 12; else one plain copy
+            proc = subprocess.run([cc, *_FLAGS, *extra, "-o", tmp, str(source), "-lm"], capture_output=True,
+                                  text=True, timeout=120, check=False)
+            if proc.returncode == 0:
+                break
+        else:
             raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: a racing process builds the same bytes
     finally:
@@ -87,7 +90,7 @@ def _build(source: Path, cache: Path) -> Path:
 
 
 class NativeKernel:
-    """The loaded library: :meth:`group` the occurrences by row, then :meth:`apply` an optimizer."""
+    """The loaded library: :meth:`pool_sum` (a lookup's forward) and :meth:`update` (an optimizer step)."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -99,8 +102,31 @@ class NativeKernel:
         lib.tdb_apply.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, i64, p, p, p, p, p, i64, i64, f32, f32]
         lib.tdb_bag_square_sums.argtypes = [p, i64, i64, i64, p]
         lib.tdb_bag_square_sums.restype = None
+        lib.tdb_pool_sum.argtypes = [p, i64, i64, i64, p, i64, p, i64, p, i64, p]
+        lib.tdb_pool_sum.restype = ctypes.c_int
         lib.tdb_apply.restype = ctypes.c_int
         self.lib, self.path = lib, path
+
+    def pool_sum(self, weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                 per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+        """``(bags, dim)``: per bag, the sum of ``weight``'s rows at its ``ids`` (times the per-sample weights),
+        added in id order, as fbgemm's forward and ``torch.embedding_bag`` add them.
+
+        ``weight``: a contiguous fp32 CPU shard (read in place); ``ids``, ``offsets``: int64 local rows and
+        ``bags + 1`` bag boundaries.
+        """
+        rows, dim = weight.shape
+        bags = offsets.numel() - 1
+        assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu"
+        assert ids.dtype == offsets.dtype == torch.int64 and dim <= _MAX_DIM
+        ids, offsets = ids.contiguous(), offsets.contiguous()
+        psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
+        out = torch.empty(bags, dim, dtype=torch.float32)
+        rc = self.lib.tdb_pool_sum(weight.data_ptr(), dim, dim, rows, out.data_ptr(), dim, ids.data_ptr(),
+                                   ids.numel(), offsets.data_ptr(), bags, None if psw is None else psw.data_ptr())
+        if rc != 0:
+            raise ValueError(f"pooled lookup: ids outside [0, {rows}) or offsets out of order")
+        return out
 
     def update(
         self, kind: int, weight: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,

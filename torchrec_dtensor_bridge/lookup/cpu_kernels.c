@@ -1,8 +1,14 @@
 /*
- * Sparse optimizer updates of one shard, in place, from a bag lookup's output gradient.
+ * This package's CPU kernels for fp32 embedding shards: the pooled sum of a bag lookup, and the fused
+ * optimizers' sparse updates in place.
  *
- * Loaded by torchrec_dtensor_bridge/lookup/native.py (ctypes; compiled on first use, no
- * Python or torch headers). Two steps:
+ * Loaded by torchrec_dtensor_bridge/lookup/native.py (ctypes; compiled on first use, no Python or
+ * torch headers).
+ *
+ *   tdb_pool_sum  out[b] = sum over bag b's ids p of psw[p] * weight[ids[p]], in id order (the order
+ *                 fbgemm's forward and torch.embedding_bag sum in), rows prefetched ahead.
+ *
+ * The update of one shard from a bag lookup's output gradient, in two steps:
  *
  *   tdb_group  sorts the lookup's occurrences by row (a stable LSD radix sort of 32-bit
  *              keys, 8 bits a pass, as many passes as the shard's row count needs): keys[i]
@@ -27,16 +33,20 @@
 #define TDB_SGD 0
 #define TDB_ROWWISE_ADAGRAD 1
 #define TDB_ADAGRAD 2
-#define TDB_PREFETCH 8 /* rows ahead */
+#define TDB_PREFETCH 8 /* rows ahead, updates */
+#define TDB_POOL_PREFETCH 24 /* ids ahead, pooling */
 #define TDB_MAX_DIM 8192
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TDB_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+/* One copy per x86-64 feature level, picked at load time by what the CPU supports (levels, not CPU
+   names: virtual machines report generic models, which "arch=<cpu>" clones never match); v3 and v4 have
+   FMA, so fmaf is one instruction. native.py retries with TDB_NO_CLONES for compilers without them. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(TDB_NO_CLONES)
+#define TDB_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define TDB_CLONES
 #endif
 
-int tdb_version(void) { return 2; }
+int tdb_version(void) { return 3; }
 
 /* Returns 0, or -1 when an id lies outside [0, rows) or a bag's offsets run backwards. */
 int tdb_group(const int64_t* ids, int64_t n, const int64_t* offsets, int64_t bags, int64_t rows,
@@ -93,6 +103,40 @@ static inline float tdb_square_sum(const float* restrict x, int64_t d) {
 static inline void tdb_prefetch_row(const float* p, int64_t d) {
   __builtin_prefetch(p, 1, 3);
   __builtin_prefetch(p + d - 1, 1, 3);
+}
+
+/* Returns 0, or -1 (before reading any row) when an id lies outside [0, rows), the offsets run
+   backwards or past the n_ids ids, or dim > TDB_MAX_DIM. */
+TDB_CLONES
+int tdb_pool_sum(const float* restrict weight, int64_t ldw, int64_t dim, int64_t rows, float* restrict out,
+                 int64_t ldo, const int64_t* ids, int64_t n_ids, const int64_t* offsets, int64_t bags,
+                 const float* psw) {
+  if (dim > TDB_MAX_DIM || offsets[0] < 0 || offsets[bags] > n_ids) return -1;
+  for (int64_t b = 0; b < bags; ++b)
+    if (offsets[b + 1] < offsets[b]) return -1;
+  int64_t n = offsets[bags];
+  for (int64_t p = offsets[0]; p < n; ++p)
+    if (ids[p] < 0 || ids[p] >= rows) return -1;
+  float acc[TDB_MAX_DIM];
+  for (int64_t b = 0; b < bags; ++b) {
+    for (int64_t k = 0; k < dim; ++k) acc[k] = 0.0f;
+    for (int64_t p = offsets[b]; p < offsets[b + 1]; ++p) {
+      if (p + TDB_POOL_PREFETCH < n) {
+        const float* ahead = weight + ids[p + TDB_POOL_PREFETCH] * ldw;
+        __builtin_prefetch(ahead, 0, 3);
+        __builtin_prefetch(ahead + dim - 1, 0, 3);
+      }
+      const float* restrict w = weight + ids[p] * ldw;
+      if (psw) {
+        float s = psw[p];
+        for (int64_t k = 0; k < dim; ++k) acc[k] = fmaf(s, w[k], acc[k]); /* fused, as fbgemm: the same bits */
+      } else {
+        for (int64_t k = 0; k < dim; ++k) acc[k] += w[k];
+      }
+    }
+    memcpy(out + b * ldo, acc, (size_t)dim * sizeof(float));
+  }
+  return 0;
 }
 
 /* out[b] = sum of squares of bag b's gradient row: row-wise Adagrad's statistic of a row touched once,
