@@ -105,6 +105,12 @@ static inline void tdb_prefetch_row(const float* p, int64_t d) {
   __builtin_prefetch(p + d - 1, 1, 3);
 }
 
+/* Every cache line of the row: element-wise Adagrad streams two rows (weight and state) per touched
+   row, and there the two ends alone made it ~25% slower (48 vs 38 ms per 81,920-id update). */
+static inline void tdb_prefetch_whole_row(const float* p, int64_t d) {
+  for (int64_t k = 0; k < d; k += 16) __builtin_prefetch(p + k, 1, 3);
+}
+
 /* Returns 0, or -1 (before reading any row) when an id lies outside [0, rows), the offsets run
    backwards or past the n_ids ids, or dim > TDB_MAX_DIM. */
 TDB_CLONES
@@ -159,9 +165,13 @@ int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, i
   while (i < end) {
     if (i + TDB_PREFETCH < end) {
       int64_t ahead = keys[i + TDB_PREFETCH];
-      tdb_prefetch_row(weight + ahead * ldw, dim);
+      if (kind == TDB_ADAGRAD) {
+        tdb_prefetch_whole_row(weight + ahead * ldw, dim);
+        tdb_prefetch_whole_row(state + ahead * lds, dim);
+      } else {
+        tdb_prefetch_row(weight + ahead * ldw, dim);
+      }
       if (kind == TDB_ROWWISE_ADAGRAD) __builtin_prefetch(state + ahead, 1, 3);
-      if (kind == TDB_ADAGRAD) tdb_prefetch_row(state + ahead * lds, dim);
       if (kind == TDB_ADAGRAD) { /* its update waits on the gradient's squares: fetch it early too */
         const float* g_ahead = grad + (int64_t)bag_of[occ[i + TDB_PREFETCH]] * ldg;
         for (int64_t k = 0; k < dim; k += 16) __builtin_prefetch(g_ahead + k, 0, 1);
