@@ -213,3 +213,11 @@ def test_strided_ids_and_offsets(kernel):
     kernel.update(native.SGD, a, grad, spread[::2], wide[::2], None, None, LR, EPS)
     kernel.update(native.SGD, b, grad, ids, offsets, None, None, LR, EPS)
     assert torch.equal(a, b)
+
+
+def test_zero_width_shard(kernel):
+    """A shard of no columns (an empty column block): nothing to read or write, no error."""
+    weight = torch.empty(10, 0)
+    ids, offsets = torch.tensor([1, 2, 2]), torch.tensor([0, 1, 3])
+    assert kernel.pool_sum(weight, ids, offsets, None).shape == (2, 0)
+    kernel.update(native.SGD, weight, torch.empty(2, 0), ids, offsets, None, None, LR, EPS)

@@ -123,6 +123,7 @@ int tdb_pool_sum(const float* restrict weight, int64_t ldw, int64_t dim, int64_t
   int64_t n = offsets[bags];
   for (int64_t p = offsets[0]; p < n; ++p)
     if (ids[p] < 0 || ids[p] >= rows) return -1;
+  if (dim <= 0) return 0;
   float acc[TDB_MAX_DIM];
   for (int64_t b = 0; b < bags; ++b) {
     for (int64_t k = 0; k < dim; ++k) acc[k] = 0.0f;
@@ -160,6 +161,7 @@ int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, i
               const int32_t* bag_of, const float* bag_sq, int64_t begin, int64_t end, float lr, float eps) {
   if (kind == TDB_ROWWISE_ADAGRAD && bag_sq == NULL) return -1;
   if (kind < TDB_SGD || kind > TDB_ADAGRAD || dim > TDB_MAX_DIM) return -1;
+  if (dim <= 0) return 0;
   float acc[TDB_MAX_DIM];
   int64_t i = begin;
   while (i < end) {

@@ -1,19 +1,21 @@
 """This package's own CPU kernels (``cpu_kernels.c``): the pooled sum of a lookup, the fused optimizers' updates.
 
-Why a kernel of our own: fbgemm_gpu-cpu 1.8's backward-with-optimizer kernels
+Why kernels of our own: fbgemm_gpu-cpu 1.8's backward-with-optimizer kernels
 are slow on CPU for large tables. Measured on one thread (1,000,000 x 128 fp32
 tables, out of cache, 4096 bags of 20 ids, one step's update of one table;
-``scripts/bench_sparse_update.py``): ``EXACT_SGD`` 15-16 ms and
-``EXACT_ROWWISE_ADAGRAD`` 44-45 ms, while fbgemm's forward reads the same rows
+``scripts/bench_sparse_update.py``): ``EXACT_SGD`` 16 ms and
+``EXACT_ROWWISE_ADAGRAD`` 44-46 ms, while fbgemm's forward reads the same rows
 in 7.3 ms; the SGD kernel sums each row's gradient element by element, the
 row-wise Adagrad one runs its gradient-summing kernel with one "bag" per
 touched row. ``cpu_kernels.c`` sorts the occurrences by row (a radix sort),
 then walks the touched rows in increasing order, prefetching the rows ahead,
 reading a row's bag gradient in place when it occurs once (most rows) and
-summing it first otherwise: 10 ms and 11.5 ms (BENCHMARKS.md).
-The math is fbgemm's (``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` /
-``EXACT_ADAGRAD``, no weight decay), tested against fbgemm's own kernels and
-against the unsharded reference optimizer.
+summing it first otherwise: 8.7 ms and 10.4 ms. Its pooled sum adds in
+fbgemm's order (the same bits) and prefetches each row's two end cache lines
+only: 7.0 vs 7.35 ms (BENCHMARKS.md). The update's math is fbgemm's
+(``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` / ``EXACT_ADAGRAD``, no weight
+decay), tested against fbgemm's own kernels and against the unsharded
+reference optimizer.
 
 The C file is compiled on first use, with the C compiler of ``$CC`` (else
 ``cc``) into ``$TDB_KERNEL_CACHE`` (default ``~/.cache/torchrec_dtensor_bridge``),
@@ -180,7 +182,7 @@ class NativeKernel:
     @staticmethod
     def _check(rc: int) -> None:
         if rc != 0:
-            raise RuntimeError(f"sparse update kernel failed ({rc})")
+            raise RuntimeError(f"sparse update kernel: bad arguments ({rc})")
 
 
 def _row_cuts(keys: torch.Tensor, threads: int) -> list[int]:
@@ -201,12 +203,12 @@ def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
 
 @functools.lru_cache(maxsize=1)
 def kernel() -> NativeKernel | None:
-    """The native kernel, built on first use; ``None`` when disabled (``TDB_NATIVE_KERNELS=0``) or it
+    """The native kernels, built on first use; ``None`` when disabled (``TDB_NATIVE_KERNELS=0``) or they
     cannot be built (then logged once, and fbgemm's kernels serve)."""
     if os.environ.get("TDB_NATIVE_KERNELS", "1") == "0":
         return None
     try:
         return NativeKernel(_build(_SOURCE, _cache_dir()))
     except Exception as e:  # noqa: BLE001 - any build or load failure falls back to fbgemm's kernels
-        log.warning("torchrec_dtensor_bridge: native sparse-update kernel unavailable, using fbgemm's: %s", e)
+        log.warning("torchrec_dtensor_bridge: native CPU kernels unavailable, using fbgemm's: %s", e)
         return None

@@ -4,7 +4,7 @@ fbgemm import), else torch.
 This package's own kernels (:mod:`.native`, ``cpu_kernels.c``) serve a sum
 over a contiguous fp32 CPU shard and the fused optimizers' updates whenever
 they could be built (:func:`select_kernel`): the pooled sum adds in the same
-order as fbgemm's forward (the same bits) and is ~8% faster out of cache (it
+order as fbgemm's forward (the same bits) and is 5-8% faster out of cache (it
 prefetches each row's two end cache lines only); the updates are 1.8-4.4x
 faster than fbgemm's (BENCHMARKS.md). fbgemm's kernels below are the
 fallback, and fbgemm's dense backward serves the un-fused weight gradient.
@@ -186,9 +186,10 @@ def pool_rows_backward(
 
 _HOST = 3  # fbgemm_gpu EmbeddingLocation.HOST
 _UPDATE_KERNELS = {"sgd": "sgd", "rowwise_adagrad": "rowwise_adagrad", "adagrad": "adagrad"}
-_NATIVE_KINDS = {"sgd": native.SGD, "rowwise_adagrad": native.ROWWISE_ADAGRAD, "adagrad": native.ADAGRAD}
 """Optimizer kinds (``OptimKind.value``) with a CPU backward-with-optimizer kernel in fbgemm_gpu-cpu 1.8
-(Adam has none: ``split_embedding_backward_codegen_adam_cpu`` is not built for CPU)."""
+(Adam has none: ``split_embedding_backward_codegen_adam_cpu`` is not built for CPU); :mod:`.native` has
+the same three."""
+_NATIVE_KINDS = {"sgd": native.SGD, "rowwise_adagrad": native.ROWWISE_ADAGRAD, "adagrad": native.ADAGRAD}
 
 
 def update_rows_supported(bind: Any, plan: Any, block: Any) -> bool:
