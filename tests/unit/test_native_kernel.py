@@ -221,3 +221,33 @@ def test_zero_width_shard(kernel):
     ids, offsets = torch.tensor([1, 2, 2]), torch.tensor([0, 1, 3])
     assert kernel.pool_sum(weight, ids, offsets, None).shape == (2, 0)
     kernel.update(native.SGD, weight, torch.empty(2, 0), ids, offsets, None, None, LR, EPS)
+
+
+def test_pool_sum_threads_give_the_same_bits(kernel):
+    """Bags split over 4 threads: the same output as one thread, bit for bit (and fbgemm's)."""
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(5000, 16, generator=g)
+    lengths = torch.randint(0, 12, (8000,), generator=g)
+    ids = torch.randint(0, 5000, (int(lengths.sum()),), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    psw = torch.rand(ids.numel(), generator=g)
+    assert ids.numel() >= 2 * native._MIN_PER_THREAD
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            outs.append(kernel.pool_sum(weight, ids, offsets, psw))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0], torch.nn.functional.embedding_bag(
+        ids, weight, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True))
+    bad = ids.clone()
+    bad[-1] = 5000  # in the last thread's range: the error still reaches the caller
+    torch.set_num_threads(4)
+    try:
+        with pytest.raises(ValueError, match=r"outside \[0, 5000\)"):
+            kernel.pool_sum(weight, bad, offsets, psw)
+    finally:
+        torch.set_num_threads(before)

@@ -46,7 +46,7 @@
 #define TDB_CLONES
 #endif
 
-int tdb_version(void) { return 3; }
+int tdb_version(void) { return 4; }
 
 /* Returns 0, or -1 when an id lies outside [0, rows) or a bag's offsets run backwards. */
 int tdb_group(const int64_t* ids, int64_t n, const int64_t* offsets, int64_t bags, int64_t rows,
@@ -111,21 +111,22 @@ static inline void tdb_prefetch_whole_row(const float* p, int64_t d) {
   for (int64_t k = 0; k < d; k += 16) __builtin_prefetch(p + k, 1, 3);
 }
 
-/* Returns 0, or -1 (before reading any row) when an id lies outside [0, rows), the offsets run
-   backwards or past the n_ids ids, or dim > TDB_MAX_DIM. */
+/* Bags [b0, b1) (disjoint ranges can run on threads at once). Returns 0, or -1 (before reading any
+   row) when one of their ids lies outside [0, rows), their offsets run backwards or past the n_ids
+   ids, or dim > TDB_MAX_DIM. */
 TDB_CLONES
 int tdb_pool_sum(const float* restrict weight, int64_t ldw, int64_t dim, int64_t rows, float* restrict out,
-                 int64_t ldo, const int64_t* ids, int64_t n_ids, const int64_t* offsets, int64_t bags,
+                 int64_t ldo, const int64_t* ids, int64_t n_ids, const int64_t* offsets, int64_t b0, int64_t b1,
                  const float* psw) {
-  if (dim > TDB_MAX_DIM || offsets[0] < 0 || offsets[bags] > n_ids) return -1;
-  for (int64_t b = 0; b < bags; ++b)
+  if (dim > TDB_MAX_DIM || offsets[b0] < 0 || offsets[b1] > n_ids) return -1;
+  for (int64_t b = b0; b < b1; ++b)
     if (offsets[b + 1] < offsets[b]) return -1;
-  int64_t n = offsets[bags];
-  for (int64_t p = offsets[0]; p < n; ++p)
+  int64_t n = offsets[b1];
+  for (int64_t p = offsets[b0]; p < n; ++p)
     if (ids[p] < 0 || ids[p] >= rows) return -1;
   if (dim <= 0) return 0;
   float acc[TDB_MAX_DIM];
-  for (int64_t b = 0; b < bags; ++b) {
+  for (int64_t b = b0; b < b1; ++b) {
     for (int64_t k = 0; k < dim; ++k) acc[k] = 0.0f;
     for (int64_t p = offsets[b]; p < offsets[b + 1]; ++p) {
       if (p + TDB_POOL_PREFETCH < n) {

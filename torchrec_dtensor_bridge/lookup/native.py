@@ -21,8 +21,9 @@ The C file is compiled on first use, with the C compiler of ``$CC`` (else
 ``cc``) into ``$TDB_KERNEL_CACHE`` (default ``~/.cache/torchrec_dtensor_bridge``),
 named by a hash of the source and flags, written to a temporary name and
 renamed into place (processes that race build the same file); then loaded
-with :mod:`ctypes`, which releases the GIL during the call, so a step with
-several torch threads splits the touched rows over that many threads. It needs
+with :mod:`ctypes`, which releases the GIL during the call, so with several
+torch threads a pooled sum splits its bags, and an update its touched rows, over
+that many threads (fbgemm's kernels are multi-threaded too). It needs
 no Python or torch headers. Without a working compiler, or with
 ``TDB_NATIVE_KERNELS=0``, :func:`kernel` is ``None`` and the caller uses
 fbgemm's kernels.
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 SGD, ROWWISE_ADAGRAD, ADAGRAD = 0, 1, 2
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11")
-_VERSION = 3
+_VERSION = 4
 _MAX_DIM = 8192
 _MIN_PER_THREAD = 16384  # occurrences: below this, one thread
 
@@ -104,7 +105,7 @@ class NativeKernel:
         lib.tdb_apply.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, i64, p, p, p, p, p, i64, i64, f32, f32]
         lib.tdb_bag_square_sums.argtypes = [p, i64, i64, i64, p]
         lib.tdb_bag_square_sums.restype = None
-        lib.tdb_pool_sum.argtypes = [p, i64, i64, i64, p, i64, p, i64, p, i64, p]
+        lib.tdb_pool_sum.argtypes = [p, i64, i64, i64, p, i64, p, i64, p, i64, i64, p]
         lib.tdb_pool_sum.restype = ctypes.c_int
         lib.tdb_apply.restype = ctypes.c_int
         self.lib, self.path = lib, path
@@ -124,9 +125,17 @@ class NativeKernel:
         ids, offsets = ids.contiguous(), offsets.contiguous()
         psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
         out = torch.empty(bags, dim, dtype=torch.float32)
-        rc = self.lib.tdb_pool_sum(weight.data_ptr(), dim, dim, rows, out.data_ptr(), dim, ids.data_ptr(),
-                                   ids.numel(), offsets.data_ptr(), bags, None if psw is None else psw.data_ptr())
-        if rc != 0:
+        common = (weight.data_ptr(), dim, dim, rows, out.data_ptr(), dim, ids.data_ptr(), ids.numel(),
+                  offsets.data_ptr())
+        tail = None if psw is None else psw.data_ptr()
+        parts = max(1, min(torch.get_num_threads(), ids.numel() // _MIN_PER_THREAD, bags))
+        if parts == 1:
+            rcs = [self.lib.tdb_pool_sum(*common, 0, bags, tail)]
+        else:  # bags split evenly over the torch threads (each bag's sum is the same whatever the split)
+            cuts = [bags * k // parts for k in range(parts + 1)]
+            rcs = [f.result() for f in [_pool(parts).submit(self.lib.tdb_pool_sum, *common, a, b, tail)
+                                        for a, b in zip(cuts[:-1], cuts[1:])]]
+        if any(rcs):
             raise ValueError(f"pooled lookup: ids outside [0, {rows}) or offsets out of order")
         return out
 
@@ -198,7 +207,7 @@ def _row_cuts(keys: torch.Tensor, threads: int) -> list[int]:
 
 @functools.lru_cache(maxsize=None)
 def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tdb-sparse-update")
+    return concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tdb-cpu-kernels")
 
 
 @functools.lru_cache(maxsize=1)
