@@ -16,6 +16,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_convert(res: dict, out: Path) -> Path:
     sizes = res["sizes"]
     mb = [s["bytes"] / 2**20 for s in sizes]
@@ -32,11 +39,7 @@ def plot_convert(res: dict, out: Path) -> Path:
     ax.set_ylabel("microseconds per table")
     ax.set_title("Conversion cost does not grow with table bytes")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "convert.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "convert.png")
 
 
 def plot_checkpoint(res: dict, out: Path) -> Path:
@@ -51,11 +54,7 @@ def plot_checkpoint(res: dict, out: Path) -> Path:
     ax.set_ylabel("GiB/s (median)")
     ax.set_title(f"Checkpoint throughput, {gib:.1f} GiB on 2 gloo ranks")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "checkpoint.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "checkpoint.png")
 
 
 _LOOKUP_LABELS = {
@@ -110,11 +109,7 @@ def plot_lookup(res: dict, out: Path) -> list[Path]:
     ax2.set_title(f"local lookup alone, {loc['threads']} thread", fontsize=9)
     ax2.tick_params(axis="x", labelsize=7)
     ax2.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "lookup.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    made.append(path)
+    made.append(_save(fig, out / "lookup.png"))
 
     if res.get("batch_sweep"):
         sweep = res["batch_sweep"]
@@ -135,11 +130,7 @@ def plot_lookup(res: dict, out: Path) -> list[Path]:
         ax.set_ylabel("pooled bags / s (all tables, both ranks)")
         ax.set_title("Row-wise forward vs batch size, 2 gloo ranks", fontsize=9)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / "lookup_batch.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        made.append(_save(fig, out / "lookup_batch.png"))
 
     if len(res["world"]) > 1:
         worlds = sorted(res["world"], key=int)
@@ -156,11 +147,7 @@ def plot_lookup(res: dict, out: Path) -> list[Path]:
         ax.set_ylabel("pooled bags / s (all tables, all ranks)")
         ax.set_title(f"Forward vs world size, batch {cfg['batch']} per rank", fontsize=9)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / "lookup_world.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        made.append(path)
+        made.append(_save(fig, out / "lookup_world.png"))
     return made
 
 
@@ -209,11 +196,7 @@ def plot_train(res: dict, out: Path) -> Path:
     ax2.set_yscale("log")
     ax2.set_ylabel("MiB, peak RSS growth of a step (worst rank)")
     ax2.set_title("Peak memory growth of one training step", fontsize=8)
-    fig.tight_layout()
-    path = out / "train.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "train.png")
 
 
 def plot_sparse_update(res: dict, out: Path) -> Path:
@@ -235,11 +218,7 @@ def plot_sparse_update(res: dict, out: Path) -> Path:
     ax.set_title(f"{cfg['rows']:,} x {cfg['dim']} fp32 tables, {cfg['bags']} bags of {cfg['bag']} ids, one thread",
                  fontsize=8)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "sparse_update.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "sparse_update.png")
 
 
 def main(argv: list[str] | None = None) -> int:
