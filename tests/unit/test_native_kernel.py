@@ -49,8 +49,9 @@ def _state(kind: str, weight: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-def _reference(kind, weight, grad, ids, offsets, psw, state):
-    """The textbook update on the touched rows, from torch ops (fp64 sums)."""
+def _reference(kind, weight, grad, ids, offsets, psw, state, wd=0.0, decoupled=False):
+    """The textbook update on the touched rows, from torch ops (fp64 sums); ``wd``: L2 weight decay (folded
+    into the gradient), or decoupled for row-wise Adagrad."""
     bag = torch.repeat_interleave(torch.arange(offsets.numel() - 1), offsets[1:] - offsets[:-1])
     per_id = grad.double().index_select(0, bag)
     if psw is not None:
@@ -59,12 +60,15 @@ def _reference(kind, weight, grad, ids, offsets, psw, state):
     rows = ids.unique()
     w, s = weight.clone(), None if state is None else state.clone()
     gr = g[rows]
+    if wd and not decoupled:
+        gr = gr + wd * w[rows].double()
     if kind == "sgd":
         w[rows] = (w[rows].double() - LR * gr).float()
     elif kind == "rowwise_adagrad":
         m = s[rows].double() + (gr * gr).mean(1)
         s[rows] = m.float()
-        w[rows] = (w[rows].double() - (LR / (m.sqrt() + EPS)).unsqueeze(1) * gr).float()
+        before = w[rows].double() * ((1 - LR * wd) if decoupled else 1.0)
+        w[rows] = (before - (LR / (m.sqrt() + EPS)).unsqueeze(1) * gr).float()
     else:
         m = s[rows].double() + gr * gr
         s[rows] = m.float()
@@ -251,3 +255,27 @@ def test_pool_sum_threads_give_the_same_bits(kernel):
             kernel.pool_sum(weight, bad, offsets, psw)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind,mode", [("sgd", native.DECAY_L2), ("adagrad", native.DECAY_L2),
+                                       ("rowwise_adagrad", native.DECAY_L2), ("rowwise_adagrad", native.DECAY_DECOUPLED)])
+def test_weight_decay_matches_reference(kernel, kind, mode):
+    """Weight decay (which fbgemm-gpu-cpu's kernels ignore) as optim/update.py applies it."""
+    weight, grad, ids, offsets, weights = _case(300, 20, 64, seed=9, strided=True, psw=True)
+    state = _state(kind, weight)
+    w, s = weight.clone(), None if state is None else state.clone()
+    kernel.update(KINDS[kind], w, grad, ids, offsets, weights, s, LR, EPS, 0.3, mode)
+    want_w, want_s = _reference(kind, weight, grad, ids, offsets, weights, state, wd=0.3,
+                                decoupled=mode == native.DECAY_DECOUPLED)
+    torch.testing.assert_close(w, want_w)
+    if state is not None:
+        torch.testing.assert_close(s, want_s)
+    untouched = torch.ones(weight.shape[0], dtype=torch.bool)
+    untouched[ids] = False
+    assert torch.equal(w[untouched], weight[untouched]), "decay touches only the rows a step touched"
+
+
+def test_decoupled_decay_is_rowwise_adagrads_only(kernel):
+    weight, grad, ids, offsets, _ = _case(50, 4, 8, seed=1, strided=False, psw=False)
+    with pytest.raises(RuntimeError, match="bad arguments"):
+        kernel.update(native.SGD, weight.clone(), grad, ids, offsets, None, None, LR, EPS, 0.3, native.DECAY_DECOUPLED)

@@ -20,11 +20,14 @@
  *              its occurrences (times the per-sample weight), then the update of the row and
  *              its state. Rows are visited in increasing order and prefetched ahead.
  *
- * The math (per touched row r with summed gradient g, the shard's width D):
+ * The math (per touched row r with summed gradient g, the shard's width D; with L2 weight decay wd,
+ * g is first replaced by g + wd * w):
  *   SGD              w -= lr * g
  *   row-wise Adagrad m[r] += sum(g^2) / D;  w -= lr / (sqrt(m[r]) + eps) * g
+ *                    (decoupled decay: w = (1 - lr * wd) * w - lr / (sqrt(m[r]) + eps) * g)
  *   Adagrad          m += g^2 (element-wise);  w -= lr * g / (sqrt(m) + eps)
- * which is fbgemm's EXACT_SGD / EXACT_ROWWISE_ADAGRAD / EXACT_ADAGRAD without weight decay.
+ * which is fbgemm's EXACT_SGD / EXACT_ROWWISE_ADAGRAD / EXACT_ADAGRAD (optim/update.py's semantics of
+ * weight decay: fbgemm-gpu-cpu's own kernels ignore it).
  */
 #include <math.h>
 #include <stdint.h>
@@ -33,6 +36,9 @@
 #define TDB_SGD 0
 #define TDB_ROWWISE_ADAGRAD 1
 #define TDB_ADAGRAD 2
+#define TDB_DECAY_NONE 0
+#define TDB_DECAY_L2 1
+#define TDB_DECAY_DECOUPLED 2
 #define TDB_PREFETCH 8 /* rows ahead, updates */
 #define TDB_POOL_PREFETCH 24 /* ids ahead, pooling */
 #define TDB_MAX_DIM 8192
@@ -46,7 +52,7 @@
 #define TDB_CLONES
 #endif
 
-int tdb_version(void) { return 4; }
+int tdb_version(void) { return 5; }
 
 /* Returns 0, or -1 when an id lies outside [0, rows) or a bag's offsets run backwards. */
 int tdb_group(const int64_t* ids, int64_t n, const int64_t* offsets, int64_t bags, int64_t rows,
@@ -154,14 +160,20 @@ void tdb_bag_square_sums(const float* grad, int64_t ldg, int64_t dim, int64_t ba
   for (int64_t b = 0; b < bags; ++b) out[b] = tdb_square_sum(grad + b * ldg, dim);
 }
 
-/* Returns 0, or -1 for an unknown kind or a width above TDB_MAX_DIM. bag_sq: tdb_bag_square_sums of
-   grad for row-wise Adagrad (else unused, may be NULL). */
+/* Returns 0, or -1 for an unknown kind or decay mode (decoupled is row-wise Adagrad's only) or a width
+   above TDB_MAX_DIM. bag_sq: tdb_bag_square_sums of grad for row-wise Adagrad without L2 decay (else
+   unused, may be NULL). */
 TDB_CLONES
 int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, int64_t lds,
               const float* grad, int64_t ldg, const float* psw, const int32_t* keys, const int32_t* occ,
-              const int32_t* bag_of, const float* bag_sq, int64_t begin, int64_t end, float lr, float eps) {
-  if (kind == TDB_ROWWISE_ADAGRAD && bag_sq == NULL) return -1;
+              const int32_t* bag_of, const float* bag_sq, int64_t begin, int64_t end, float lr, float eps,
+              float wd, int decay) {
   if (kind < TDB_SGD || kind > TDB_ADAGRAD || dim > TDB_MAX_DIM) return -1;
+  if (decay < TDB_DECAY_NONE || decay > TDB_DECAY_DECOUPLED) return -1;
+  if (decay == TDB_DECAY_DECOUPLED && kind != TDB_ROWWISE_ADAGRAD) return -1;
+  if (wd == 0.0f) decay = TDB_DECAY_NONE;
+  int l2 = decay == TDB_DECAY_L2;
+  if (kind == TDB_ROWWISE_ADAGRAD && !l2 && bag_sq == NULL) return -1;
   if (dim <= 0) return 0;
   float acc[TDB_MAX_DIM];
   int64_t i = begin;
@@ -184,7 +196,8 @@ int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, i
     while (j < end && keys[j] == row) ++j;
     const float* g;
     float scale, square_sum = -1.0f;
-    if (j - i == 1) { /* most rows: one occurrence, its bag's gradient read in place */
+    float* w = weight + row * ldw;
+    if (j - i == 1 && !l2) { /* most rows: one occurrence, its bag's gradient read in place */
       int32_t p = occ[i];
       g = grad + (int64_t)bag_of[p] * ldg;
       scale = psw ? psw[p] : 1.0f;
@@ -195,16 +208,18 @@ int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, i
         int32_t p = occ[k];
         tdb_axpy(acc, grad + (int64_t)bag_of[p] * ldg, psw ? psw[p] : 1.0f, dim);
       }
+      if (l2) tdb_axpy(acc, w, wd, dim); /* the decayed gradient, which the statistics see too */
       g = acc;
       scale = 1.0f;
     }
-    float* w = weight + row * ldw;
     if (kind == TDB_SGD) {
       tdb_axpy(w, g, -lr * scale, dim);
     } else if (kind == TDB_ROWWISE_ADAGRAD) {
       if (square_sum < 0.0f) square_sum = tdb_square_sum(g, dim);
       float m = state[row] + scale * scale * square_sum / (float)dim;
       state[row] = m;
+      if (decay == TDB_DECAY_DECOUPLED)
+        for (int64_t k = 0; k < dim; ++k) w[k] *= 1.0f - lr * wd;
       tdb_axpy(w, g, -lr * scale / (sqrtf(m) + eps), dim);
     } else {
       float* m = state + row * lds;

@@ -193,24 +193,25 @@ _NATIVE_KINDS = {"sgd": native.SGD, "rowwise_adagrad": native.ROWWISE_ADAGRAD, "
 
 
 def update_rows_supported(bind: Any, plan: Any, block: Any) -> bool:
-    """Whether fbgemm's backward-with-optimizer kernel can update ``block``'s shard (see :func:`update_rows`).
+    """Whether a one-pass update kernel (:func:`update_rows`) can update ``block``'s shard.
 
     It can when the shard's update needs nothing from other ranks (the caller
     checks that), the lookup is a sum (no arg-max), the shard is a contiguous
-    fp32 CPU tensor, the kind has a CPU kernel, there is no weight decay, and an
-    un-pooled lookup's padding row is not in the shard (the kernel would train it).
+    fp32 CPU tensor, the kind has a kernel (SGD, the Adagrads), and an un-pooled
+    lookup's padding row is not in the shard (the kernel would train it).
 
-    Weight decay: the CPU row-wise Adagrad kernel of fbgemm_gpu-cpu 1.8 takes
-    ``weight_decay`` / ``weight_decay_mode`` but ignores them (measured: L2 and
-    decoupled give the same rows and momentum as no decay), and the SGD / Adagrad
-    kernels take none; so a decaying optimizer runs :mod:`..optim.update`, which
-    applies fbgemm's (GPU) semantics.
+    Weight decay: this package's kernel applies it (:mod:`..optim.update`'s
+    semantics, fbgemm's GPU ones). The CPU row-wise Adagrad kernel of
+    fbgemm_gpu-cpu 1.8 takes ``weight_decay`` / ``weight_decay_mode`` but
+    ignores them (measured: L2 and decoupled give the same rows and momentum as
+    no decay), and its SGD / Adagrad kernels take none; so without our kernel a
+    decaying optimizer runs :mod:`..optim.update` on the touched rows.
     """
     hyper = bind.hyper
     shard = plan.shards[block.index]
     if block.argmax is not None or select_kernel(shard, False) == KERNEL_TORCH:
         return False
-    if hyper.kind.value not in _UPDATE_KERNELS or hyper.weight_decay:
+    if hyper.kind.value not in _UPDATE_KERNELS or (hyper.weight_decay and native.kernel() is None):
         return False
     if not plan.skip_padding and plan.padding_idx is not None:
         spec = plan.mine[block.index]
@@ -249,8 +250,9 @@ def update_rows(bind: Any, plan: Any, block: Any, grad: torch.Tensor) -> None:
     if fast is not None:
         with torch.profiler.record_function(f"tdb::sparse_update_{kind}"):
             fast.update(_NATIVE_KINDS[kind], shard, grad, block.ids, block.offsets, block.weights, momentum,
-                        hyper.lr, hyper.eps)
+                        hyper.lr, hyper.eps, hyper.weight_decay, hyper.weight_decay_mode.value)
         return
+    assert not hyper.weight_decay, "fbgemm-gpu-cpu's kernels ignore weight decay (update_rows_supported)"
     w_off, d_off, hash_cumsum = _table_args(shard)
     place = torch.full((1,), _HOST, dtype=torch.int32)
     common = (
