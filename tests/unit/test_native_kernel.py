@@ -279,3 +279,38 @@ def test_decoupled_decay_is_rowwise_adagrads_only(kernel):
     weight, grad, ids, offsets, _ = _case(50, 4, 8, seed=1, strided=False, psw=False)
     with pytest.raises(RuntimeError, match="bad arguments"):
         kernel.update(native.SGD, weight.clone(), grad, ids, offsets, None, None, LR, EPS, 0.3, native.DECAY_DECOUPLED)
+
+
+def _adam_reference(weight, grad, ids, offsets, psw, m1, m2, step, wd, b1=0.8, b2=0.9):
+    """optim/update.py's Adam (fbgemm's ADAM, decoupled decay) on the touched rows, in float64."""
+    bag = torch.repeat_interleave(torch.arange(offsets.numel() - 1), offsets[1:] - offsets[:-1])
+    per_id = grad.double().index_select(0, bag) * (1.0 if psw is None else psw.double().unsqueeze(1))
+    g = torch.zeros(weight.shape, dtype=torch.float64).index_add_(0, ids, per_id)
+    rows = ids.unique()
+    w, a, b = weight.clone(), m1.clone(), m2.clone()
+    gr = g[rows]
+    na = b1 * a[rows].double() + (1 - b1) * gr
+    nb = b2 * b[rows].double() + (1 - b2) * gr * gr
+    a[rows], b[rows] = na.float(), nb.float()
+    old = w[rows].double()
+    w[rows] = (old - LR / (1 - b1**step) * na / ((nb / (1 - b2**step)).sqrt() + EPS) - LR * wd * old).float()
+    return w, a, b
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.3])
+def test_adam_matches_reference(kernel, wd):
+    """Adam, which fbgemm-gpu-cpu has no CPU kernel for: two steps (the bias corrections of steps 1 and 2)."""
+    weight, grad, ids, offsets, weights = _case(300, 20, 64, seed=13, strided=True, psw=True)
+    m1, m2 = torch.rand_like(weight) * 0.1, torch.rand_like(weight) * 0.1
+    w, a, b = weight.clone(), m1.clone(), m2.clone()
+    want = (weight, m1, m2)
+    for step in (1, 2):
+        kernel.update(native.ADAM, w, grad, ids, offsets, weights, a, LR, EPS, wd, native.DECAY_DECOUPLED,
+                      state2=b, beta1=0.8, beta2=0.9, step=step)
+        want = _adam_reference(*want[:1], grad, ids, offsets, weights, want[1], want[2], step, wd)
+    torch.testing.assert_close(w, want[0])
+    torch.testing.assert_close(a, want[1])
+    torch.testing.assert_close(b, want[2])
+    untouched = torch.ones(weight.shape[0], dtype=torch.bool)
+    untouched[ids] = False
+    assert torch.equal(w[untouched], weight[untouched]) and torch.equal(a[untouched], m1[untouched])

@@ -26,8 +26,10 @@
  *   row-wise Adagrad m[r] += sum(g^2) / D;  w -= lr / (sqrt(m[r]) + eps) * g
  *                    (decoupled decay: w = (1 - lr * wd) * w - lr / (sqrt(m[r]) + eps) * g)
  *   Adagrad          m += g^2 (element-wise);  w -= lr * g / (sqrt(m) + eps)
- * which is fbgemm's EXACT_SGD / EXACT_ROWWISE_ADAGRAD / EXACT_ADAGRAD (optim/update.py's semantics of
- * weight decay: fbgemm-gpu-cpu's own kernels ignore it).
+ *   Adam             m1 = b1 m1 + (1 - b1) g;  m2 = b2 m2 + (1 - b2) g^2 (element-wise);
+ *                    w -= lr / (1 - b1^t) * m1 / (sqrt(m2 / (1 - b2^t)) + eps) + lr * wd * w  (decoupled)
+ * which is fbgemm's EXACT_SGD / EXACT_ROWWISE_ADAGRAD / EXACT_ADAGRAD / ADAM (optim/update.py's semantics
+ * of weight decay: fbgemm-gpu-cpu's own kernels ignore it, and it has no CPU Adam).
  */
 #include <math.h>
 #include <stdint.h>
@@ -36,6 +38,7 @@
 #define TDB_SGD 0
 #define TDB_ROWWISE_ADAGRAD 1
 #define TDB_ADAGRAD 2
+#define TDB_ADAM 3
 #define TDB_DECAY_NONE 0
 #define TDB_DECAY_L2 1
 #define TDB_DECAY_DECOUPLED 2
@@ -52,7 +55,7 @@
 #define TDB_CLONES
 #endif
 
-int tdb_version(void) { return 5; }
+int tdb_version(void) { return 6; }
 
 /* Returns 0, or -1 when an id lies outside [0, rows) or a bag's offsets run backwards. */
 int tdb_group(const int64_t* ids, int64_t n, const int64_t* offsets, int64_t bags, int64_t rows,
@@ -160,17 +163,24 @@ void tdb_bag_square_sums(const float* grad, int64_t ldg, int64_t dim, int64_t ba
   for (int64_t b = 0; b < bags; ++b) out[b] = tdb_square_sum(grad + b * ldg, dim);
 }
 
-/* Returns 0, or -1 for an unknown kind or decay mode (decoupled is row-wise Adagrad's only) or a width
-   above TDB_MAX_DIM. bag_sq: tdb_bag_square_sums of grad for row-wise Adagrad without L2 decay (else
-   unused, may be NULL). */
+/* Hyper-parameters of tdb_apply, in this order (Adam's bias corrections for its step t computed by the
+   caller). */
+enum { TDB_LR, TDB_EPS, TDB_WD, TDB_BETA1, TDB_BETA2, TDB_ADAM_STEP_SIZE, TDB_ADAM_BC2, TDB_HYPER };
+
+/* Returns 0, or -1 for an unknown kind or decay mode (decoupled is row-wise Adagrad's and Adam's only)
+   or a width above TDB_MAX_DIM. state: row-wise Adagrad's per-row momentum, Adagrad's or Adam's
+   element-wise momentum1 (lds a row); state2: Adam's momentum2. bag_sq: tdb_bag_square_sums of grad for
+   row-wise Adagrad without L2 decay (else unused, may be NULL). hp: TDB_HYPER floats. */
 TDB_CLONES
-int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, int64_t lds,
-              const float* grad, int64_t ldg, const float* psw, const int32_t* keys, const int32_t* occ,
-              const int32_t* bag_of, const float* bag_sq, int64_t begin, int64_t end, float lr, float eps,
-              float wd, int decay) {
-  if (kind < TDB_SGD || kind > TDB_ADAGRAD || dim > TDB_MAX_DIM) return -1;
+int tdb_apply(int kind, int decay, float* weight, int64_t ldw, int64_t dim, float* state, float* state2,
+              int64_t lds, const float* grad, int64_t ldg, const float* psw, const int32_t* keys,
+              const int32_t* occ, const int32_t* bag_of, const float* bag_sq, int64_t begin, int64_t end,
+              const float* hp) {
+  if (kind < TDB_SGD || kind > TDB_ADAM || dim > TDB_MAX_DIM) return -1;
   if (decay < TDB_DECAY_NONE || decay > TDB_DECAY_DECOUPLED) return -1;
-  if (decay == TDB_DECAY_DECOUPLED && kind != TDB_ROWWISE_ADAGRAD) return -1;
+  if (decay == TDB_DECAY_DECOUPLED && kind != TDB_ROWWISE_ADAGRAD && kind != TDB_ADAM) return -1;
+  if (decay == TDB_DECAY_L2 && kind == TDB_ADAM) return -1;
+  const float lr = hp[TDB_LR], eps = hp[TDB_EPS], wd = hp[TDB_WD];
   if (wd == 0.0f) decay = TDB_DECAY_NONE;
   int l2 = decay == TDB_DECAY_L2;
   if (kind == TDB_ROWWISE_ADAGRAD && !l2 && bag_sq == NULL) return -1;
@@ -180,14 +190,15 @@ int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, i
   while (i < end) {
     if (i + TDB_PREFETCH < end) {
       int64_t ahead = keys[i + TDB_PREFETCH];
-      if (kind == TDB_ADAGRAD) {
+      if (kind == TDB_ADAGRAD || kind == TDB_ADAM) {
         tdb_prefetch_whole_row(weight + ahead * ldw, dim);
         tdb_prefetch_whole_row(state + ahead * lds, dim);
+        if (kind == TDB_ADAM) tdb_prefetch_whole_row(state2 + ahead * lds, dim);
       } else {
         tdb_prefetch_row(weight + ahead * ldw, dim);
       }
       if (kind == TDB_ROWWISE_ADAGRAD) __builtin_prefetch(state + ahead, 1, 3);
-      if (kind == TDB_ADAGRAD) { /* its update waits on the gradient's squares: fetch it early too */
+      if (kind == TDB_ADAGRAD || kind == TDB_ADAM) { /* their update waits on the gradient: fetch it early */
         const float* g_ahead = grad + (int64_t)bag_of[occ[i + TDB_PREFETCH]] * ldg;
         for (int64_t k = 0; k < dim; k += 16) __builtin_prefetch(g_ahead + k, 0, 1);
       }
@@ -221,12 +232,24 @@ int tdb_apply(int kind, float* weight, int64_t ldw, int64_t dim, float* state, i
       if (decay == TDB_DECAY_DECOUPLED)
         for (int64_t k = 0; k < dim; ++k) w[k] *= 1.0f - lr * wd;
       tdb_axpy(w, g, -lr * scale / (sqrtf(m) + eps), dim);
-    } else {
+    } else if (kind == TDB_ADAGRAD) {
       float* m = state + row * lds;
       for (int64_t k = 0; k < dim; ++k) {
         float gk = scale * g[k];
         m[k] += gk * gk;
         w[k] -= lr * gk / (sqrtf(m[k]) + eps);
+      }
+    } else {
+      float* m1 = state + row * lds;
+      float* m2 = state2 + row * lds;
+      const float b1 = hp[TDB_BETA1], b2 = hp[TDB_BETA2], step_size = hp[TDB_ADAM_STEP_SIZE];
+      const float bc2 = hp[TDB_ADAM_BC2], decayed = decay == TDB_DECAY_DECOUPLED ? lr * wd : 0.0f;
+      for (int64_t k = 0; k < dim; ++k) {
+        float gk = scale * g[k];
+        m1[k] = b1 * m1[k] + (1.0f - b1) * gk;
+        m2[k] = b2 * m2[k] + (1.0f - b2) * gk * gk;
+        float before = w[k];
+        w[k] = before - step_size * m1[k] / (sqrtf(m2[k] / bc2) + eps) - decayed * before;
       }
     }
     i = j;

@@ -13,9 +13,10 @@ reading a row's bag gradient in place when it occurs once (most rows) and
 summing it first otherwise: 8.7 ms and 10.4 ms. Its pooled sum adds in
 fbgemm's order (the same bits) and prefetches each row's two end cache lines
 only: 7.0 vs 7.35 ms (BENCHMARKS.md). The update's math is fbgemm's
-(``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` / ``EXACT_ADAGRAD``; weight
-decay as :mod:`..optim.update`, which fbgemm-gpu-cpu's kernels ignore), tested
-against fbgemm's own kernels and against the unsharded reference optimizer.
+(``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` / ``EXACT_ADAGRAD`` / ``ADAM``, for
+which fbgemm-gpu-cpu has no CPU kernel; weight decay as :mod:`..optim.update`,
+which fbgemm-gpu-cpu's kernels ignore), tested against fbgemm's own kernels
+and against the unsharded reference optimizer.
 
 The C file is compiled on first use, with the C compiler of ``$CC`` (else
 ``cc``) into ``$TDB_KERNEL_CACHE`` (default ``~/.cache/torchrec_dtensor_bridge``),
@@ -44,15 +45,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ADAGRAD", "DECAY_DECOUPLED", "DECAY_L2", "DECAY_NONE", "ROWWISE_ADAGRAD", "SGD", "NativeKernel", "kernel"]
+__all__ = ["ADAGRAD", "ADAM", "DECAY_DECOUPLED", "DECAY_L2", "DECAY_NONE", "ROWWISE_ADAGRAD", "SGD", "NativeKernel", "kernel"]
 
 log = logging.getLogger(__name__)
 
-SGD, ROWWISE_ADAGRAD, ADAGRAD = 0, 1, 2
+SGD, ROWWISE_ADAGRAD, ADAGRAD, ADAM = 0, 1, 2, 3
 DECAY_NONE, DECAY_L2, DECAY_DECOUPLED = 0, 1, 2  # as optim.kinds.WeightDecayMode
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 _FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11")
-_VERSION = 5
+_VERSION = 6
 _MAX_DIM = 8192
 _MIN_PER_THREAD = 16384  # occurrences: below this, one thread
 
@@ -100,11 +101,10 @@ class NativeKernel:
         lib = ctypes.CDLL(str(path))
         if lib.tdb_version() != _VERSION:
             raise RuntimeError(f"{path}: kernel version {lib.tdb_version()}, expected {_VERSION}")
-        p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.tdb_group.argtypes = [p, i64, p, i64, i64, p, p, p, p, p]
         lib.tdb_group.restype = ctypes.c_int
-        lib.tdb_apply.argtypes = [ctypes.c_int, p, i64, i64, p, i64, p, i64, p, p, p, p, p, i64, i64, f32, f32, f32,
-                                  ctypes.c_int]
+        lib.tdb_apply.argtypes = [ctypes.c_int, ctypes.c_int, p, i64, i64, p, p, i64, p, i64, p, p, p, p, p, i64, i64, p]
         lib.tdb_bag_square_sums.argtypes = [p, i64, i64, i64, p]
         lib.tdb_bag_square_sums.restype = None
         lib.tdb_pool_sum.argtypes = [p, i64, i64, i64, p, i64, p, i64, p, i64, i64, p]
@@ -144,16 +144,18 @@ class NativeKernel:
     def update(
         self, kind: int, weight: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
         per_sample_weights: torch.Tensor | None, state: torch.Tensor | None, lr: float, eps: float,
-        weight_decay: float = 0.0, decay: int = DECAY_NONE,
+        weight_decay: float = 0.0, decay: int = DECAY_NONE, *, state2: torch.Tensor | None = None,
+        beta1: float = 0.9, beta2: float = 0.999, step: int = 1,
     ) -> None:
         """Update ``weight`` (and ``state``) in place at the rows ``ids`` touches.
 
         ``weight``: a contiguous fp32 CPU shard ``(rows, dim)``; ``grad``: the bags' output gradient
         ``(bags, dim)`` fp32 with unit column stride (a column slice is read in place); ``ids``,
         ``offsets``: int64 local rows and ``bags + 1`` bag boundaries; ``state``: per-row fp32
-        momentum ``(rows,)`` (row-wise Adagrad) or one like ``weight`` (Adagrad), else ``None``;
-        ``weight_decay`` with ``decay`` :data:`DECAY_L2` (any kind) or :data:`DECAY_DECOUPLED` (row-wise
-        Adagrad), as :mod:`..optim.update`.
+        momentum ``(rows,)`` (row-wise Adagrad) or one like ``weight`` (Adagrad; Adam's momentum1, with
+        ``state2`` its momentum2), else ``None``; ``weight_decay`` with ``decay`` :data:`DECAY_L2` (not
+        Adam) or :data:`DECAY_DECOUPLED` (row-wise Adagrad, Adam), as :mod:`..optim.update`; Adam's
+        ``beta1``, ``beta2`` and ``step`` (counted from 1, this one included) as there.
         """
         rows, dim = weight.shape
         n, bags = ids.numel(), offsets.numel() - 1
@@ -168,29 +170,34 @@ class NativeKernel:
         if per_sample_weights is not None:
             psw = per_sample_weights.to(torch.float32).contiguous()
         lds = 0
-        if state is not None:
-            assert state.dtype == torch.float32 and state.is_contiguous()
-            lds = dim if state.dim() == 2 else 1
+        for st in (state, state2):
+            if st is not None:
+                assert st.dtype == torch.float32 and st.is_contiguous()
+                lds = dim if st.dim() == 2 else 1
+        assert (kind == ADAM) == (state2 is not None), "Adam, and only Adam, has a second state"
         work = torch.empty(5, n, dtype=torch.int32)
         keys, occ, bag_of = work[0], work[1], work[2]
         rc = self.lib.tdb_group(ids.data_ptr(), n, offsets.data_ptr(), bags, rows, keys.data_ptr(),
                                 occ.data_ptr(), bag_of.data_ptr(), work[3].data_ptr(), work[4].data_ptr())
         if rc != 0:
             raise ValueError(f"sparse update: ids outside [0, {rows}) or offsets out of order")
-        bag_sq = None
         if not weight_decay:
             decay = DECAY_NONE
+        bag_sq = None
         if kind == ROWWISE_ADAGRAD and decay != DECAY_L2:  # a row touched once takes its statistic from here
             bag_sq = torch.empty(bags, dtype=torch.float32)
             self.lib.tdb_bag_square_sums(grad.data_ptr(), grad.stride(0), dim, bags, bag_sq.data_ptr())
-        common = (kind, weight.data_ptr(), dim, dim, 0 if state is None else state.data_ptr(), lds,
-                  grad.data_ptr(), grad.stride(0), None if psw is None else psw.data_ptr(),
-                  keys.data_ptr(), occ.data_ptr(), bag_of.data_ptr(), None if bag_sq is None else bag_sq.data_ptr())
+        hyper = torch.tensor([lr, eps, weight_decay, beta1, beta2, lr / (1 - beta1**step) if kind == ADAM else 0.0,
+                              1 - beta2**step if kind == ADAM else 1.0], dtype=torch.float32)
+        common = (kind, decay, weight.data_ptr(), dim, dim, 0 if state is None else state.data_ptr(),
+                  0 if state2 is None else state2.data_ptr(), lds, grad.data_ptr(), grad.stride(0),
+                  None if psw is None else psw.data_ptr(), keys.data_ptr(), occ.data_ptr(), bag_of.data_ptr(),
+                  None if bag_sq is None else bag_sq.data_ptr())
         cuts = _row_cuts(keys, torch.get_num_threads())
         if len(cuts) == 2:
-            self._check(self.lib.tdb_apply(*common, cuts[0], cuts[1], lr, eps, weight_decay, decay))
+            self._check(self.lib.tdb_apply(*common, cuts[0], cuts[1], hyper.data_ptr()))
             return
-        futures = [_pool(len(cuts) - 1).submit(self.lib.tdb_apply, *common, a, b, lr, eps, weight_decay, decay)
+        futures = [_pool(len(cuts) - 1).submit(self.lib.tdb_apply, *common, a, b, hyper.data_ptr())
                    for a, b in zip(cuts[:-1], cuts[1:])]
         for f in futures:
             self._check(f.result())

@@ -188,8 +188,9 @@ _HOST = 3  # fbgemm_gpu EmbeddingLocation.HOST
 _UPDATE_KERNELS = {"sgd": "sgd", "rowwise_adagrad": "rowwise_adagrad", "adagrad": "adagrad"}
 """Optimizer kinds (``OptimKind.value``) with a CPU backward-with-optimizer kernel in fbgemm_gpu-cpu 1.8
 (Adam has none: ``split_embedding_backward_codegen_adam_cpu`` is not built for CPU); :mod:`.native` has
-the same three."""
-_NATIVE_KINDS = {"sgd": native.SGD, "rowwise_adagrad": native.ROWWISE_ADAGRAD, "adagrad": native.ADAGRAD}
+these and Adam (:data:`_NATIVE_KINDS`)."""
+_NATIVE_KINDS = {"sgd": native.SGD, "rowwise_adagrad": native.ROWWISE_ADAGRAD, "adagrad": native.ADAGRAD,
+                 "adam": native.ADAM}
 
 
 def update_rows_supported(bind: Any, plan: Any, block: Any) -> bool:
@@ -197,8 +198,9 @@ def update_rows_supported(bind: Any, plan: Any, block: Any) -> bool:
 
     It can when the shard's update needs nothing from other ranks (the caller
     checks that), the lookup is a sum (no arg-max), the shard is a contiguous
-    fp32 CPU tensor, the kind has a kernel (SGD, the Adagrads), and an un-pooled
-    lookup's padding row is not in the shard (the kernel would train it).
+    fp32 CPU tensor, the kind has a kernel (SGD, the Adagrads; Adam in this
+    package's only), and an un-pooled lookup's padding row is not in the shard
+    (the kernel would train it).
 
     Weight decay: this package's kernel applies it (:mod:`..optim.update`'s
     semantics, fbgemm's GPU ones). The CPU row-wise Adagrad kernel of
@@ -211,7 +213,10 @@ def update_rows_supported(bind: Any, plan: Any, block: Any) -> bool:
     shard = plan.shards[block.index]
     if block.argmax is not None or select_kernel(shard, False) == KERNEL_TORCH:
         return False
-    if hyper.kind.value not in _UPDATE_KERNELS or (hyper.weight_decay and native.kernel() is None):
+    if native.kernel() is None:  # fbgemm's kernels: three kinds, no weight decay
+        if hyper.kind.value not in _UPDATE_KERNELS or hyper.weight_decay:
+            return False
+    elif hyper.kind.value not in _NATIVE_KINDS:
         return False
     if not plan.skip_padding and plan.padding_idx is not None:
         spec = plan.mine[block.index]
@@ -241,16 +246,18 @@ def update_rows(bind: Any, plan: Any, block: Any, grad: torch.Tensor) -> None:
     # a column slice of the exchanged gradients is read in place: both kernels go through the row
     # stride (tested: the same rows and momentum as from a contiguous copy)
     grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-    momentum = None
-    if kind == "adagrad":
+    momentum = momentum2 = None
+    if kind in ("adagrad", "adam"):
         momentum = state.elements[block.index]["momentum1"]
+        momentum2 = state.elements[block.index].get("momentum2")
     elif kind == "rowwise_adagrad":
         momentum = state.row_states[state.local_row_index(block.index)]
     fast = native.kernel()
     if fast is not None:
         with torch.profiler.record_function(f"tdb::sparse_update_{kind}"):
             fast.update(_NATIVE_KINDS[kind], shard, grad, block.ids, block.offsets, block.weights, momentum,
-                        hyper.lr, hyper.eps, hyper.weight_decay, hyper.weight_decay_mode.value)
+                        hyper.lr, hyper.eps, hyper.weight_decay, hyper.weight_decay_mode.value, state2=momentum2,
+                        beta1=hyper.beta1, beta2=hyper.beta2, step=int(state.step))
         return
     assert not hyper.weight_decay, "fbgemm-gpu-cpu's kernels ignore weight decay (update_rows_supported)"
     w_off, d_off, hash_cumsum = _table_args(shard)

@@ -216,14 +216,16 @@ def apply_optimizers(
 ) -> None:
     """Update ``tables`` (each ``plans[t].optimizer`` set) in place from their blocks' output gradients;
     *collective* (one exchange for all tables, when any needs one)."""
+    for t in tables:  # Adam's step counts this one before any update (a one-pass kernel in _prepare reads it)
+        bind = plans[t].optimizer
+        assert isinstance(bind, Binding)
+        if bind.hyper.kind is OptimKind.ADAM:
+            bind.table.step += 1
     prepared, segments = [], []
     for t in tables:
         table, segs = _prepare(plans[t], t, blocks[t], pieces[t], wins[t])
         prepared.append(table)
         segments += segs
-    for table in prepared:
-        if table.bind.hyper.kind is OptimKind.ADAM:
-            table.bind.table.step += 1
     need = any(tb.everyone or tb.column_cut or any(c > 1 for c in tb.copies.values()) for tb in prepared)
     got = _exchange(segments, plans[tables[0]].group) if need else []
     for table in prepared:
