@@ -237,7 +237,7 @@ def update_rows(bind: Any, plan: Any, block: Any, grad: torch.Tensor) -> None:
     touched row's gradient is summed from it and the row (and its momentum)
     updated in place: the shard's own storage, no dense gradient. Only for
     blocks :func:`update_rows_supported` accepts. Runs this package's own kernel
-    (:mod:`.native`: the same math, 1.8-4.5x faster than fbgemm_gpu-cpu's on large
+    (:mod:`.native`: the same math, 1.8-4.4x faster than fbgemm_gpu-cpu's on large
     tables) when it could be built, else fbgemm's backward-with-optimizer kernel.
     """
     hyper, state = bind.hyper, bind.table
