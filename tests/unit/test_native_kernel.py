@@ -1,6 +1,9 @@
-"""The native sparse-update kernel (lookup/native.py) against fbgemm's own CPU backward-with-optimizer
-kernels and against a plain torch reference: duplicates within and across bags, empty bags, per-sample
-weights, a strided (column-slice) gradient, several threads, and bad input."""
+"""The native CPU kernels (lookup/native.py, cpu_kernels.c): the optimizer updates against fbgemm's own CPU
+backward-with-optimizer kernels and against a plain torch reference (duplicates within and across bags,
+empty bags, per-sample weights, a strided column-slice gradient, weight decay, Adam, several threads, bad
+input), the pooled sum's thread split, zero-width shards, and how the library is built and cached (a
+failing compiler, processes racing to build it). The pooled sum against fbgemm's forward: see
+test_lookup_validation.py."""
 
 from __future__ import annotations
 
