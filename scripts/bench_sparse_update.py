@@ -1,7 +1,7 @@
 """This package's CPU kernels (``lookup/native.py``) vs fbgemm_gpu-cpu's: the fused optimizers' update and the
 lookup's pooled sum.
 
-One process, one thread. ``--tables`` tables of ``--rows`` x ``--dim`` fp32 (4 x
+One process, one thread (``--threads`` for more). ``--tables`` tables of ``--rows`` x ``--dim`` fp32 (4 x
 1,000,000 x 128 = 2 GiB by default, so the rows a step touches are not in the
 cache, as in training), ``--bags`` bags of ``--bag`` ids per table (the ids one
 rank of the training benchmark's table-wise layout updates: 2 ranks x 2048 bags
@@ -16,6 +16,7 @@ forward kernel (checked bit-identical first).
 
     python scripts/bench_sparse_update.py --reps 7 --out bench/results.json
     python scripts/bench_sparse_update.py --kinds adagrad,adam --tables 2   # element-wise states: +2-4 GiB
+    python scripts/bench_sparse_update.py --threads 2 --out /tmp/t.json     # both kernels on two threads
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def run(cfg: dict) -> dict[str, Any]:
 
     from torchrec_dtensor_bridge.lookup import native
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(cfg["threads"])
     kernel = native.kernel()
     if kernel is None:
         raise SystemExit("bench_sparse_update: the native kernel could not be built (see the log)")
@@ -182,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--kinds", default="sgd,rowwise_adagrad", help="comma-separated subset of " + ", ".join(KINDS))
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for both paths (default 1, as in the training benchmark's ranks)")
     parser.add_argument("--no-forward", dest="forward", action="store_false",
                         help="skip the pooled sum (the lookup's forward) comparison")
     parser.add_argument("--out", type=Path, default=Path("bench/results.json"))
@@ -189,13 +192,13 @@ def main(argv: list[str] | None = None) -> int:
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or any(k not in KINDS for k in kinds):
         parser.error(f"--kinds: choose from {', '.join(KINDS)}, got {args.kinds!r}")
-    if min(args.rows, args.dim, args.tables, args.bags, args.bag, args.reps) < 1 or args.warmup < 0:
-        parser.error("--rows, --dim, --tables, --bags, --bag and --reps must be >= 1")
-    cfg = {k: getattr(args, k) for k in ("rows", "dim", "tables", "bags", "bag", "reps", "warmup", "forward")}
+    if min(args.rows, args.dim, args.tables, args.bags, args.bag, args.reps, args.threads) < 1 or args.warmup < 0:
+        parser.error("--rows, --dim, --tables, --bags, --bag, --reps and --threads must be >= 1")
+    cfg = {k: getattr(args, k) for k in ("rows", "dim", "tables", "bags", "bag", "reps", "warmup", "forward", "threads")}
     cfg["kinds"] = kinds
     res = run(cfg)
     print(f"sparse update / pooled sum of one table ({cfg['rows']:,} x {cfg['dim']} fp32, {cfg['tables']} tables, "
-          f"{cfg['bags']} bags of {cfg['bag']} fresh random ids), one thread; ms per table, median [min .. max] "
+          f"{cfg['bags']} bags of {cfg['bag']} fresh random ids), {cfg['threads']} thread(s); ms per table, median [min .. max] "
           f"of {cfg['reps']}")
     for kind, r in res.items():
         o, f, q = r["ours"], r["baseline"], r["ratio"]

@@ -219,8 +219,8 @@ def plot_sparse_update(res: dict, out: Path) -> Path:
     ax.set_ylim(top=ax.get_ylim()[1] * 1.1)  # room for the ratios
     ax.set_xticks(range(len(names)), names, fontsize=7)
     ax.set_ylabel("ms per table (median, min..max)")
-    ax.set_title(f"{cfg['rows']:,} x {cfg['dim']} fp32 tables, {cfg['bags']} bags of {cfg['bag']} ids, one thread",
-                 fontsize=8)
+    ax.set_title(f"{cfg['rows']:,} x {cfg['dim']} fp32 tables, {cfg['bags']} bags of {cfg['bag']} ids, "
+                 f"{cfg.get('threads', 1)} thread(s)", fontsize=8)
     ax.legend(fontsize=7)
     return _save(fig, out / "sparse_update.png")
 
