@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torchrec_dtensor_bridge.lookup import native, tbe
 from torchrec_dtensor_bridge.lookup.validate import RejectedArguments, bags_for_embedding, bags_from_input, check_options
 
+from .random_bags import random_bags
+
 
 def _bags(input, offsets=None, psw=None, *, mode="sum", last=False, rows=10):
     return bags_from_input("f", input, offsets, psw, rows=rows, mode=mode, include_last_offset=last,
@@ -151,9 +153,7 @@ def test_native_sum_is_fbgemms_to_the_bit(with_psw):
     """The native pooled sum adds in fbgemm's order: the same bits, on a table with duplicates and empty bags."""
     g = torch.Generator().manual_seed(3)
     shard = torch.randn(1000, 64, generator=g)
-    lengths = torch.randint(0, 30, (200,), generator=g)
-    ids = torch.randint(0, 1000, (int(lengths.sum()),), generator=g)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids, offsets = random_bags(g, 1000, 200, 29)
     psw = torch.rand(ids.numel(), generator=g) if with_psw else None
     fast = native.kernel()
     assert fast is not None

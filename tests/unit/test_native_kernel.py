@@ -17,6 +17,8 @@ import torch
 from torchrec_dtensor_bridge.lookup import native
 from torchrec_dtensor_bridge.lookup.tbe import tbe_available
 
+from .random_bags import random_bags
+
 KINDS = {"sgd": native.SGD, "rowwise_adagrad": native.ROWWISE_ADAGRAD, "adagrad": native.ADAGRAD}
 LR, EPS = 0.05, 1e-3
 
@@ -30,14 +32,11 @@ def kernel() -> native.NativeKernel:
 
 def _case(rows: int, dim: int, bags: int, seed: int, *, strided: bool, psw: bool):
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 6, (bags,), generator=g)
-    lengths[0] = 0  # an empty bag
-    n = int(lengths.sum())
-    ids = torch.randint(0, rows, (n,), generator=g)
+    ids, offsets = random_bags(g, rows, bags, 5, empty_first=True)
+    n = ids.numel()
     if n > 3:
         ids[1] = ids[0]  # a duplicate within a bag
         ids[-1] = ids[0]  # and across bags
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     full = torch.randn(bags, 3 * dim if strided else dim, generator=g)
     grad = full[:, dim : 2 * dim] if strided else full
     weights = torch.rand(n, generator=g) + 0.5 if psw else None
@@ -234,9 +233,7 @@ def test_pool_sum_threads_give_the_same_bits(kernel):
     """Bags split over 4 threads: the same output as one thread, bit for bit (and fbgemm's)."""
     g = torch.Generator().manual_seed(11)
     weight = torch.randn(5000, 16, generator=g)
-    lengths = torch.randint(0, 12, (8000,), generator=g)
-    ids = torch.randint(0, 5000, (int(lengths.sum()),), generator=g)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    ids, offsets = random_bags(g, 5000, 8000, 11)
     psw = torch.rand(ids.numel(), generator=g)
     assert ids.numel() >= 2 * native._MIN_PER_THREAD
     before = torch.get_num_threads()
