@@ -41,6 +41,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -122,22 +123,14 @@ class NativeKernel:
         """
         rows, dim = weight.shape
         bags = offsets.numel() - 1
-        assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu"
-        assert ids.dtype == offsets.dtype == torch.int64 and dim <= _MAX_DIM
-        ids, offsets = ids.contiguous(), offsets.contiguous()
-        psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
+        ids, offsets, psw = _inputs(weight, ids, offsets, per_sample_weights)
         out = torch.empty(bags, dim, dtype=torch.float32)
-        common = (weight.data_ptr(), dim, dim, rows, out.data_ptr(), dim, ids.data_ptr(), ids.numel(),
-                  offsets.data_ptr())
-        tail = None if psw is None else psw.data_ptr()
+        head = (weight.data_ptr(), dim, dim, rows, out.data_ptr(), dim, ids.data_ptr(), ids.numel(),
+                offsets.data_ptr())
+        # bags split evenly over the torch threads (each bag's sum is the same whatever the split)
         parts = max(1, min(torch.get_num_threads(), ids.numel() // _MIN_PER_THREAD, bags))
-        if parts == 1:
-            rcs = [self.lib.tdb_pool_sum(*common, 0, bags, tail)]
-        else:  # bags split evenly over the torch threads (each bag's sum is the same whatever the split)
-            cuts = [bags * k // parts for k in range(parts + 1)]
-            rcs = [f.result() for f in [_pool(parts).submit(self.lib.tdb_pool_sum, *common, a, b, tail)
-                                        for a, b in zip(cuts[:-1], cuts[1:])]]
-        if any(rcs):
+        cuts = [bags * k // parts for k in range(parts + 1)]
+        if any(_in_parts(self.lib.tdb_pool_sum, head, cuts, (_ptr(psw),))):
             raise ValueError(f"pooled lookup: ids outside [0, {rows}) or offsets out of order")
         return out
 
@@ -161,14 +154,9 @@ class NativeKernel:
         n, bags = ids.numel(), offsets.numel() - 1
         if n == 0:
             return
-        assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu"
+        ids, offsets, psw = _inputs(weight, ids, offsets, per_sample_weights)
         assert grad.dtype == torch.float32 and grad.stride(1) == 1 and tuple(grad.shape) == (bags, dim)
-        assert ids.dtype == offsets.dtype == torch.int64
-        ids, offsets = ids.contiguous(), offsets.contiguous()  # a strided view of the caller's ids is read as is
-        assert rows < 2**31 and n < 2**31 and dim <= _MAX_DIM
-        psw = None
-        if per_sample_weights is not None:
-            psw = per_sample_weights.to(torch.float32).contiguous()
+        assert rows < 2**31 and n < 2**31
         lds = 0
         for st in (state, state2):
             if st is not None:
@@ -189,23 +177,35 @@ class NativeKernel:
             self.lib.tdb_bag_square_sums(grad.data_ptr(), grad.stride(0), dim, bags, bag_sq.data_ptr())
         hyper = torch.tensor([lr, eps, weight_decay, beta1, beta2, lr / (1 - beta1**step) if kind == ADAM else 0.0,
                               1 - beta2**step if kind == ADAM else 1.0], dtype=torch.float32)
-        common = (kind, decay, weight.data_ptr(), dim, dim, 0 if state is None else state.data_ptr(),
-                  0 if state2 is None else state2.data_ptr(), lds, grad.data_ptr(), grad.stride(0),
-                  None if psw is None else psw.data_ptr(), keys.data_ptr(), occ.data_ptr(), bag_of.data_ptr(),
-                  None if bag_sq is None else bag_sq.data_ptr())
-        cuts = _row_cuts(keys, torch.get_num_threads())
-        if len(cuts) == 2:
-            self._check(self.lib.tdb_apply(*common, cuts[0], cuts[1], hyper.data_ptr()))
-            return
-        futures = [_pool(len(cuts) - 1).submit(self.lib.tdb_apply, *common, a, b, hyper.data_ptr())
-                   for a, b in zip(cuts[:-1], cuts[1:])]
-        for f in futures:
-            self._check(f.result())
+        head = (kind, decay, weight.data_ptr(), dim, dim, _ptr(state), _ptr(state2), lds, grad.data_ptr(),
+                grad.stride(0), _ptr(psw),
+                keys.data_ptr(), occ.data_ptr(), bag_of.data_ptr(), _ptr(bag_sq))
+        for rc in _in_parts(self.lib.tdb_apply, head, _row_cuts(keys, torch.get_num_threads()), (hyper.data_ptr(),)):
+            if rc != 0:
+                raise RuntimeError(f"sparse update kernel: bad arguments ({rc})")
 
-    @staticmethod
-    def _check(rc: int) -> None:
-        if rc != 0:
-            raise RuntimeError(f"sparse update kernel: bad arguments ({rc})")
+
+def _inputs(weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Checks a kernel's shard and batch; returns the ids and offsets contiguous (a strided view of the
+    caller's is read as is) and the per-sample weights as contiguous fp32 (or ``None``)."""
+    assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu"
+    assert ids.dtype == offsets.dtype == torch.int64 and weight.shape[1] <= _MAX_DIM
+    psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
+    return ids.contiguous(), offsets.contiguous(), psw
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _in_parts(fn: Callable[..., int], head: tuple, cuts: list[int], tail: tuple) -> list[int]:
+    """``fn(*head, a, b, *tail)`` for every range ``[a, b)`` of ``cuts``: on the thread pool when there are
+    several (ctypes releases the GIL), else here; the return codes in order."""
+    if len(cuts) == 2:
+        return [fn(*head, cuts[0], cuts[1], *tail)]
+    futures = [_pool(len(cuts) - 1).submit(fn, *head, a, b, *tail) for a, b in zip(cuts[:-1], cuts[1:])]
+    return [f.result() for f in futures]
 
 
 def _row_cuts(keys: torch.Tensor, threads: int) -> list[int]:
