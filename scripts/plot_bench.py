@@ -207,14 +207,13 @@ def plot_sparse_update(res: dict, out: Path) -> Path:
     names = list(kinds)
     styles = {"fbgemm": ("fbgemm-gpu-cpu kernel", "tab:gray")}
     for j, k in enumerate(names):
-        label, color = styles.get(kinds[k].get("baseline_label", "fbgemm"), (kinds[k].get("baseline_label"), "tab:olive"))
+        label, color = styles.get(kinds[k]["baseline_label"], (kinds[k]["baseline_label"], "tab:olive"))
         for i, (key, lab, col) in enumerate((("baseline", label, color), ("ours", "ours (cpu_kernels.c)", "tab:blue"))):
-            stats = kinds[k][key] if key in kinds[k] else kinds[k]["fbgemm"]  # results recorded before "baseline"
-            med, err = _err([stats], 1e3)
+            med, err = _err([kinds[k][key]], 1e3)
             ax.bar([j + (i - 0.5) * 0.4], med, 0.4, yerr=err, capsize=2, color=col, edgecolor="k", linewidth=0.3,
                    label=lab if lab not in ax.get_legend_handles_labels()[1] else None)
         r = kinds[k]["ratio"]
-        top = max(s["max"] for key, s in kinds[k].items() if key in ("baseline", "fbgemm", "ours"))
+        top = max(kinds[k][key]["max"] for key in ("baseline", "ours"))
         ax.annotate(f"{r['median']:.2f}x", (j, top * 1e3 * 1.03), ha="center", fontsize=7)
     ax.set_ylim(top=ax.get_ylim()[1] * 1.1)  # room for the ratios
     ax.set_xticks(range(len(names)), names, fontsize=7)

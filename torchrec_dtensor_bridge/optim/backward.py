@@ -7,8 +7,9 @@ this order on every rank:
 1. Every block this rank computed turns its output gradient into a sparse
    gradient: its touched rows (sorted unique ids, padding excluded) and one
    summed gradient row each - O(batch), no dense gradient. Where the update
-   needs nothing from other ranks, fbgemm's backward-with-optimizer kernel
-   does steps 1 and 3 in one pass (:func:`..lookup.tbe.update_rows`).
+   needs nothing from other ranks, one kernel does steps 1 and 3 in one pass
+   (:func:`..lookup.tbe.update_rows`: this package's own, else fbgemm's
+   backward-with-optimizer kernel).
 2. ONE exchange for all tables that need one (an ``all_gather`` of the sizes,
    then an ``all_to_all`` of the float64 payloads): replicated tables publish each rank's sparse
    gradient (every replica applies the sum of all ranks'), replicated blocks
