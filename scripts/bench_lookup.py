@@ -25,7 +25,7 @@ each was checked once against ``F.embedding_bag`` on the full tables:
 * forward (under ``torch.no_grad``) and forward+backward (``out.sum()``);
   TorchRec's fused kernel applies its optimizer (SGD) inside backward and
   writes no ``.grad``, ours and upstream produce a dense weight gradient;
-* the local lookup alone, in this process with one thread: ``tbe.pool_rows``
+* the local lookup alone, in this process with one thread: ``lookup.local.pool`` (``tdb::pool_sum``)
   (what ours runs per shard) and ``F.embedding_bag`` on one 200,000 x 64
   shard, in GB/s of rows gathered (``n_ids * dim * 4`` bytes), against the
   ``dst.copy_(src)`` bandwidth of a 256 MiB buffer;
@@ -396,7 +396,11 @@ def _local(cfg: dict, reps: int, warmup: int, threads: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from torchrec_dtensor_bridge.lookup.tbe import pool_rows, select_kernel
+    from torchrec_dtensor_bridge import kernels
+    from torchrec_dtensor_bridge.lookup.local import Pooling, pool
+
+    def pool_rows(shard, ids, offsets):
+        return pool([Pooling(shard, ids, offsets, None, False)])[0]
 
     torch.set_num_threads(threads)
     shard = _tables(cfg)[0]
@@ -431,7 +435,7 @@ def _local(cfg: dict, reps: int, warmup: int, threads: int) -> dict:
                 samples[k].append((time.perf_counter() - t0) / m)
     row_bytes = ids.numel() * cfg["dim"] * 4
     res: dict[str, Any] = {"threads": threads, "shard_shape": list(shard.shape), "ids": ids.numel(),
-                           "row_bytes": row_bytes, "copy_bytes": n * 4, "shard_bytes": shard.numel() * 4, "kernel": select_kernel(shard, False)}
+                           "row_bytes": row_bytes, "copy_bytes": n * 4, "shard_bytes": shard.numel() * 4, "kernel": kernels.pool_impl(shard.device).name.lower()}
     for k, xs in samples.items():
         nbytes = {"copy": n * 4, "copy_table": shard.numel() * 4}.get(k, row_bytes)
         res[k] = {**_stats(xs), "gb_s": nbytes / statistics.median(xs) / 1e9,
@@ -500,7 +504,7 @@ def _report(res: dict) -> None:
           f"shard, {loc['ids']:,} ids = {loc['row_bytes'] / 1e6:.1f} MB of rows; kernel {loc['kernel']}):")
     for k, label in (("copy", f"copy_ of {loc['copy_bytes'] // 2**20} MiB"),
                      ("copy_table", f"copy_ of {loc['shard_bytes'] / 2**20:.0f} MiB (shard size)"),
-                     ("ours_pool_rows", "ours tbe.pool_rows"), ("torch_embedding_bag", "F.embedding_bag")):
+                     ("ours_pool_rows", "ours tdb::pool_sum"), ("torch_embedding_bag", "F.embedding_bag")):
         s = loc[k]
         print(f"    {label:<30} {_ms(s)}  {s['gb_s']:6.2f} GB/s")
     print(f"    ours / copy bandwidth = {loc['ours_vs_copy']:.0%} (target >= 60%); "

@@ -1,4 +1,4 @@
-"""This package's CPU kernels (``lookup/native.py``) vs fbgemm_gpu-cpu's: the fused optimizers' update and the
+"""This package's CPU kernels (``kernels/native.py``) vs fbgemm_gpu-cpu's: the fused optimizers' update and the
 lookup's pooled sum.
 
 One process, one thread (``--threads`` for more). ``--tables`` tables of ``--rows`` x ``--dim`` fp32 (4 x
@@ -79,7 +79,7 @@ def _torch_adam(w, grad, ids, offsets, states) -> None:
 
 
 def _update(path: str, kernel: Any, kind: str, w, grad, ids, offsets, states: tuple) -> None:
-    from torchrec_dtensor_bridge.lookup import native
+    from torchrec_dtensor_bridge.kernels import native
 
     if path == "ours":
         codes = {"sgd": native.SGD, "rowwise_adagrad": native.ROWWISE_ADAGRAD, "adagrad": native.ADAGRAD,
@@ -96,7 +96,7 @@ def run(cfg: dict) -> dict[str, Any]:
     import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm
     import torch
 
-    from torchrec_dtensor_bridge.lookup import native
+    from torchrec_dtensor_bridge.kernels import native
 
     torch.set_num_threads(cfg["threads"])
     kernel = native.kernel()

@@ -18,7 +18,6 @@ import torch.nn.functional as F
 import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
 from torchrec_dtensor_bridge.layout import ShardLayout
-from torchrec_dtensor_bridge.lookup import native
 
 from .harness import make_pool_fixture
 
@@ -230,7 +229,8 @@ def check_weight_decay(rank: int, world: int) -> None:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                     (out * _scale(rank, step, t, out.shape[0])).sum().backward()
                 if n == "row_wise_uneven":  # each piece alone: the native kernel decays it (Adam too)
-                    assert f"tdb::sparse_update_{kind}" in {e.name for e in prof.events()}, (kind, mode)
+                    names = {e.name for e in prof.events()}
+                    assert {"tdb::sparse_update", f"tdb::native_update_{kind}"} <= names, (kind, mode)
                 _reference_step(ref, world, step, t, "sum", True)
             torch.testing.assert_close(tdb.full_tensor(w), ref.w, msg=lambda m, n=n: f"{n} {kind} {mode}: {m}")
             _check_state(opt, {"0": ref})
@@ -242,14 +242,13 @@ def test_weight_decay_every_kind(pool):
 
 def check_update_kernels(rank: int, world: int) -> list[str]:
     """Row-wise tables update in one pass over the touched rows (seen by torch's profiler): through this
-    package's native kernel by default, through fbgemm's backward-with-optimizer kernels with
-    ``TDB_NATIVE_KERNELS=0``; both give the reference's rows (checked against each other here, and
+    package's native kernel with ``TDB_KERNELS=native``, through fbgemm's backward-with-optimizer kernels with
+    ``TDB_KERNELS=fbgemm``, both through the one op ``tdb::sparse_update``; both give the reference's rows (checked against each other here, and
     against the unsharded optimizer by the parity tests)."""
     seen = []
     results: dict[str, dict[str, torch.Tensor]] = {}
     for native_on in (True, False):
-        os.environ["TDB_NATIVE_KERNELS"] = "1" if native_on else "0"
-        native.kernel.cache_clear()
+        os.environ["TDB_KERNELS"] = "native" if native_on else "fbgemm"
         try:
             for kind in ("sgd", "rowwise_adagrad", "adagrad"):
                 w = _weight(LAYOUTS["row_wise_even"], _table(0), rank)
@@ -261,14 +260,14 @@ def check_update_kernels(rank: int, world: int) -> list[str]:
                     out.sum().backward()
                 names = {e.name for e in prof.events()}
                 fbgemm_op = f"fbgemm::split_embedding_backward_codegen_{kind}_cpu"
-                ours = f"tdb::sparse_update_{kind}"
+                ours = f"tdb::native_update_{kind}"
                 want, not_want = (ours, fbgemm_op) if native_on else (fbgemm_op, ours)
                 assert want in names and not_want not in names, sorted(n for n in names if "::" in n)
+                assert "tdb::sparse_update" in names
                 seen.append(want)
                 results.setdefault(kind, {})[want] = tdb.full_tensor(w.detach())
         finally:
-            os.environ.pop("TDB_NATIVE_KERNELS", None)
-            native.kernel.cache_clear()
+            os.environ.pop("TDB_KERNELS", None)
     for kind, got in results.items():
         a, b = got.values()
         torch.testing.assert_close(a, b, msg=lambda m: f"{kind}: native vs fbgemm kernel: {m}")
@@ -277,7 +276,7 @@ def check_update_kernels(rank: int, world: int) -> list[str]:
 
 def test_update_kernels_native_and_fbgemm(pool):
     seen = pool.run(check_update_kernels)[0]
-    assert seen[:3] == [f"tdb::sparse_update_{k}" for k in ("sgd", "rowwise_adagrad", "adagrad")]
+    assert seen[:3] == [f"tdb::native_update_{k}" for k in ("sgd", "rowwise_adagrad", "adagrad")]
     assert seen[3:] == [f"fbgemm::split_embedding_backward_codegen_{k}_cpu" for k in ("sgd", "rowwise_adagrad", "adagrad")]
 
 

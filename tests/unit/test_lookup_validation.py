@@ -4,7 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchrec_dtensor_bridge.lookup import native, tbe
+from torchrec_dtensor_bridge import kernels
+from torchrec_dtensor_bridge.kernels import fbgemm, native
+from torchrec_dtensor_bridge.lookup.local import Pooling, pool, weight_grad
 from torchrec_dtensor_bridge.lookup.validate import RejectedArguments, bags_for_embedding, bags_from_input, check_options
 
 from .random_bags import random_bags
@@ -91,18 +93,22 @@ def test_options():
         "f", (10,), mode="sum", padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False, sparse=False))
 
 
-@pytest.fixture(params=[tbe.KERNEL_NATIVE, tbe.KERNEL_TBE])
+@pytest.fixture(params=[kernels.Impl.NATIVE, kernels.Impl.FBGEMM, kernels.Impl.TORCH])
 def sum_kernel(request, monkeypatch):
-    """Each fp32 sum kernel in turn: this package's own (the default), and fbgemm's with it switched off."""
-    if request.param == tbe.KERNEL_TBE:
-        monkeypatch.setenv("TDB_NATIVE_KERNELS", "0")
-    native.kernel.cache_clear()
+    """Each implementation of ``tdb::pool_sum`` in turn, forced by ``TDB_KERNELS``."""
+    monkeypatch.setenv("TDB_KERNELS", request.param.name.lower())
     yield request.param
-    monkeypatch.delenv("TDB_NATIVE_KERNELS", raising=False)
-    native.kernel.cache_clear()
 
 
-@pytest.mark.skipif(not tbe.tbe_available(), reason="fbgemm_gpu not installed")
+def _pool(shard, ids, offsets, psw=None, max_mode=False):
+    return pool([Pooling(shard, ids, offsets, psw, max_mode)])[0]
+
+
+def _grad(grad, shard, ids, offsets, psw=None, argmax=None):
+    return weight_grad(grad, Pooling(shard, ids, offsets, psw, argmax is not None), argmax)
+
+
+@pytest.mark.skipif(not fbgemm.available(), reason="fbgemm_gpu not installed")
 @pytest.mark.parametrize("with_psw", [False, True])
 def test_sum_kernels_match_torch_and_use_the_shard(with_psw, sum_kernel):
     g = torch.Generator().manual_seed(0)
@@ -110,44 +116,45 @@ def test_sum_kernels_match_torch_and_use_the_shard(with_psw, sum_kernel):
     ids = torch.randint(0, 50, (40,), generator=g)
     offsets = torch.tensor([0, 0, 7, 20, 40])  # an empty bag first
     psw = torch.rand(40, generator=g) if with_psw else None
-    assert tbe.select_kernel(shard, max_mode=False) == sum_kernel
+    assert kernels.pool_impl(shard.device) == sum_kernel
     before = shard.clone()
-    out, argmax = tbe.pool_rows(shard, ids, offsets, psw)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out, argmax = _pool(shard, ids, offsets, psw)
+    assert "tdb::pool_sum" in {e.name for e in prof.events()}
     assert argmax is None
     ref_w = shard.clone().requires_grad_()
     ref = F.embedding_bag(ids, ref_w, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True)
     torch.testing.assert_close(out, ref.detach())
     grad = torch.randn(out.shape, generator=g)
     ref.backward(grad)
-    torch.testing.assert_close(tbe.pool_rows_backward(grad, shard, ids, offsets, psw), ref_w.grad)
-    assert torch.equal(shard, before)  # the backward kernel takes the weights as Tensor(a!) but must not write them
+    torch.testing.assert_close(_grad(grad, shard, ids, offsets, psw), ref_w.grad)
+    assert torch.equal(shard, before)
 
 
 def test_max_uses_torch_fallback():
     shard = torch.randn(5, 3)
-    assert tbe.select_kernel(shard, max_mode=True) == tbe.KERNEL_TORCH
     ids, offsets = torch.tensor([1, 4]), torch.tensor([0, 2, 2])
-    out, argmax = tbe.pool_rows(shard, ids, offsets, max_mode=True)
+    out, argmax = _pool(shard, ids, offsets, max_mode=True)
     torch.testing.assert_close(out, torch.stack([shard[[1, 4]].amax(0), torch.zeros(3)]))
     ref_w = shard.clone().requires_grad_()
     F.embedding_bag(ids, ref_w, offsets, mode="max", include_last_offset=True).sum().backward()
     won = torch.tensor([[1.0] * 3, [0.0] * 3])  # the empty bag wins nothing
-    torch.testing.assert_close(tbe.pool_rows_backward(won, shard, ids, offsets, argmax=argmax), ref_w.grad)
+    torch.testing.assert_close(_grad(won, shard, ids, offsets, argmax=argmax), ref_w.grad)
 
 
 def test_torch_fallback_backward_matches():
     shard = torch.randn(6, 2, dtype=torch.float64)  # not fp32: the torch path
     ids, offsets, psw = torch.tensor([0, 5, 5, 2]), torch.tensor([0, 3, 4]), torch.rand(4, dtype=torch.float64)
-    assert tbe.select_kernel(shard, max_mode=False) == tbe.KERNEL_TORCH
+    assert not kernels.accepts(shard)
     ref_w = shard.clone().requires_grad_()
     ref = F.embedding_bag(ids, ref_w, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True)
-    torch.testing.assert_close(tbe.pool_rows(shard, ids, offsets, psw)[0], ref.detach())
+    torch.testing.assert_close(_pool(shard, ids, offsets, psw)[0], ref.detach())
     grad = torch.randn(ref.shape, dtype=torch.float64)
     ref.backward(grad)
-    torch.testing.assert_close(tbe.pool_rows_backward(grad, shard, ids, offsets, psw), ref_w.grad)
+    torch.testing.assert_close(_grad(grad, shard, ids, offsets, psw), ref_w.grad)
 
 
-@pytest.mark.skipif(not tbe.tbe_available(), reason="fbgemm_gpu not installed")
+@pytest.mark.skipif(not fbgemm.available(), reason="fbgemm_gpu not installed")
 @pytest.mark.parametrize("with_psw", [False, True])
 def test_native_sum_is_fbgemms_to_the_bit(with_psw):
     """The native pooled sum adds in fbgemm's order: the same bits, on a table with duplicates and empty bags."""

@@ -35,16 +35,14 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from . import build
 
 __all__ = ["ADAGRAD", "ADAM", "DECAY_DECOUPLED", "DECAY_L2", "DECAY_NONE", "ROWWISE_ADAGRAD", "SGD", "NativeKernel", "kernel"]
 
@@ -52,47 +50,9 @@ log = logging.getLogger(__name__)
 
 SGD, ROWWISE_ADAGRAD, ADAGRAD, ADAM = 0, 1, 2, 3
 DECAY_NONE, DECAY_L2, DECAY_DECOUPLED = 0, 1, 2  # as optim.kinds.WeightDecayMode
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
-_FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11")
 _VERSION = 6
 _MAX_DIM = 8192
 _MIN_PER_THREAD = 16384  # occurrences: below this, one thread
-
-
-def _cache_dir() -> Path:
-    env = os.environ.get("TDB_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "torchrec_dtensor_bridge"
-
-
-def _build(source: Path, cache: Path) -> Path:
-    """The compiled library for ``source`` in ``cache`` (built unless already there)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (set $CC, or install cc)")
-    text = source.read_bytes()
-    digest = hashlib.sha256(text + " ".join((cc, *_FLAGS)).encode()).hexdigest()[:16]
-    target = cache / f"cpu_kernels-{digest}.so"
-    if target.exists():
-        return target
-    cache.mkdir(mode=0o700, parents=True, exist_ok=True)  # a library loaded from here runs as this user
-    fd, tmp = tempfile.mkstemp(dir=cache, prefix=".cpu_kernels-", suffix=".so")
-    os.close(fd)
-    try:
-        for extra in ((), ("-DTDB_NO_CLONES",)):  # per-feature-level copies need GCC 12; else one plain copy
-            proc = subprocess.run([cc, *_FLAGS, *extra, "-o", tmp, str(source), "-lm"], capture_output=True,
-                                  text=True, timeout=120, check=False)
-            if proc.returncode == 0:
-                break
-        else:
-            raise RuntimeError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: a racing process builds the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
 
 
 class NativeKernel:
@@ -101,7 +61,7 @@ class NativeKernel:
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         if lib.tdb_version() != _VERSION:
-            raise RuntimeError(f"{path}: kernel version {lib.tdb_version()}, expected {_VERSION}")
+            raise OSError(f"{path}: kernel version {lib.tdb_version()}, expected {_VERSION}")
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.tdb_group.argtypes = [p, i64, p, i64, i64, p, p, p, p, p]
         lib.tdb_group.restype = ctypes.c_int
@@ -114,19 +74,25 @@ class NativeKernel:
         self.lib, self.path = lib, path
 
     def pool_sum(self, weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
-                 per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+                 per_sample_weights: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         """``(bags, dim)``: per bag, the sum of ``weight``'s rows at its ``ids`` (times the per-sample weights),
         added in id order, as fbgemm's forward and ``torch.embedding_bag`` add them.
 
         ``weight``: a contiguous fp32 CPU shard (read in place); ``ids``, ``offsets``: int64 local rows and
-        ``bags + 1`` bag boundaries.
+        ``bags + 1`` bag boundaries (positions in ``ids``); ``out``: where to write (``(bags, dim)`` fp32 with
+        unit column stride, e.g. a column slice of a wider output), else a new tensor.
         """
+        ids, offsets, psw = _inputs("pooled lookup", weight, ids, offsets, per_sample_weights)
         rows, dim = weight.shape
         bags = offsets.numel() - 1
-        ids, offsets, psw = _inputs(weight, ids, offsets, per_sample_weights)
-        out = torch.empty(bags, dim, dtype=torch.float32)
-        head = (weight.data_ptr(), dim, dim, rows, out.data_ptr(), dim, ids.data_ptr(), ids.numel(),
-                offsets.data_ptr())
+        if out is None:
+            out = torch.empty(bags, dim, dtype=torch.float32)
+        elif out.dtype != torch.float32 or tuple(out.shape) != (bags, dim) or (dim and out.stride(1) != 1) or (
+                bags > 1 and out.stride(0) < dim):
+            raise _fail("pooled lookup", "out", f"{out.dtype} {tuple(out.shape)} strides {out.stride()}",
+                        f"float32 ({bags}, {dim}) with unit column stride")
+        head = (weight.data_ptr(), dim, dim, rows, out.data_ptr(), out.stride(0) if bags else dim, ids.data_ptr(),
+                ids.numel(), offsets.data_ptr())
         # bags split evenly over the torch threads (each bag's sum is the same whatever the split)
         parts = max(1, min(torch.get_num_threads(), ids.numel() // _MIN_PER_THREAD, bags))
         cuts = [bags * k // parts for k in range(parts + 1)]
@@ -150,19 +116,30 @@ class NativeKernel:
         Adam) or :data:`DECAY_DECOUPLED` (row-wise Adagrad, Adam), as :mod:`..optim.update`; Adam's
         ``beta1``, ``beta2`` and ``step`` (counted from 1, this one included) as there.
         """
+        ids, offsets, psw = _inputs("sparse update", weight, ids, offsets, per_sample_weights)
         rows, dim = weight.shape
         n, bags = ids.numel(), offsets.numel() - 1
+        _check_grad(grad, bags, dim)
+        if kind not in (SGD, ROWWISE_ADAGRAD, ADAGRAD, ADAM):
+            raise _fail("sparse update", "kind", kind, "one of SGD, ROWWISE_ADAGRAD, ADAGRAD, ADAM")
+        want = {SGD: (False, False), ROWWISE_ADAGRAD: (True, False), ADAGRAD: (True, False), ADAM: (True, True)}[kind]
+        if (state is not None, state2 is not None) != want:
+            raise _fail("sparse update", "state, state2", (state is not None, state2 is not None),
+                        f"given as {want} for kind {kind}")
+        lds = 0
+        for name, st in (("state", state), ("state2", state2)):
+            if st is not None:
+                lds = _check_state(name, st, rows, dim)
+        if kind == ROWWISE_ADAGRAD and lds != 1:
+            raise _fail("sparse update", "state", "element-wise state", f"({rows},): row-wise Adagrad keeps one "
+                        "value per row")
+        if kind in (ADAGRAD, ADAM) and lds != dim and rows:
+            raise _fail("sparse update", "state", "per-row state", f"({rows}, {dim}): element-wise state")
+        if decay not in (DECAY_NONE, DECAY_L2, DECAY_DECOUPLED) or (decay == DECAY_L2 and kind == ADAM) or (
+                decay == DECAY_DECOUPLED and kind not in (ROWWISE_ADAGRAD, ADAM)):
+            raise _fail("sparse update", "decay", decay, "L2 (not Adam), decoupled (row-wise Adagrad, Adam) or none")
         if n == 0:
             return
-        ids, offsets, psw = _inputs(weight, ids, offsets, per_sample_weights)
-        assert grad.dtype == torch.float32 and grad.stride(1) == 1 and tuple(grad.shape) == (bags, dim)
-        assert rows < 2**31 and n < 2**31
-        lds = 0
-        for st in (state, state2):
-            if st is not None:
-                assert st.dtype == torch.float32 and st.is_contiguous()
-                lds = dim if st.dim() == 2 else 1
-        assert (kind == ADAM) == (state2 is not None), "Adam, and only Adam, has a second state"
         work = torch.empty(5, n, dtype=torch.int32)
         keys, occ, bag_of = work[0], work[1], work[2]
         rc = self.lib.tdb_group(ids.data_ptr(), n, offsets.data_ptr(), bags, rows, keys.data_ptr(),
@@ -185,14 +162,58 @@ class NativeKernel:
                 raise RuntimeError(f"sparse update kernel: bad arguments ({rc})")
 
 
-def _inputs(weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Checks a kernel's shard and batch; returns the ids and offsets contiguous (a strided view of the
-    caller's is read as is) and the per-sample weights as contiguous fp32 (or ``None``)."""
-    assert weight.dtype == torch.float32 and weight.is_contiguous() and weight.device.type == "cpu"
-    assert ids.dtype == offsets.dtype == torch.int64 and weight.shape[1] <= _MAX_DIM
-    psw = None if per_sample_weights is None else per_sample_weights.to(torch.float32).contiguous()
+def _fail(what: str, name: str, got: object, want: str) -> ValueError:
+    return ValueError(f"{what}: {name} must be {want}, got {got}")
+
+
+def _inputs(what: str, weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+            per_sample_weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Checks a kernel's shard and batch (exceptions naming the argument: the C code trusts what passes);
+    returns the ids and offsets contiguous (a strided view of the caller's is read as is) and the per-sample
+    weights as contiguous fp32 (or ``None``)."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise _fail(what, "weight", f"{weight.dtype} {tuple(weight.shape)} on {weight.device}",
+                    "a 2-D float32 CPU tensor")
+    if not weight.is_contiguous():
+        raise _fail(what, "weight", f"strides {weight.stride()}", "contiguous")
+    if weight.shape[1] > _MAX_DIM:
+        raise _fail(what, "weight", f"{weight.shape[1]} columns", f"at most {_MAX_DIM} columns wide")
+    if weight.shape[0] >= 2**31:
+        raise _fail(what, "weight", f"{weight.shape[0]} rows", "below 2**31 rows")
+    for name, t in (("ids", ids), ("offsets", offsets)):
+        if t.dim() != 1 or t.dtype != torch.int64 or t.device.type != "cpu":
+            raise _fail(what, name, f"{t.dtype} {tuple(t.shape)} on {t.device}", "a 1-D int64 CPU tensor")
+    if offsets.numel() < 1:
+        raise _fail(what, "offsets", "an empty tensor", "bags + 1 bag boundaries")
+    if ids.numel() >= 2**31:
+        raise _fail(what, "ids", f"{ids.numel()} ids", "fewer than 2**31")
+    psw = None
+    if per_sample_weights is not None:
+        if per_sample_weights.shape != ids.shape or not per_sample_weights.is_floating_point():
+            raise _fail(what, "per_sample_weights", f"{per_sample_weights.dtype} {tuple(per_sample_weights.shape)}",
+                        f"floating point of shape {tuple(ids.shape)} (one per id)")
+        psw = per_sample_weights.to(torch.float32).contiguous()
     return ids.contiguous(), offsets.contiguous(), psw
+
+
+def _check_grad(grad: torch.Tensor, bags: int, dim: int) -> None:
+    if grad.dtype != torch.float32 or grad.device.type != "cpu" or tuple(grad.shape) != (bags, dim):
+        raise _fail("sparse update", "grad", f"{grad.dtype} {tuple(grad.shape)} on {grad.device}",
+                    f"float32 on CPU of shape ({bags}, {dim})")
+    if dim and (grad.stride(1) != 1 or (bags > 1 and grad.stride(0) < dim)):
+        raise _fail("sparse update", "grad", f"strides {grad.stride()}", "rows of unit column stride")
+
+
+def _check_state(name: str, st: torch.Tensor, rows: int, dim: int) -> int:
+    """The state's row stride (1: per-row state ``(rows,)``; ``dim``: element-wise ``(rows, dim)``)."""
+    if st.dtype != torch.float32 or st.device.type != "cpu" or not st.is_contiguous():
+        raise _fail("sparse update", name, f"{st.dtype} on {st.device}, strides {st.stride()}",
+                    "a contiguous float32 CPU tensor")
+    if tuple(st.shape) == (rows,):
+        return 1
+    if tuple(st.shape) == (rows, dim):
+        return dim
+    raise _fail("sparse update", name, f"shape {tuple(st.shape)}", f"({rows},) or ({rows}, {dim}), one per row")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -227,11 +248,18 @@ def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
 @functools.lru_cache(maxsize=1)
 def kernel() -> NativeKernel | None:
     """The native kernels, built on first use; ``None`` when disabled (``TDB_NATIVE_KERNELS=0``) or they
-    cannot be built (then logged once, and fbgemm's kernels serve)."""
+    cannot be built (then logged once, and fbgemm's kernels serve).
+
+    A cached library that does not load, or is of another version, is rebuilt once, not skipped: a process
+    that quietly ran other kernels than its peers would be hard to find."""
     if os.environ.get("TDB_NATIVE_KERNELS", "1") == "0":
         return None
     try:
-        return NativeKernel(_build(_SOURCE, _cache_dir()))
+        try:
+            return NativeKernel(build.library())
+        except OSError as e:  # ctypes could not load it, or another version: build it again
+            log.warning("torchrec_dtensor_bridge: cached native kernels unusable (%s); rebuilding", e)
+            return NativeKernel(build.library(rebuild=True))
     except Exception as e:  # noqa: BLE001 - any build or load failure falls back to fbgemm's kernels
         log.warning("torchrec_dtensor_bridge: native CPU kernels unavailable, using fbgemm's: %s", e)
         return None

@@ -33,7 +33,7 @@ Steps of a lookup (every rank, in this order):
    applied by the caller after this Function, with plain autograd ops.
 
 A table whose plan carries an optimizer (:class:`..optim.FusedOptimizer`) gets no
-gradient: backward updates its shards in place instead (:mod:`..optim.backward`).
+gradient: backward updates its shards in place instead (:mod:`.optimizer_step`).
 Otherwise the weight's gradient is returned as a DTensor with the weight's own mesh,
 placements and layout (a :class:`LocalShardsWrapper` of per-shard gradients
 when the weight has one), equal shard by shard to the unsharded gradient of
@@ -52,14 +52,16 @@ from ..layout import ShardSpec
 from ..wrapper import LocalShardsWrapper
 from .exchange import row_starts
 from .fused import ReduceMessage, columns_backward, exchange_columns, gather_grads, psw_backward
+from .local import Pooling, pool, weight_grad
+from .optimizer_step import apply_optimizers
 from .plan import Block, LookupPlan, Strategy, partial_output, strategy_for
-from .tbe import pool_rows, pool_rows_backward
 
 __all__ = ["LookupPlan", "Strategy", "pooled_lookup", "strategy_for"]
 
 
-def _compute_block(plan: LookupPlan, i: int) -> Block:
-    """Pool, for every bag of ``plan.batch``, the ids shard ``i`` stores."""
+def _select(plan: LookupPlan, i: int) -> tuple[Pooling, torch.Tensor, torch.Tensor | None]:
+    """What shard ``i`` pools: for every bag of ``plan.batch``, the ids it stores, as local rows; the number
+    of them per bag; where they are in the batch (``None``: all of it, in order)."""
     spec, shard = plan.mine[i], plan.shards[i]
     ids, batch = plan.batch.ids, plan.batch
     r0, h = spec.offsets[0], spec.sizes[0]
@@ -80,12 +82,23 @@ def _compute_block(plan: LookupPlan, i: int) -> Block:
         psw = None if batch.weights is None else batch.weights.detach().index_select(0, at)
     offsets = torch.zeros(batch.num_bags + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
-    out, argmax = pool_rows(shard.detach(), local, offsets, psw, max_mode=plan.max_mode)
-    return Block(i, out, counts, (spec.offsets[1], spec.sizes[1]), local, offsets, psw, argmax, at)
+    return Pooling(shard.detach(), local, offsets, psw, plan.max_mode), counts, at
 
 
-def _compute_blocks(plan: LookupPlan) -> list[Block]:
-    return [_compute_block(plan, i) for i, c in enumerate(plan.computes) if c]
+def _compute_blocks(plans: list[LookupPlan]) -> list[list[Block]]:
+    """Every table's blocks, pooled together: one kernel call per storage (:func:`.local.pool`)."""
+    chosen = [[(i, *_select(p, i)) for i, c in enumerate(p.computes) if c] for p in plans]
+    outs = iter(pool([r for table in chosen for _, r, _, _ in table]))
+    blocks = []
+    for p, table in zip(plans, chosen):
+        bl = []
+        for i, r, counts, at in table:
+            out, argmax = next(outs)
+            spec = p.mine[i]
+            bl.append(Block(i, out, counts, (spec.offsets[1], spec.sizes[1]), r.ids, r.offsets, r.weights, argmax,
+                            at))
+        blocks.append(bl)
+    return blocks
 
 
 def _reduce_max(plan: LookupPlan, blocks: list[Block], track: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -148,8 +161,7 @@ class _PooledLookup(torch.autograd.Function):
         message = ReduceMessage(plans, reduce) if reduce else None
         blocks: list[list[Block]] = []
         columns = []
-        for t, p in enumerate(plans):
-            bl = _compute_blocks(p)
+        for t, (p, bl) in enumerate(zip(plans, _compute_blocks(plans))):
             if p.strategy is Strategy.LOCAL:
                 outs[t], wins[t] = bl[0].out, _has_win(p, bl[:1])
             elif p.local_only:
@@ -200,8 +212,6 @@ class _PooledLookup(torch.autograd.Function):
         psw_grads = psw_backward(plans, blocks, pieces)  # before any update: the rows as forward saw them
         fused = [t for t, p in enumerate(plans) if p.optimizer is not None]
         if fused:  # updated in place; no weight gradient
-            from ..optim.backward import apply_optimizers
-
             apply_optimizers(plans, blocks, pieces, ctx.wins, fused)
         grads = [None if p.optimizer is not None else _table_grads(p, bl, pc, win)
                  for p, bl, pc, win in zip(plans, blocks, pieces, ctx.wins)]
@@ -217,8 +227,8 @@ def _table_grads(
     for k, (b, g) in enumerate(zip(blocks, pieces)):
         if win is not None:
             g = g * win[k]
-        computed[b.index] = pool_rows_backward(g, plan.shards[b.index].detach(), b.ids, b.offsets, b.weights,
-                                               b.argmax)
+        r = Pooling(plan.shards[b.index].detach(), b.ids, b.offsets, b.weights, plan.max_mode)
+        computed[b.index] = weight_grad(g, r, b.argmax)
     # only shards no block was computed on (replicas, empty blocks) start from zeros
     grads = [computed[i] if i in computed else torch.zeros_like(s) for i, s in enumerate(plan.shards)]
     _mask_padding(plan, grads)

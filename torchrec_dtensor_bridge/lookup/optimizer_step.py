@@ -1,22 +1,21 @@
 """Backward with a fused optimizer: the touched rows' gradients, combined across ranks, applied in place.
 
-Called by the lookups' autograd Function (:mod:`..lookup.algorithms`) once the
-output gradients reached every block. For each table with an optimizer, in
+Part of the lookups' backward (:mod:`.algorithms`), once the output gradients reached every block;
+:mod:`..optim` holds the optimizer, its state and the update math. For each table with an optimizer, in
 this order on every rank:
 
 1. Every block this rank computed turns its output gradient into a sparse
    gradient: its touched rows (sorted unique ids, padding excluded) and one
    summed gradient row each - O(batch), no dense gradient. Where the update
    needs nothing from other ranks, one kernel does steps 1 and 3 in one pass
-   (:func:`..lookup.tbe.update_rows`: this package's own, else fbgemm's
-   backward-with-optimizer kernel).
+   (:func:`.local.update`: one ``tdb::sparse_update`` per storage, for all tables).
 2. ONE exchange for all tables that need one (an ``all_gather`` of the sizes,
    then an ``all_to_all`` of the float64 payloads): replicated tables publish each rank's sparse
    gradient (every replica applies the sum of all ranks'), replicated blocks
    their computing copy's (the other copies apply the same), and row-wise
    Adagrad on column-cut tables every block's per-row partial sums of
    squares (the whole row's statistic is their sum).
-3. Every shard (replicas included) applies the update (:mod:`.update`) to its
+3. Every shard (replicas included) applies the update (:mod:`..optim.update`) to its
    touched rows.
 """
 
@@ -29,12 +28,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..lookup.exchange import share_flat
-from ..lookup.plan import Block, LookupPlan, Strategy
-from ..lookup.tbe import update_rows, update_rows_supported
-from .kinds import OptimKind
-from .state import Binding
-from .update import apply_elementwise, apply_rowwise, row_square_sums
+from ..optim.kinds import OptimKind
+from ..optim.state import Binding
+from ..optim.update import apply_elementwise, apply_rowwise, row_square_sums
+from .exchange import share_flat
+from .local import Update, update, update_supported
+from .plan import Block, LookupPlan, Strategy
 
 __all__ = ["apply_optimizers", "sparse_grad"]
 
@@ -99,7 +98,7 @@ class _Table:
 
 
 def _prepare(plan: LookupPlan, t: int, blocks: list[Block], pieces: list[torch.Tensor],
-             wins: list[torch.Tensor] | None) -> tuple[_Table, list[_Segment]]:
+             wins: list[torch.Tensor] | None, one_pass: list[Update]) -> tuple[_Table, list[_Segment]]:
     bind = plan.optimizer
     assert isinstance(bind, Binding)
     unique = plan.layout.unique_shards()
@@ -113,8 +112,8 @@ def _prepare(plan: LookupPlan, t: int, blocks: list[Block], pieces: list[torch.T
     for k, b in enumerate(blocks):
         spec = plan.mine[b.index]
         alone = not everyone and copies[spec.box] == 1 and not column_cut
-        if alone and b.argmax is None and update_rows_supported(bind, plan, b):
-            update_rows(bind, plan, b, pieces[k])
+        if alone and update_supported(bind, plan, b):
+            one_pass.append(Update(bind, plan, b, pieces[k]))
             continue
         rows, grad = sparse_grad(plan, b, pieces[k], None if wins is None else wins[k])
         table.local[b.index] = (rows, grad)
@@ -217,16 +216,18 @@ def apply_optimizers(
 ) -> None:
     """Update ``tables`` (each ``plans[t].optimizer`` set) in place from their blocks' output gradients;
     *collective* (one exchange for all tables, when any needs one)."""
-    for t in tables:  # Adam's step counts this one before any update (a one-pass kernel in _prepare reads it)
+    for t in tables:  # Adam's step counts this one before any update (the one-pass kernel reads it)
         bind = plans[t].optimizer
         assert isinstance(bind, Binding)
         if bind.hyper.kind is OptimKind.ADAM:
             bind.table.step += 1
     prepared, segments = [], []
+    one_pass: list[Update] = []
     for t in tables:
-        table, segs = _prepare(plans[t], t, blocks[t], pieces[t], wins[t])
+        table, segs = _prepare(plans[t], t, blocks[t], pieces[t], wins[t], one_pass)
         prepared.append(table)
         segments += segs
+    update(one_pass)  # one kernel call per storage
     need = any(tb.everyone or tb.column_cut or any(c > 1 for c in tb.copies.values()) for tb in prepared)
     got = _exchange(segments, plans[tables[0]].group) if need else []
     for table in prepared:

@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
-from .. import agreement
+from .. import agreement, kernels
+from ..optim import FusedOptimizer
+from ..optim.kinds import OptimKind
 from ..agreement import RejectedArguments, float_code
 from ..convert.groups import CommGroup
 from .bags import Bags
@@ -81,8 +83,6 @@ def bind_optimizer(fn: str, optimizer: object, weight: object) -> Any:
     """The optimizer's binding for ``weight`` (``None`` without an optimizer); raises :class:`RejectedArguments`."""
     if optimizer is None:
         return None
-    from ..optim import FusedOptimizer
-
     if not isinstance(optimizer, FusedOptimizer):
         raise RejectedArguments(TypeError, f"{fn}: optimizer must be a FusedOptimizer, got {type(optimizer).__name__}")
     bind = optimizer.bind(weight)
@@ -267,8 +267,6 @@ class TableCodes:
     def of(cls, op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
            shape: tuple[int, ...], dtype: torch.dtype | None, layout: int = -1, *, optimizer: Any = None,
            psw_grad: bool = False) -> TableCodes:
-        from ..optim.kinds import OptimKind
-
         two_d = len(shape) == 2
         return cls(
             op, MODES.index(mode) if mode in MODES else -1, -1 if padding is None else int(padding),
@@ -286,7 +284,7 @@ class TableCodes:
 
 _CODE_FIELDS = dataclasses.fields(TableCodes)
 _SIZES = 3  # num_bags, num_ids, has_weights
-_HEADER = 3  # number of tables, input kind, input digest
+_HEADER = 4  # number of tables, input kind, input digest, kernel choices (kernels.choice_code)
 FIRST_MESSAGE_TABLES = 16
 """Tables whose sizes and options travel in the agreement's first (fixed-size) message."""
 
@@ -387,7 +385,8 @@ def agree(
     routes = [None] * n if sends is None or bags is None else list(sends)
     nf = _SIZES + len(_CODE_FIELDS) + world
     fields = [x for b, c, r in zip(per_table, codes, routes) for x in _table_fields(b, c, r, world)]
-    header = [n, kind.value, digest if kind is InputKind.REPLICATE else 0]
+    device = per_table[0].ids.device if per_table and per_table[0] is not None else torch.device("cpu")
+    header = [n, kind.value, digest if kind is InputKind.REPLICATE else 0, kernels.choice_code(device)]
     width = _HEADER + FIRST_MESSAGE_TABLES * nf
     rows = agreement.agree(fn, None if error is None else error.problem, header + fields, group, width=width)
     counts = [r[0] for r in rows]
@@ -398,6 +397,7 @@ def agree(
                          hint="every rank must pass its input alike")
     agreement.check_same(fn, "the Replicate() input's values (digests)", [r[2] for r in rows],
                          hint="a Replicate() input must be the same batch on every rank")
+    kernels.settle(device, [r[3] for r in rows])  # the ranks run the same kernels, or fall back together
     tables = [r[_HEADER:] for r in rows]
     if n > FIRST_MESSAGE_TABLES:
         more = agreement.exchange(fields[FIRST_MESSAGE_TABLES * nf :], group)

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards_of
 from ..convert.reshard import copy_into
 from .kinds import STATES, Hyper, OptimKind, StateKind, WeightDecayMode
-from .state import Binding, TableState
+from .state import Binding, TableState, share_storage
 from .torchrec_state import export_torchrec, import_torchrec
 
 __all__ = ["FusedOptimizer"]
@@ -117,6 +117,7 @@ class FusedOptimizer:
                 layout = dataclasses.replace(layout, dtype=w.dtype)
             self._tables[name] = TableState(name, w, layout, dist.get_rank(), local_shards_of(w), okind)
             self._by_id[id(w)] = name
+        share_storage(list(self._tables.values()))
 
     @property
     def kind(self) -> str:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from ..layout import ShardLayout, ShardSpec
 from .kinds import STATES, Hyper, OptimKind, StateKind
 
-__all__ = ["Binding", "TableState", "row_layout"]
+__all__ = ["Binding", "TableState", "row_layout", "share_storage"]
 
 
 def row_layout(layout: ShardLayout, name: str) -> tuple[ShardLayout, list[int]]:
@@ -105,3 +105,56 @@ class Binding:
 
     hyper: Hyper
     table: TableState
+
+
+def _packed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors``' values in one new buffer, as views of it in order."""
+    if not tensors:
+        return []
+    buf = torch.cat([t.reshape(-1) for t in tensors])
+    views, at = [], 0
+    for t in tensors:
+        views.append(buf[at : at + t.numel()].view(t.shape))
+        at += t.numel()
+    return views
+
+
+def _mirrored(shards: list[torch.Tensor], states: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``states`` (one like each of ``shards``) in one new buffer laid out as the shards' storage: each at its
+    shard's offset, so one kernel call addresses weights and state alike (fbgemm's CPU Adagrad reads its
+    momentum at the weights' offsets)."""
+    lo = min(int(s.storage_offset()) for s in shards)
+    hi = max(int(s.storage_offset()) + s.numel() for s in shards)
+    buf = torch.zeros(hi - lo, dtype=states[0].dtype, device=states[0].device)
+    views = []
+    for s, st in zip(shards, states):
+        at = int(s.storage_offset()) - lo
+        view = buf[at : at + st.numel()].view(st.shape)
+        view.copy_(st)
+        views.append(view)
+    return views
+
+
+def share_storage(tables: list[TableState]) -> None:
+    """Tables whose shards on this rank all live in one storage (a TorchRec fused module's buffer) keep each
+    kind of state in one buffer for that storage, so one kernel call updates them all; each table still
+    sees its own views (``row_states``, ``elements``), in its own layout. Per-row state is packed back to
+    back; element-wise state mirrors the weights' storage."""
+    groups: dict[tuple[int, str], list[TableState]] = {}
+    for t in tables:
+        homes = {(s.untyped_storage().data_ptr(), str(s.device)) for s in t.shards if s.numel()}
+        if len(homes) == 1 and all(s.numel() for s in t.shards):
+            groups.setdefault(homes.pop(), []).append(t)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        rows = _packed([r for t in members for r in t.row_states])
+        for t in members:
+            t.row_states, rows = rows[: len(t.row_states)], rows[len(t.row_states) :]
+        shards = [s for t in members for s in t.shards]
+        names = sorted({n for t in members for e in t.elements for n in e})
+        for name in names:
+            views = _mirrored(shards, [e[name] for t in members for e in t.elements])
+            for t in members:
+                for e in t.elements:
+                    e[name] = views.pop(0)

@@ -1,0 +1,112 @@
+"""One kernel call per storage, on a real TorchRec fused module converted zero-copy (2 gloo ranks).
+
+TorchRec keeps a rank's fused tables in ONE fbgemm buffer; ``state_dict_to_dtensor`` makes DTensors whose
+shards are views of it. A training step of ours over those DTensors (``sharded_embedding_bags`` with a
+``FusedOptimizer``) must make no more kernel calls than TorchRec's own step (one forward, one backward per
+rank, counted by torch's profiler), give TorchRec's outputs, and leave TorchRec's weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchrec_dtensor_bridge as tdb
+from torchrec_dtensor_bridge.convert import local_shards_of
+
+from .harness import make_pool_fixture
+from .torchrec_models import build_ebc, random_kjt
+
+pool = make_pool_fixture(2)
+
+TABLES = {f"t{i}": (40 + 7 * i, 8 * (1 + i % 3), "table_wise") for i in range(8)}
+LR = 0.05
+FORWARD = "fbgemm::split_embedding_codegen_forward_cpu"
+
+
+def _fused_module(kind: str, world: int):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.shard import shard
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingEnv
+
+    opt = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[kind]
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": opt, "learning_rate": LR, "eps": 1e-8})
+    per_param = {n: table_wise(rank=i % world, compute_kernel="fused") for i, n in enumerate(TABLES)}
+    ebc = build_ebc(TABLES, seed=1)
+    plan = construct_module_sharding_plan(ebc, per_param_sharding=per_param, sharder=sharder, local_size=world,
+                                          world_size=world, device_type="cpu")
+    module = shard(ebc, plan=plan, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                   device=torch.device("cpu"), sharder=sharder)
+    weights = tdb.state_dict_to_dtensor(module.state_dict())
+    with torch.no_grad():  # the same values in every copy
+        for i, n in enumerate(TABLES):
+            w = weights[f"embedding_bags.{n}.weight"]
+            full = torch.randn(tuple(w.shape), generator=torch.Generator().manual_seed(10 + i))
+            for spec, shard_t in zip(tdb.layout_of(w).shards_on(dist.get_rank()), local_shards_of(w)):
+                r0, c0 = spec.offsets
+                shard_t.copy_(full[r0 : r0 + spec.sizes[0], c0 : c0 + spec.sizes[1]])
+    return module, {n: weights[f"embedding_bags.{n}.weight"].requires_grad_() for n in TABLES}
+
+
+def _counts(prof) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in prof.events():
+        if e.name.startswith(("fbgemm::split_embedding", "tdb::")):
+            out[e.name] = out.get(e.name, 0) + 1
+    return out
+
+
+def _scale(rank: int, key: str, shape) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(hash((rank, key)) % 2**31))
+
+
+def check_one_call_per_storage(rank: int, world: int, kind: str, impl: str) -> dict:
+    os.environ["TDB_KERNELS"] = impl
+    try:
+        theirs, _ = _fused_module(kind, world)
+        mine_module, weights = _fused_module(kind, world)
+        homes = {s.untyped_storage().data_ptr() for w in weights.values() for s in local_shards_of(w) if s.numel()}
+        assert len(homes) == 1, "TorchRec keeps a rank's fused tables in one buffer"
+        opt = tdb.FusedOptimizer(weights, kind, lr=LR, eps=1e-8)
+        kjt = random_kjt(TABLES, batch=6, seed=7 + rank)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof_theirs:
+            a = theirs(kjt).wait().to_dict()
+            sum((a[k] * _scale(rank, k, a[k].shape)).sum() for k in sorted(a)).backward()
+        feats = [kjt[f"f_{n}"] for n in TABLES]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof_ours:
+            outs = tdb.sharded_embedding_bags([f.values() for f in feats], list(weights.values()),
+                                              [f.offsets() for f in feats], mode="sum", include_last_offset=True,
+                                              optimizer=opt)
+            # TorchRec divides embedding gradients by the world size (DDP's averaging): scale ours alike
+            (sum((o * _scale(rank, f"f_{n}", o.shape)).sum() for n, o in zip(TABLES, outs)) / world).backward()
+        for n, o in zip(TABLES, outs):
+            torch.testing.assert_close(o, a[f"f_{n}"], rtol=0, atol=0, msg=lambda m, n=n: f"forward {n}: {m}")
+        after = tdb.state_dict_to_dtensor(theirs.state_dict())
+        for n, w in weights.items():
+            torch.testing.assert_close(tdb.full_tensor(w), tdb.full_tensor(after[f"embedding_bags.{n}.weight"]),
+                                       msg=lambda m, n=n: f"update {n}: {m}")
+        return {"theirs": _counts(prof_theirs), "ours": _counts(prof_ours)}
+    finally:
+        os.environ.pop("TDB_KERNELS", None)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad"])
+def test_fbgemm_calls_no_more_than_torchrec(pool, kind):
+    backward = f"fbgemm::split_embedding_backward_codegen_{kind}_cpu"
+    for got in pool.run(check_one_call_per_storage, kind, "fbgemm"):
+        theirs, ours = got["theirs"], got["ours"]
+        assert theirs.get(FORWARD) == 1 and theirs.get(backward) == 1, theirs  # TorchRec: one per buffer
+        assert ours.get(FORWARD) == 1 and ours.get(backward) == 1, ours
+        assert ours.get("tdb::pool_sum") == 1 and ours.get("tdb::sparse_update") == 1, ours
+
+
+def test_native_one_op_call_per_storage(pool):
+    for got in pool.run(check_one_call_per_storage, "rowwise_adagrad", "native"):
+        ours = got["ours"]
+        assert ours.get("tdb::pool_sum") == 1 and ours.get("tdb::sparse_update") == 1, ours
+        assert not any(k.startswith("fbgemm::") for k in ours), ours

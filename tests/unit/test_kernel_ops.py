@@ -1,0 +1,204 @@
+"""The kernel layer's torch ops (kernels/ops.py): opcheck for every op and implementation, several tables of
+one storage in one call against per-table references, fakes under FakeTensorMode and torch.compile, and bad
+arguments refused before any kernel runs (nothing modified)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from torchrec_dtensor_bridge import kernels
+from torchrec_dtensor_bridge.kernels import fbgemm, native
+
+from .random_bags import random_bags
+
+pytestmark = pytest.mark.skipif(not fbgemm.available() or native.kernel() is None,
+                                reason="needs fbgemm_gpu and a C compiler")
+
+DIMS, ROWS, GAP = [8, 16, 4], [30, 50, 20], 7  # three tables in one storage, gaps between them
+HYPER = dict(lr=0.1, eps=1e-2, weight_decay=0.0, decay=0, beta1=0.9, beta2=0.99, step=1)
+
+
+@pytest.fixture(params=["native", "fbgemm", "torch"])
+def impl(request, monkeypatch):
+    monkeypatch.setenv("TDB_KERNELS", request.param)
+    return request.param
+
+
+def _storage(seed: int = 0):
+    """One flat storage with the tables at offsets (gaps between), and one batch of 6 bags per table."""
+    g = torch.Generator().manual_seed(seed)
+    at, offs = 3, []
+    for r, d in zip(ROWS, DIMS):
+        offs.append(at)
+        at += r * d + GAP
+    flat = torch.randn(at, generator=g)
+    parts = [random_bags(g, r, 6, 5) for r in ROWS]
+    ids = torch.cat([p[0] for p in parts])
+    bounds, base = [torch.zeros(1, dtype=torch.int64)], 0
+    for p in parts:
+        bounds.append(p[1][1:] + base)
+        base += p[0].numel()
+    return flat, offs, ids, torch.cat(bounds), parts
+
+
+def _table(flat, offs, t):
+    return flat[offs[t] : offs[t] + ROWS[t] * DIMS[t]].view(ROWS[t], DIMS[t])
+
+
+@pytest.mark.parametrize("with_psw", [False, True])
+def test_pool_sum_of_one_storage_equals_torch_per_table(impl, with_psw):
+    flat, offs, ids, offsets, parts = _storage()
+    psw = torch.rand(ids.numel()) if with_psw else None
+    out = torch.ops.tdb.pool_sum(flat, offs, DIMS, ROWS, ids, offsets, psw)
+    assert out.shape == (6, sum(DIMS))
+    c0, at = 0, 0
+    for t, (tid, toff) in enumerate(parts):
+        tpsw = None if psw is None else psw[at : at + tid.numel()]
+        ref = F.embedding_bag(tid, _table(flat, offs, t), toff, mode="sum", per_sample_weights=tpsw,
+                              include_last_offset=True)
+        got = out[:, c0 : c0 + DIMS[t]]
+        assert torch.equal(got, ref) if psw is None else torch.allclose(got, ref, atol=1e-6), (impl, t)
+        c0, at = c0 + DIMS[t], at + tid.numel()
+
+
+def test_dense_grad_of_one_storage_is_packed_per_table(impl):
+    if impl == "native":
+        pytest.skip("no native dense backward: fbgemm's or torch's")
+    flat, offs, ids, offsets, parts = _storage(1)
+    grad = torch.randn(6, sum(DIMS))
+    got = torch.ops.tdb.pool_sum_backward(grad, DIMS, ROWS, ids, offsets, None)
+    at, c0 = 0, 0
+    for t, (tid, toff) in enumerate(parts):
+        w = _table(flat, offs, t).clone().requires_grad_()
+        F.embedding_bag(tid, w, toff, mode="sum", include_last_offset=True).backward(grad[:, c0 : c0 + DIMS[t]])
+        torch.testing.assert_close(got[at : at + w.numel()].view(w.shape), w.grad)
+        at, c0 = at + w.numel(), c0 + DIMS[t]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad", "adagrad", "adam"])
+@pytest.mark.parametrize("which", ["native", "fbgemm"])
+def test_sparse_update_of_one_storage_equals_one_call_per_table(kind, which, monkeypatch):
+    if which == "fbgemm" and kind == "adam":
+        pytest.skip("fbgemm-gpu-cpu has no CPU Adam")
+    monkeypatch.setenv("TDB_KERNELS", which)
+    flat, offs, ids, offsets, parts = _storage(2)
+    grad = torch.randn(6, sum(DIMS))[:, :]  # strided rows are fine too: checked below
+    per_row = kind == "rowwise_adagrad"
+    sizes = [r if per_row else r * d for r, d in zip(ROWS, DIMS)]
+    m_offs = [sum(sizes[:t]) + 2 * t for t in range(3)]
+    m1 = None if kind == "sgd" else torch.rand(sum(sizes) + 6)
+    m2 = torch.rand(sum(sizes) + 6) if kind == "adam" else None
+    one = flat.clone(), None if m1 is None else m1.clone(), None if m2 is None else m2.clone()
+    torch.ops.tdb.sparse_update(one[0], offs, DIMS, ROWS, grad, ids, offsets, None, kind, one[1],
+                                m_offs if m1 is not None else [], one[2], m_offs if m2 is not None else [],
+                                **HYPER)
+    c0 = 0
+    for t, (tid, toff) in enumerate(parts):  # the same tables, one call each, on their own tensors
+        w = _table(flat, offs, t).clone().view(-1)
+        s1 = None if m1 is None else m1[m_offs[t] : m_offs[t] + sizes[t]].clone()
+        s2 = None if m2 is None else m2[m_offs[t] : m_offs[t] + sizes[t]].clone()
+        torch.ops.tdb.sparse_update(w, [0], DIMS[t : t + 1], ROWS[t : t + 1], grad[:, c0 : c0 + DIMS[t]], tid,
+                                    toff, None, kind, s1, [0] if s1 is not None else [], s2,
+                                    [0] if s2 is not None else [], **HYPER)
+        assert torch.equal(_table(one[0], offs, t).reshape(-1), w), (kind, which, t)
+        if s1 is not None:
+            assert torch.equal(one[1][m_offs[t] : m_offs[t] + sizes[t]], s1), (kind, which, t)
+        c0 += DIMS[t]
+    gaps = [one[0][offs[t] + ROWS[t] * DIMS[t] : offs[t] + ROWS[t] * DIMS[t] + GAP] for t in range(3)]
+    assert all(torch.equal(g, flat[offs[t] + ROWS[t] * DIMS[t] : offs[t] + ROWS[t] * DIMS[t] + GAP])
+               for t, g in enumerate(gaps)), "the gaps between tables are not touched"
+
+
+def _op_args():
+    flat, offs, ids, offsets, _ = _storage(3)
+    grad = torch.randn(6, sum(DIMS))
+    m1 = torch.zeros(sum(ROWS))
+    return {
+        "pool_sum": (flat, offs, DIMS, ROWS, ids, offsets, None),
+        "pool_sum_backward": (grad, DIMS, ROWS, ids, offsets, None),
+        "sparse_update": (flat.clone(), offs, DIMS, ROWS, grad, ids, offsets, None, "rowwise_adagrad", m1,
+                          [0, ROWS[0], ROWS[0] + ROWS[1]], None, [], 0.1, 1e-8, 0.0, 0, 0.9, 0.999, 1),
+    }
+
+
+@pytest.mark.parametrize("op", ["pool_sum", "pool_sum_backward", "sparse_update"])
+def test_opcheck(op, impl):
+    if impl == "torch" and op == "sparse_update":
+        pytest.skip("the torch-op update math lives in optim/, not behind the op")
+    torch.library.opcheck(getattr(torch.ops.tdb, op).default, _op_args()[op])
+
+
+def test_fake_tensors_and_compile():
+    args = _op_args()["pool_sum"]
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        out = torch.ops.tdb.pool_sum(*fake)
+        assert out.shape == (6, sum(DIMS)) and out.dtype == torch.float32
+
+    def model(flat, ids, offsets):
+        return torch.relu(torch.ops.tdb.pool_sum(flat, args[1], DIMS, ROWS, ids, offsets, None)).sum(1)
+
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(args[0], args[4], args[5]), model(args[0], args[4], args[5]))
+
+
+def test_profiler_names_the_ops():
+    args = _op_args()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for op, a in args.items():
+            getattr(torch.ops.tdb, op)(*a)
+    names = {e.name for e in prof.events()}
+    assert {"tdb::pool_sum", "tdb::pool_sum_backward", "tdb::sparse_update"} <= names
+
+
+def _bad(op: str, k: int, value, match: str) -> None:
+    args = list(_op_args()[op])
+    args[k] = value
+    before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
+    with pytest.raises(ValueError, match=match):
+        getattr(torch.ops.tdb, op)(*args)
+    after = [a for a in args if isinstance(a, torch.Tensor)]
+    assert all(torch.equal(x, y) for x, y in zip(before, after)), f"{op}: modified before refusing"
+
+
+@pytest.mark.parametrize("which", ["native", "fbgemm"])
+def test_bad_arguments_name_the_argument_and_change_nothing(which, monkeypatch):
+    monkeypatch.setenv("TDB_KERNELS", which)
+    ids = _op_args()["pool_sum"][4].clone()
+    ids[-1] = ROWS[2]  # the last table's first row past its end
+    _bad("pool_sum", 4, ids, r"ids")
+    _bad("sparse_update", 5, ids, r"ids")
+    _bad("pool_sum", 0, torch.zeros(10, dtype=torch.float64), "weights must be a flat contiguous float32")
+    _bad("pool_sum", 1, [0, 10, 10**6], "table 2")
+    _bad("pool_sum", 5, torch.tensor([0, 5, 3] + [40] * 16), "offsets")
+    _bad("pool_sum", 5, torch.arange(5), "T \\* B \\+ 1")
+    _bad("sparse_update", 4, torch.randn(6, 3), "grad must be float32")
+    _bad("sparse_update", 9, torch.zeros(sum(ROWS) - 1), "momentum1 of table 2")  # one row short
+    _bad("sparse_update", 9, None, "momentum1, momentum2")
+    _bad("sparse_update", 8, "lamb", "kind must be one of")
+
+
+def test_ranks_settle_on_what_every_rank_has_and_the_first_ranks_calibration():
+    cpu = torch.device("cpu")
+    mine = kernels.choice_code(cpu)
+    assert mine & 3 == 3, "both C kernels here"
+    try:
+        kernels.settle(cpu, [mine, 0])  # another rank with neither C kernel
+        assert kernels.pool_impl(cpu) is kernels.Impl.TORCH
+        assert kernels.update_impl(cpu, "sgd", 0.0) is kernels.Impl.TORCH
+        kernels.settle(cpu, [mine, 1])  # the other rank has ours only
+        assert kernels.pool_impl(cpu) is kernels.Impl.NATIVE
+        assert kernels.update_impl(cpu, "adagrad", 0.0) is kernels.Impl.NATIVE
+        assert kernels.dense_impl(cpu) is kernels.Impl.TORCH
+        kernels.settle(cpu, [3 | 1 << 2, mine])  # rank 0 measured ours faster at pooling, slower elsewhere
+        assert kernels.pool_impl(cpu) is kernels.Impl.NATIVE
+        assert kernels.update_impl(cpu, "sgd", 0.0) is kernels.Impl.FBGEMM
+        assert kernels.update_impl(cpu, "sgd", 0.1) is kernels.Impl.NATIVE  # fbgemm ignores weight decay
+        kernels.settle(cpu, [3, 3 | 0b111100])
+        assert kernels.pool_impl(cpu) is kernels.Impl.FBGEMM
+    finally:
+        kernels.choose._agreed.clear()
+    assert kernels.pool_impl(cpu) is kernels.calibrated("pool")

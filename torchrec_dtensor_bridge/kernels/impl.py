@@ -1,0 +1,144 @@
+"""The implementations behind the kernel ops (:mod:`.ops`), each over the ops' one form.
+
+The form (fbgemm's): several tables in ONE flat fp32 storage ``weights``, table ``t``'s rows at element
+``weights_offsets[t]`` (``rows[t] x dims[t]``, row-major); one batch of ``B`` bags per table, the ids of
+all tables back to back with ``offsets`` of length ``T * B + 1`` (table-major, positions in ``ids``); an
+output or output gradient ``(B, sum(dims))``, table ``t`` at its columns. The caller (:mod:`.ops`) has
+checked every argument; which implementation runs is :mod:`.choose`'s decision.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from . import fbgemm, native
+
+__all__ = ["Impl", "dense_grad", "pool_sum", "sparse_update"]
+
+
+class Impl(enum.IntEnum):
+    """An implementation; the order is the fallback order (ranks that disagree fall back to the lowest)."""
+
+    TORCH = 0
+    FBGEMM = 1
+    NATIVE = 2
+
+_NATIVE_KINDS = {"sgd": native.SGD, "rowwise_adagrad": native.ROWWISE_ADAGRAD, "adagrad": native.ADAGRAD,
+                 "adam": native.ADAM}
+
+
+def _table(weights: torch.Tensor, at: int, rows: int, dim: int) -> torch.Tensor:
+    return weights[at : at + rows * dim].view(rows, dim)
+
+
+def _bags(ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None, t: int, b: int,
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Table ``t``'s ids, its ``b + 1`` offsets from 0, and its per-sample weights."""
+    cut = offsets[t * b : (t + 1) * b + 1]
+    lo, hi = int(cut[0]), int(cut[-1])
+    return ids[lo:hi], cut - lo, None if psw is None else psw[lo:hi]
+
+
+def _columns(dims: list[int]) -> list[int]:
+    starts = [0]
+    for d in dims:
+        starts.append(starts[-1] + d)
+    return starts
+
+
+def pool_sum(which: Impl, weights: torch.Tensor, weights_offsets: list[int], dims: list[int], rows: list[int],
+             ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None) -> torch.Tensor:
+    """``(B, sum(dims))``: every table's bag sums side by side."""
+    tables = len(dims)
+    b = (offsets.numel() - 1) // tables
+    if which is Impl.FBGEMM:
+        args = fbgemm.table_args(tuple(weights_offsets), tuple(dims), tuple(rows), weights.device)
+        return fbgemm.pool_sum(weights, args, ids, offsets, psw)
+    starts = _columns(dims)
+    out = torch.empty(b, starts[-1], dtype=torch.float32, device=weights.device)
+    kernel = native.kernel() if which is Impl.NATIVE else None
+    for t in range(tables):
+        shard = _table(weights, weights_offsets[t], rows[t], dims[t])
+        into = out[:, starts[t] : starts[t + 1]]
+        if kernel is not None:  # absolute offsets into the whole ids: no per-table slicing
+            with torch.profiler.record_function("tdb::native_pool_sum"):
+                kernel.pool_sum(shard, ids, offsets[t * b : (t + 1) * b + 1], psw, out=into)
+            continue
+        tid, toff, tpsw = _bags(ids, offsets, psw, t, b)
+        into.copy_(torch.embedding_bag(shard, tid, toff[:-1], False, 0, False, tpsw, False)[0])
+    return out
+
+
+def dense_grad(which: Impl, grad: torch.Tensor, dims: list[int], rows: list[int], ids: torch.Tensor,
+               offsets: torch.Tensor, psw: torch.Tensor | None) -> torch.Tensor:
+    """Every table's dense weight gradient, flat and back to back (table ``t``'s ``rows[t] x dims[t]``)."""
+    packed = [0]
+    for r, d in zip(rows, dims):
+        packed.append(packed[-1] + r * d)
+    if which is Impl.FBGEMM:
+        args = fbgemm.table_args(tuple(packed[:-1]), tuple(dims), tuple(rows), grad.device)
+        return fbgemm.dense_grad(grad, args, ids, offsets, psw, packed[-1])
+    tables, starts = len(dims), _columns(dims)
+    b = (offsets.numel() - 1) // tables
+    out = torch.zeros(packed[-1], dtype=torch.float32, device=grad.device)
+    for t in range(tables):
+        tid, toff, tpsw = _bags(ids, offsets, psw, t, b)
+        lengths = toff[1:] - toff[:-1]
+        bag = torch.repeat_interleave(torch.arange(b, device=grad.device), lengths, output_size=tid.numel())
+        per_id = grad[:, starts[t] : starts[t + 1]].index_select(0, bag)
+        if tpsw is not None:
+            per_id = per_id * tpsw.unsqueeze(1)
+        _table(out, packed[t], rows[t], dims[t]).index_add_(0, tid, per_id)
+    return out
+
+
+def sparse_update(which: Impl, weights: torch.Tensor, weights_offsets: list[int], dims: list[int], rows: list[int],
+                  grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None, kind: str,
+                  momentum1: torch.Tensor | None, momentum1_offsets: list[int], momentum2: torch.Tensor | None,
+                  momentum2_offsets: list[int], lr: float, eps: float, weight_decay: float, decay: int,
+                  beta1: float, beta2: float, step: int) -> None:
+    """Every table's touched rows (and their state) updated in place: :attr:`Impl.NATIVE` or :attr:`Impl.FBGEMM`."""
+    if which is Impl.FBGEMM and kind == "adagrad" and list(momentum1_offsets) != list(weights_offsets):
+        # fbgemm's CPU Adagrad addresses its momentum by the WEIGHTS' offsets (momentum1_offsets unread):
+        # state laid out otherwise takes one call per table
+        tables, starts = len(dims), _columns(dims)
+        b = (offsets.numel() - 1) // tables
+        assert momentum1 is not None, "checked by the op"
+        for t in range(tables):
+            tid, toff, tpsw = _bags(ids, offsets, psw, t, b)
+            size = rows[t] * dims[t]
+            args = fbgemm.table_args((0,), (dims[t],), (rows[t],), weights.device)
+            fbgemm.update(kind, weights[weights_offsets[t] : weights_offsets[t] + size], args,
+                          grad[:, starts[t] : starts[t + 1]], tid, toff, tpsw,
+                          momentum1[momentum1_offsets[t] : momentum1_offsets[t] + size], args.weights_offsets, lr,
+                          eps)
+        return
+    if which is Impl.FBGEMM:
+        args = fbgemm.table_args(tuple(weights_offsets), tuple(dims), tuple(rows), weights.device)
+        m_off = None if momentum1 is None else torch.tensor(momentum1_offsets, dtype=torch.int64)
+        fbgemm.update(kind, weights, args, grad, ids, offsets, psw, momentum1, m_off, lr, eps)
+        return
+    kernel = native.kernel()
+    if which is not Impl.NATIVE or kernel is None:
+        raise RuntimeError(f"sparse update: no one-pass kernel for {which.name.lower()} (choose.update_impl decides)")
+    tables, starts = len(dims), _columns(dims)
+    b = (offsets.numel() - 1) // tables
+    per_row = kind == "rowwise_adagrad"
+    for t in range(tables):
+        tid, toff, tpsw = _bags(ids, offsets, psw, t, b)
+        if tid.numel() == 0:
+            continue
+        states: list[torch.Tensor | None] = []
+        for m, at in ((momentum1, momentum1_offsets), (momentum2, momentum2_offsets)):
+            if m is None:
+                states.append(None)
+            elif per_row:
+                states.append(m[at[t] : at[t] + rows[t]])
+            else:
+                states.append(_table(m, at[t], rows[t], dims[t]))
+        with torch.profiler.record_function(f"tdb::native_update_{kind}"):
+            kernel.update(_NATIVE_KINDS[kind], _table(weights, weights_offsets[t], rows[t], dims[t]),
+                          grad[:, starts[t] : starts[t + 1]], tid, toff, tpsw, states[0], lr, eps, weight_decay,
+                          decay, state2=states[1], beta1=beta1, beta2=beta2, step=step)
