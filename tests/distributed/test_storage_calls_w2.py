@@ -13,9 +13,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
 
 import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.convert import local_shards_of
+from torchrec_dtensor_bridge.convert.placements import world_mesh
 
 from .harness import make_pool_fixture
 from .torchrec_models import build_ebc, random_kjt
@@ -110,3 +112,53 @@ def test_native_one_op_call_per_storage(pool):
         ours = got["ours"]
         assert ours.get("tdb::pool_sum") == 1 and ours.get("tdb::sparse_update") == 1, ours
         assert not any(k.startswith("fbgemm::") for k in ours), ours
+
+
+def check_shared_state_round_trip(rank: int, world: int, kind: str, root: str) -> None:
+    """The state of tables sharing a storage lives in one buffer per storage (one kernel call updates it),
+    yet ``state_dict()`` gives one DTensor per table that checkpoints and loads into another layout."""
+    _, weights = _fused_module("sgd", world)
+    opt = tdb.FusedOptimizer(weights, kind, lr=LR, eps=1e-8)
+    kjt = random_kjt(TABLES, batch=6, seed=3 + rank)
+    feats = [kjt[f"f_{n}"] for n in TABLES]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        outs = tdb.sharded_embedding_bags([f.values() for f in feats], list(weights.values()),
+                                          [f.offsets() for f in feats], mode="sum", include_last_offset=True,
+                                          optimizer=opt)
+        sum(o.square().sum() for o in outs).backward()
+    assert _counts(prof).get("tdb::sparse_update") == 1
+    sd = opt.state_dict()
+    states = [v for k, v in sd.items() if k.endswith("momentum1")]
+    assert len(states) == len(TABLES)
+    homes = {s.untyped_storage().data_ptr() for v in states for s in local_shards_of(v) if s.numel()}
+    assert len(homes) == 1, "one state buffer for the tables of one storage"
+    assert any(bool((s != 0).any()) for v in states for s in local_shards_of(v)), "the step wrote state"
+    tdb.checkpoint.save(sd, f"{root}/opt")
+    mesh = world_mesh("cpu")
+    rowwise = {n: distribute_tensor(torch.zeros(r, d), mesh, [Shard(0)]).requires_grad_()
+               for n, (r, d, _) in TABLES.items()}
+    other = tdb.FusedOptimizer(rowwise, kind, lr=LR, eps=1e-8)
+    into = other.state_dict()
+    tdb.checkpoint.load(into, f"{root}/opt")
+    other.load_state_dict(into)
+    for key, value in sd.items():
+        torch.testing.assert_close(tdb.full_tensor(other.state_dict()[key]), tdb.full_tensor(value),
+                                   rtol=0, atol=0, msg=lambda m, key=key: f"{key}: {m}")
+    before = {k: tdb.full_tensor(v) for k, v in sd.items()}
+    with torch.no_grad():
+        for v in states:
+            for s in local_shards_of(v):
+                s.zero_()
+    back = opt.state_dict()
+    tdb.checkpoint.load(back, f"{root}/opt")  # in place, into the shared buffer
+    opt.load_state_dict(back)
+    for key, value in opt.state_dict().items():
+        assert torch.equal(tdb.full_tensor(value), before[key]), key
+    homes = {s.untyped_storage().data_ptr() for k, v in opt.state_dict().items() if k.endswith("momentum1")
+             for s in local_shards_of(v) if s.numel()}
+    assert len(homes) == 1, "still one buffer after loading"
+
+
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "adagrad"])
+def test_shared_state_round_trip(pool, kind, tmp_path):
+    pool.run(check_shared_state_round_trip, kind, str(tmp_path / kind))

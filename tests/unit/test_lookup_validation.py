@@ -156,17 +156,18 @@ def test_torch_fallback_backward_matches():
 
 @pytest.mark.skipif(not fbgemm.available(), reason="fbgemm_gpu not installed")
 @pytest.mark.parametrize("with_psw", [False, True])
-def test_native_sum_is_fbgemms_to_the_bit(with_psw):
+@pytest.mark.parametrize("dim", [64, 192, 40])  # register blocks of 64 columns (one, three), and the plain loop
+def test_native_sum_is_fbgemms_to_the_bit(with_psw, dim):
     """The native pooled sum adds in fbgemm's order: the same bits, on a table with duplicates and empty bags."""
     g = torch.Generator().manual_seed(3)
-    shard = torch.randn(1000, 64, generator=g)
+    shard = torch.randn(1000, dim, generator=g)
     ids, offsets = random_bags(g, 1000, 200, 29)
     psw = torch.rand(ids.numel(), generator=g) if with_psw else None
     fast = native.kernel()
     assert fast is not None
     ours = fast.pool_sum(shard, ids, offsets, psw)
     theirs = torch.ops.fbgemm.split_embedding_codegen_forward_cpu(
-        shard.view(-1), torch.zeros(1, dtype=torch.int64), torch.tensor([0, 64], dtype=torch.int32), 64,
+        shard.view(-1), torch.zeros(1, dtype=torch.int64), torch.tensor([0, dim], dtype=torch.int32), dim,
         torch.tensor([0, 1000]), ids, offsets, 0, psw, 0)
     assert torch.equal(ours, theirs)
 

@@ -63,7 +63,10 @@ class TableArgs:
 
 def table_args(offsets: tuple[int, ...], dims: tuple[int, ...], rows: tuple[int, ...],
                device: torch.device) -> TableArgs:
-    """:class:`TableArgs` of tables at element ``offsets`` with ``dims`` columns and ``rows`` rows."""
+    """:class:`TableArgs` of tables at element ``offsets`` with ``dims`` columns and ``rows`` rows (and
+    fbgemm_gpu's ops registered)."""
+    if _module() is None:
+        raise RuntimeError("fbgemm_gpu is not installed (pip install fbgemm-gpu-cpu, or fbgemm-gpu for CUDA)")
     return _table_args(tuple(offsets), tuple(dims), tuple(rows), str(device))
 
 

@@ -1,33 +1,28 @@
-"""This package's own CPU kernels (``cpu_kernels.c``): the pooled sum of a lookup, the fused optimizers' updates.
+"""This package's own CPU kernels (``cpu_kernels.c``) through ctypes: the pooled sum of a lookup, the fused
+optimizers' updates.
 
-Why kernels of our own: fbgemm_gpu-cpu 1.8's backward-with-optimizer kernels
-are slow on CPU for large tables. Measured on one thread (1,000,000 x 128 fp32
-tables, out of cache, 4096 bags of 20 ids, one step's update of one table;
-``scripts/bench_sparse_update.py``): ``EXACT_SGD`` 16 ms and
-``EXACT_ROWWISE_ADAGRAD`` 44-46 ms, while fbgemm's forward reads the same rows
-in 7.3 ms; the SGD kernel sums each row's gradient element by element, the
-row-wise Adagrad one runs its gradient-summing kernel with one "bag" per
-touched row. ``cpu_kernels.c`` sorts the occurrences by row (a radix sort),
+Why kernels of our own: fbgemm_gpu-cpu's backward-with-optimizer kernels sum
+each row's gradient element by element (SGD) or run a gradient-summing pass
+with one "bag" per touched row (row-wise Adagrad), have no CPU Adam and ignore
+weight decay. ``cpu_kernels.c`` sorts the occurrences by row (a radix sort),
 then walks the touched rows in increasing order, prefetching the rows ahead,
 reading a row's bag gradient in place when it occurs once (most rows) and
-summing it first otherwise: 8.7 ms and 10.4 ms. Its pooled sum adds in
-fbgemm's order (the same bits) and prefetches each row's two end cache lines
-only: 7.0 vs 7.35 ms (BENCHMARKS.md). The update's math is fbgemm's
-(``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` / ``EXACT_ADAGRAD`` / ``ADAM``, for
-which fbgemm-gpu-cpu has no CPU kernel; weight decay as :mod:`..optim.update`,
-which fbgemm-gpu-cpu's kernels ignore), tested against fbgemm's own kernels
-and against the unsharded reference optimizer.
+summing it first otherwise. Its pooled sum adds in fbgemm's order (the same
+bits). The math is fbgemm's (``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` /
+``EXACT_ADAGRAD`` / ``ADAM``; weight decay as :mod:`..optim.update`), tested
+against fbgemm's own kernels and the unsharded reference optimizer; whether it
+is faster than fbgemm's depends on the CPU (BENCHMARKS.md), which is why
+:mod:`.choose` measures both on the machine at hand.
 
-The C file is compiled on first use, with the C compiler of ``$CC`` (else
-``cc``) into ``$TDB_KERNEL_CACHE`` (default ``~/.cache/torchrec_dtensor_bridge``),
-named by a hash of the source and flags, written to a temporary name and
-renamed into place (processes that race build the same file); then loaded
-with :mod:`ctypes`, which releases the GIL during the call, so with several
-torch threads a pooled sum splits its bags, and an update its touched rows, over
-that many threads (fbgemm's kernels are multi-threaded too). It needs
-no Python or torch headers. Without a working compiler, or with
-``TDB_NATIVE_KERNELS=0``, :func:`kernel` is ``None`` and the caller uses
-fbgemm's kernels.
+Steps of a call:
+
+1. :func:`kernel` loads the library :mod:`.build` compiled (rebuilt once if it does not load).
+2. :meth:`NativeKernel.pool_sum` / :meth:`NativeKernel.update` check every argument (a ``ValueError``
+   naming it; the C code trusts what passes), shapes, dtypes, strides and the state's rows included.
+3. The work is split on bag (pooling) or row (update) boundaries over the torch threads; ctypes
+   releases the GIL during each call.
+
+With ``TDB_NATIVE_KERNELS=0``, or without a working compiler, :func:`kernel` is ``None``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class Bags:
 
     def count_per_bag(self, mask: torch.Tensor) -> torch.Tensor:
         """For every bag, how many of its ids ``mask`` (one bool per id) selects: segment sums of a
-        prefix sum (~7x faster here than ``bincount`` of the selected ids' bags)."""
+        prefix sum (faster than ``bincount`` of the selected ids' bags)."""
         prefix = torch.zeros(mask.numel() + 1, dtype=torch.int64, device=mask.device)
         torch.cumsum(mask, 0, out=prefix[1:])
         bounds = torch.zeros(self.num_bags + 1, dtype=torch.int64, device=mask.device)

@@ -194,9 +194,8 @@ def share_flat(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup 
     this rank's own entry is ``t`` itself; *collective*.
 
     An all-gather of uneven sizes with no padding: gloo's ``all_gather``
-    copies the input and every output through staging buffers and took 1.4x
-    as long as an ``all_to_all_single`` moving the same bytes (8 MiB per rank,
-    2 ranks; ``BENCHMARKS.md``). With two ranks ``t`` is sent as it is; with
+    copies the input and every output through staging buffers, slower than an
+    ``all_to_all_single`` moving the same bytes (``BENCHMARKS.md``). With two ranks ``t`` is sent as it is; with
     more it is repeated once per other rank (one copy).
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)

@@ -8,7 +8,7 @@ message as soon as it is computed, its own output then released); backward:
 (ONE all-gather of the output gradients). The reduce-scatter and the all-gather
 are each one ``all_to_all_single`` (:func:`.exchange.sum_into`,
 :func:`.exchange.share_flat`): gloo's own ``reduce_scatter`` and ``all_gather``
-stage every buffer and took 1.4-2x as long for the same bytes. Tables of
+stage every buffer (BENCHMARKS.md, collectives). Tables of
 different dtypes travel in one common dtype, exact for each (float64 when they
 differ).
 """
@@ -207,8 +207,7 @@ def _columns_backward_rows(
     This rank's own bags' columns never travel: they are copied into their rows of the result, and the
     ``all_to_all`` fills the other ranks' rows (in place when those rows are contiguous: this rank's rows
     first or last, as always with two ranks). gloo's ``all_to_all`` copies a rank's piece for itself
-    through its transport; leaving it out took a 2-rank exchange of 4 MiB per rank from 7-11 ms to
-    3-4.5 ms (fresh buffers, as in a training step).
+    through its transport, which costs more than the copy (BENCHMARKS.md).
     """
     p0 = plans[tables[0]]
     world, rank, dev, bags = p0.world, p0.rank, p0.batch.ids.device, p0.num_bags
