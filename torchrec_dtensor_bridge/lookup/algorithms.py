@@ -1,43 +1,33 @@
 """Sharded pooled lookups for every layout, as one differentiable autograd Function.
 
-One call looks up one or several tables (each with its own :class:`LookupPlan`);
-the collectives of all tables that combine the same way are fused (:mod:`.fused`), so a
-lookup of many tables costs as many collectives as a lookup of one.
+One call looks up one or several tables (each with its own :class:`LookupPlan`); the collectives of all
+tables that combine the same way are fused, so a lookup of many tables costs as many collectives as a
+lookup of one. Each layout family's communication lives in its own module: :mod:`.columns` (blocks
+spanning all rows), :mod:`.rows` (row cuts), :mod:`.replicas` (whole or replicated copies).
 
-Steps of a lookup (every rank, in this order):
+Steps of forward (every rank, in this order):
 
-1. Every shard this rank computes for (the first replica of each distinct
-   block) pools, for each bag of the batch, the ids that fall in its rows.
-   Ids stored elsewhere, and ``padding_idx`` in a bag lookup, are filtered out
-   before the kernel runs: this is the SPEC's "spare row" without allocating
-   one (a spare row would need a copy of the shard). A bag with no local id
-   gives 0 for a sum and ``-inf`` for a max, so it does not contribute.
-2. The partial bags are combined according to the strategy the layout allows:
+1. Every shard this rank computes for (the first copy of each distinct block) selects, for each bag of
+   the batch, the ids that fall in its rows (:func:`_select`; ids stored elsewhere, and ``padding_idx``
+   in a bag lookup, are filtered out, so a bag with no local id gives 0 for a sum and ``-inf`` for a max).
+2. All tables' blocks are pooled together, one kernel call per storage (:func:`.local.pool`).
+3. The partial bags are combined by the strategy the layout allows: ``LOCAL`` (every rank holds the
+   whole table: its own batch, no exchange), ``COLUMNS`` (:func:`.columns.exchange_columns`), ``REDUCE``
+   (:class:`.rows.ReduceMessage`, or :func:`.rows.reduce_max`); a ``Replicate()`` batch (``local_only``)
+   is not exchanged at all.
+4. ``mean`` (dividing by the true bag size) and max's "empty bag is 0" are applied by the caller after
+   this Function, with plain autograd ops.
 
-   * ``LOCAL`` - every rank holds the whole table (replicated): no gather, no
-     exchange; the batch is the rank's own. Backward all-reduces the gradient
-     so every replica gets the gradient of all ranks' batches.
-   * ``COLUMNS`` - every block spans all rows (column-wise, table-wise,
-     table-column-wise): each (bag, column) is computed by exactly one rank, so
-     one ``all_to_all`` (for all such tables together) hands every rank the
-     columns of its own bags. Backward is the reverse ``all_to_all``.
-   * ``REDUCE`` - rows are cut (row-wise, table-row-wise, grid): the partial
-     bags of all ranks' batches are summed by one reduce-scatter (for all such
-     tables together; an ``all_to_all`` of the partials, then a local sum:
-     :func:`.exchange.sum_into`) back to each rank's own bags (max: one
-     ``all_reduce(MAX)`` per table, which also tells every rank where the
-     winning rows are). Backward all-gathers the output gradients of all such
-     tables at once (one ``all_to_all``: :func:`.exchange.share_flat`; masked
-     to the winning rows for max).
-3. ``mean`` (dividing by the true bag size) and max's "empty bag is 0" are
-   applied by the caller after this Function, with plain autograd ops.
+Steps of backward:
 
-A table whose plan carries an optimizer (:class:`..optim.FusedOptimizer`) gets no
-gradient: backward updates its shards in place instead (:mod:`.optimizer_step`).
-Otherwise the weight's gradient is returned as a DTensor with the weight's own mesh,
-placements and layout (a :class:`LocalShardsWrapper` of per-shard gradients
-when the weight has one), equal shard by shard to the unsharded gradient of
-all ranks' batches.
+1. Each block receives the output gradient of its bags: :func:`.columns.columns_backward`,
+   :func:`.rows.gather_grads` (masked to the winning rows for max), or the rank's own.
+2. Per-sample weights that require grad get theirs (:func:`.psw.psw_backward`), before any update.
+3. Tables with a fused optimizer are updated in place (:func:`.optimizer_step.apply_optimizers`: one
+   kernel call per storage where a shard needs nothing from other ranks); they get no gradient.
+4. Other tables get their weight gradient (:func:`.local.weight_grad`; replicas synchronised by
+   :func:`.replicas.sync_replicas`) as a DTensor with the weight's mesh, placements and layout,
+   equal shard by shard to the unsharded gradient of all ranks' batches.
 """
 
 from __future__ import annotations
@@ -45,16 +35,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..layout import ShardSpec
 from ..wrapper import LocalShardsWrapper
-from .exchange import row_starts
-from .fused import ReduceMessage, columns_backward, exchange_columns, gather_grads, psw_backward
+from .columns import columns_backward, exchange_columns
 from .local import Pooling, pool, weight_grad
 from .optimizer_step import apply_optimizers
+from .psw import psw_backward
 from .plan import Block, LookupPlan, Strategy, partial_output, strategy_for
+from .replicas import sync_replicas
+from .rows import ReduceMessage, gather_grads, reduce_max
 
 __all__ = ["LookupPlan", "Strategy", "pooled_lookup", "strategy_for"]
 
@@ -101,37 +91,6 @@ def _compute_blocks(plans: list[LookupPlan]) -> list[list[Block]]:
     return blocks
 
 
-def _reduce_max(plan: LookupPlan, blocks: list[Block], track: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """REDUCE with max, one table: the all-reduced max, and (``track``) where this rank's blocks win."""
-    partial = partial_output(plan, blocks, float("-inf"))
-    best = partial.clone()
-    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=plan.group)
-    win = _winners(plan, blocks, partial, best) if track else None
-    start = row_starts(plan.num_bags)[plan.rank]
-    return best[start : start + plan.num_bags[plan.rank]].clone(), win
-
-
-def _winners(plan: LookupPlan, blocks: list[Block], partial: torch.Tensor, best: torch.Tensor) -> list[torch.Tensor]:
-    """Per block, where it holds the max that torch would pick (one row per (bag, column)).
-
-    Ties between ranks go to the lowest rank, ties between blocks of one rank
-    to the first block; -inf (no id anywhere) never wins.
-    """
-    claim = (partial == best) & torch.isfinite(best)
-    who = torch.where(claim, plan.rank, plan.world).to(torch.int32)
-    dist.all_reduce(who, op=dist.ReduceOp.MIN, group=plan.group)
-    mine = who == plan.rank
-    taken = torch.zeros_like(mine)
-    out = []
-    for b in blocks:
-        c0, w = b.cols
-        here = mine[:, c0 : c0 + w] & (b.out == best[:, c0 : c0 + w]) & ~taken[:, c0 : c0 + w]
-        here &= b.counts.unsqueeze(1) > 0
-        taken[:, c0 : c0 + w] |= here
-        out.append(here)
-    return out
-
-
 def _local_output(plan: LookupPlan, blocks: list[Block]) -> torch.Tensor:
     """``local_only``: this rank's blocks side by side (COLUMNS) or summed into a partial (REDUCE)."""
     if plan.strategy is Strategy.COLUMNS:
@@ -141,7 +100,7 @@ def _local_output(plan: LookupPlan, blocks: list[Block]) -> torch.Tensor:
 
 
 def _reduces_sum(plan: LookupPlan) -> bool:
-    """The table's partial sums are combined by the fused reduce-scatter (:class:`.fused.ReduceMessage`)."""
+    """The table's partial sums are combined by the fused reduce-scatter (:class:`.rows.ReduceMessage`)."""
     return plan.strategy is Strategy.REDUCE and not plan.local_only and not plan.max_mode
 
 
@@ -170,7 +129,7 @@ class _PooledLookup(torch.autograd.Function):
                 columns.append(t)
                 wins[t] = _has_win(p, bl)
             elif p.max_mode:
-                outs[t], wins[t] = _reduce_max(p, bl, p.track)
+                outs[t], wins[t] = reduce_max(p, bl, p.track)
             else:
                 assert message is not None
                 bl = message.add(t, bl)
@@ -232,7 +191,7 @@ def _table_grads(
     # only shards no block was computed on (replicas, empty blocks) start from zeros
     grads = [computed[i] if i in computed else torch.zeros_like(s) for i, s in enumerate(plan.shards)]
     _mask_padding(plan, grads)
-    _sync_replicas(plan, grads)
+    sync_replicas(plan, grads)
     return grads
 
 
@@ -244,32 +203,6 @@ def _mask_padding(plan: LookupPlan, grads: list[torch.Tensor]) -> None:
     for spec, g in zip(plan.mine, grads):
         if spec.offsets[0] <= p < spec.offsets[0] + spec.sizes[0]:
             g[p - spec.offsets[0]] = 0
-
-
-def _sync_replicas(plan: LookupPlan, grads: list[torch.Tensor]) -> None:
-    """Give every replica of a block the gradient its computing copy received."""
-    if plan.strategy is Strategy.LOCAL:
-        whole = next(i for i, c in enumerate(plan.computes) if c)
-        if not plan.local_only:
-            dist.all_reduce(grads[whole], group=plan.group)
-        for i, s in enumerate(plan.mine):
-            if i != whole and s.sizes == plan.layout.global_shape:
-                grads[i].copy_(grads[whole])
-        return
-    boxes: dict[tuple, list[ShardSpec]] = {}
-    for s in plan.layout.shards:
-        if s.numel:
-            boxes.setdefault(s.box, []).append(s)
-    for box, copies in boxes.items():
-        if len(copies) < 2:
-            continue
-        held = [i for i, s in enumerate(plan.mine) if s.box == box]
-        buf = grads[held[0]] if held and plan.computes[held[0]] else torch.zeros(
-            box[1], dtype=plan.layout.dtype, device=plan.batch.ids.device
-        )
-        dist.all_reduce(buf, group=plan.group)
-        for i in held:
-            grads[i].copy_(buf)
 
 
 def _grad_dtensor(meta: tuple, plan: LookupPlan, grads: list[torch.Tensor]) -> DTensor:

@@ -11,6 +11,7 @@ rows ``starts[r] : starts[r] + num_bags[r]`` of a gathered batch.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,8 +21,8 @@ from .bags import Bags
 from .validate import RankInfo
 
 __all__ = [
-    "all_to_all_flat", "all_to_all_parts", "all_to_all_rows", "gather_bags", "gather_rows", "reduce_scatter_rows",
-    "row_starts", "share_flat", "share_rows", "sum_into",
+    "all_to_all_flat", "all_to_all_parts", "all_to_all_rows", "common_dtype", "gather_bags", "gather_rows",
+    "reduce_scatter_rows", "row_starts", "share_flat", "share_rows", "sum_into",
 ]
 
 
@@ -322,3 +323,11 @@ def all_to_all_rows(
     flat_out = torch.empty(sum(out_splits), dtype=dtype, device=device)
     dist.all_to_all_single(flat_out, flat_in.to(dtype), out_splits, in_splits, group=group)
     return [p.view(s) for p, s in zip(flat_out.split(out_splits), recv_shapes)]
+
+
+def common_dtype(plans: Sequence[Any]) -> torch.dtype:
+    """One dtype the fused messages of these tables travel in (exact for each table's own dtype)."""
+    dtypes = {p.layout.dtype for p in plans}
+    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
+    assert dtype is not None, "layout_of(DTensor) always records the dtype"
+    return dtype

@@ -70,7 +70,7 @@ def sparse_grad(
     if block.argmax is not None:
         valid = block.argmax >= 0
         pos = torch.searchsorted(rows, block.argmax.clamp(min=0)).clamp(max=rows.numel() - 1)
-        out.scatter_add_(0, pos, torch.where(valid, grad, torch.zeros((), dtype=grad.dtype)))
+        out.scatter_add_(0, pos, torch.where(valid, grad, torch.zeros((), dtype=grad.dtype, device=grad.device)))
     else:
         counts = block.offsets[1:] - block.offsets[:-1]
         bag = torch.repeat_interleave(torch.arange(counts.numel(), device=ids.device), counts,
@@ -128,16 +128,17 @@ def _prepare(plan: LookupPlan, t: int, blocks: list[Block], pieces: list[torch.T
     return table, segments
 
 
-def _exchange(segments: list[_Segment], group: dist.ProcessGroup | None) -> list[_Segment]:
-    """Every rank's segments, in rank order; *collective*."""
+def _exchange(segments: list[_Segment], group: dist.ProcessGroup | None, device: torch.device) -> list[_Segment]:
+    """Every rank's segments, in rank order; *collective*. Every tensor of it lives on ``device`` (the
+    tables' and the group's: NCCL takes CUDA tensors only)."""
     head = [float(len(segments))]
     body: list[torch.Tensor] = []
     for s in segments:
         head += [float(s.table), float(s.box), float(s.what), float(s.rows.numel()), float(s.values.shape[1])]
         body += [s.rows.to(torch.float64), s.values.reshape(-1).to(torch.float64)]
-    mine = torch.cat([torch.tensor(head, dtype=torch.float64)] + body)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group)
+    mine = torch.cat([torch.tensor(head, dtype=torch.float64, device=device)] + body)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device), group=group)
     out = []
     for flat in share_flat(mine, [int(n) for n in sizes], group):
         n = int(flat[0])
@@ -158,7 +159,8 @@ def _summed(table: _Table, got: list[_Segment]) -> tuple[torch.Tensor, torch.Ten
     rows = torch.cat([s.rows for s in mine])
     values = torch.cat([s.values.to(dtype) for s in mine])
     unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
-    return unique, torch.zeros(unique.numel(), values.shape[1], dtype=dtype).index_add_(0, inverse, values)
+    return unique, torch.zeros(unique.numel(), values.shape[1], dtype=dtype, device=values.device).index_add_(
+        0, inverse, values)
 
 
 def _gradients(table: _Table, got: list[_Segment]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -184,7 +186,7 @@ def _row_squares(table: _Table, got: list[_Segment], rows: torch.Tensor) -> torc
     values = torch.cat([s.values.reshape(-1) for s in mine])
     pos = torch.searchsorted(rows, at).clamp(max=max(rows.numel() - 1, 0))
     hit = rows.index_select(0, pos) == at if rows.numel() else torch.zeros_like(at, dtype=torch.bool)
-    return torch.zeros(rows.numel(), dtype=torch.float64).index_add_(0, pos[hit], values[hit])
+    return torch.zeros(rows.numel(), dtype=torch.float64, device=rows.device).index_add_(0, pos[hit], values[hit])
 
 
 def _apply(table: _Table, got: list[_Segment]) -> None:
@@ -229,6 +231,7 @@ def apply_optimizers(
         segments += segs
     update(one_pass)  # one kernel call per storage
     need = any(tb.everyone or tb.column_cut or any(c > 1 for c in tb.copies.values()) for tb in prepared)
-    got = _exchange(segments, plans[tables[0]].group) if need else []
+    p0 = plans[tables[0]]
+    got = _exchange(segments, p0.group, p0.batch.ids.device) if need else []
     for table in prepared:
         _apply(table, got)

@@ -1,0 +1,143 @@
+"""The COLUMNS strategy: every block spans all rows (table-wise, column-wise, table-column-wise).
+
+Each (bag, column) is computed by exactly one rank, so no sum is needed:
+
+1. forward (:func:`exchange_columns`): every rank pools, for ALL ranks' bags, the blocks it holds; ONE
+   ``all_to_all`` for every such table of the call hands each rank the columns of its own bags (a rank's
+   own columns never travel; a table whose columns all come from one piece is that piece);
+2. backward (:func:`columns_backward`): the reverse ``all_to_all`` brings each block the output gradient
+   of every rank's bags, in its columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .exchange import all_to_all_parts, common_dtype, row_starts
+from .plan import Block, LookupPlan
+
+__all__ = ["columns_backward", "exchange_columns"]
+
+
+def exchange_columns(plans: list[LookupPlan], blocks: list[list[Block]], tables: list[int]) -> list[torch.Tensor]:
+    """COLUMNS, for ``tables`` together: ONE ``all_to_all`` hands every rank its bags' columns of every table.
+
+    A rank's own columns never enter the message, and a table whose columns all
+    come from one piece (table-wise) is that piece, not a copy of it.
+    """
+    if not tables:
+        return []
+    p0, dtype = plans[tables[0]], common_dtype([plans[t] for t in tables])
+    rank, world, dev = p0.rank, p0.world, p0.batch.ids.device
+    send = []
+    for q in range(world):
+        parts = []
+        for t in tables if q != rank else ():
+            s, n = row_starts(plans[t].num_bags)[q], plans[t].num_bags[q]
+            parts += [b.out[s : s + n] for b in blocks[t]]
+        send.append(parts)
+    own = {t: plans[t].num_bags[rank] for t in tables}
+    sizes = [0 if p == rank else sum(own[t] * w for t in tables for _, w in plans[t].columns_of(p))
+             for p in range(world)]
+    recv = all_to_all_parts(send, sizes, p0.group, dtype=dtype, device=dev)
+    pieces: dict[int, list[tuple[int, torch.Tensor]]] = {t: [] for t in tables}  # (first column, values)
+    for t in tables:
+        start = row_starts(plans[t].num_bags)[rank]
+        pieces[t] += [(b.cols[0], b.out[start : start + own[t]]) for b in blocks[t]]
+    for p, flat in enumerate(recv):
+        at = 0
+        for t in tables if p != rank else ():
+            for c0, w in plans[t].columns_of(p):
+                pieces[t].append((c0, flat[at : at + own[t] * w].view(own[t], w)))
+                at += own[t] * w
+    outs = []
+    for t in tables:
+        dim, tdtype = plans[t].layout.global_shape[1], plans[t].layout.dtype
+        if len(pieces[t]) == 1 and pieces[t][0][1].shape[1] == dim:
+            outs.append(pieces[t][0][1].to(tdtype))
+            continue
+        out = torch.zeros(own[t], dim, dtype=tdtype, device=dev)
+        for c0, values in pieces[t]:
+            out[:, c0 : c0 + values.shape[1]] = values
+        outs.append(out)
+    return outs
+
+
+def columns_backward(
+    plans: list[LookupPlan], blocks: list[list[Block]], grad_outs: tuple[torch.Tensor, ...], tables: list[int]
+) -> list[list[torch.Tensor]]:
+    """COLUMNS backward for ``tables`` together: ONE reverse ``all_to_all``; per table, each block's gradient.
+
+    When every table has the same bags per rank, each message is rows of all its blocks side by side
+    (``(bags, widths)``, written straight into the flat send buffer), so what arrives from all ranks IS
+    ``(all bags, this rank's blocks' widths)``: each block's gradient is a column slice of it (strided;
+    fbgemm's kernels take it as it is), with no per-block copy. Otherwise blocks travel back to back and
+    each block's rows are concatenated.
+    """
+    if not tables:
+        return []
+    p0, dtype = plans[tables[0]], common_dtype([plans[t] for t in tables])
+    world, dev = p0.world, p0.batch.ids.device
+    bags = p0.num_bags
+    if all(plans[t].num_bags == bags for t in tables):
+        return _columns_backward_rows(plans, blocks, grad_outs, tables, dtype)
+    send = [[grad_outs[t][:, c0 : c0 + w] for t in tables for c0, w in plans[t].columns_of(p)] for p in range(world)]
+    sizes = [sum(plans[t].num_bags[p] * b.cols[1] for t in tables for b in blocks[t]) for p in range(world)]
+    recv = all_to_all_parts(send, sizes, p0.group, dtype=dtype, device=dev)
+    got: dict[int, list[list[torch.Tensor]]] = {t: [[] for _ in blocks[t]] for t in tables}
+    for p, flat in enumerate(recv):
+        at = 0
+        for t in tables:
+            n = plans[t].num_bags[p]
+            for k, b in enumerate(blocks[t]):
+                got[t][k].append(flat[at : at + n * b.cols[1]].view(n, b.cols[1]))
+                at += n * b.cols[1]
+    return [[torch.cat(parts).to(plans[t].layout.dtype) for parts in got[t]] for t in tables]
+
+
+def _columns_backward_rows(
+    plans: list[LookupPlan], blocks: list[list[Block]], grad_outs: tuple[torch.Tensor, ...], tables: list[int],
+    dtype: torch.dtype,
+) -> list[list[torch.Tensor]]:
+    """:func:`columns_backward` for tables with the same bags per rank: row-major messages.
+
+    This rank's own bags' columns never travel: they are copied into their rows of the result, and the
+    ``all_to_all`` fills the other ranks' rows (in place when those rows are contiguous: this rank's rows
+    first or last, as always with two ranks). gloo's ``all_to_all`` copies a rank's piece for itself
+    through its transport, which costs more than the copy (BENCHMARKS.md).
+    """
+    p0 = plans[tables[0]]
+    world, rank, dev, bags = p0.world, p0.rank, p0.batch.ids.device, p0.num_bags
+    widths = [sum(w for t in tables for _, w in plans[t].columns_of(p)) for p in range(world)]
+
+    def columns(p: int) -> list[torch.Tensor]:
+        return [grad_outs[t][:, c0 : c0 + w].to(dtype) for t in tables for c0, w in plans[t].columns_of(p)]
+
+    send_sizes = [0 if p == rank else bags[rank] * widths[p] for p in range(world)]
+    flat_in = torch.empty(sum(send_sizes), dtype=dtype, device=dev)
+    for p, piece in enumerate(flat_in.split(send_sizes)):
+        if p != rank and piece.numel():
+            torch.cat(columns(p), dim=1, out=piece.view(bags[rank], widths[p]))
+    mine, total, start = widths[rank], sum(bags), row_starts(bags)[rank]
+    full = torch.empty(total, mine, dtype=dtype, device=dev)
+    if mine and bags[rank]:
+        torch.cat(columns(rank), dim=1, out=full[start : start + bags[rank]])
+    recv_sizes = [0 if p == rank else n * mine for p, n in enumerate(bags)]
+    head, tail = full[:start], full[start + bags[rank] :]
+    in_place = start == 0 or tail.shape[0] == 0  # the other ranks' rows are one contiguous piece of full
+    into = (tail if start == 0 else head) if in_place else torch.empty(total - bags[rank], mine, dtype=dtype,
+                                                                        device=dev)
+    dist.all_to_all_single(into.view(-1), flat_in, recv_sizes, send_sizes, group=p0.group)
+    del flat_in
+    if not in_place:
+        head.copy_(into[:start])
+        tail.copy_(into[start:])
+    out, at = [], 0
+    for t in tables:
+        table = []
+        for b in blocks[t]:
+            table.append(full[:, at : at + b.cols[1]].to(plans[t].layout.dtype))
+            at += b.cols[1]
+        out.append(table)
+    return out
