@@ -9,17 +9,23 @@
 * ``Shard(0)`` input (each rank's own batch): a ``Shard(0)`` output of all
   ranks' bags in rank order, with parity of outputs and gradients (even
   batches), and of outputs for uneven batches (carried by a LocalShardsWrapper).
-* Validation raises on every rank, never hangs - also when the ranks' inputs
-  differ in kind (``Replicate()`` on one rank, a plain tensor on the other) or
-  in the values of a ``Replicate()`` batch (an out-of-range id on one rank).
-* A ``Replicate()`` input costs the agreement step (ONE small ``all_gather``)
-  and no data collective in forward or backward.
+* Validation raises on every rank, never hangs. Checks that need a collective
+  (the ranks' inputs differing in kind - ``Replicate()`` on one rank, a plain
+  tensor on the other - or in the values of a ``Replicate()`` batch) run under
+  ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, as torch's own consistency checks.
+* A ``Replicate()`` input makes no collective in forward or backward where no
+  data must move (DTensor's contract), and ONE small agreement ``all_gather``
+  under ``DETAIL``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from torchrec_dtensor_bridge.layout import ShardLayout
@@ -29,6 +35,23 @@ from .harness import make_pool_fixture
 pool = make_pool_fixture(2)
 
 SHAPE = (12, 8)
+
+
+@contextlib.contextmanager
+def debug_detail(on: bool = True):
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for the lookups inside (the process group itself stays as it is)."""
+    old = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+    if on:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level_from_env()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+        else:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = old
+        dist.set_debug_level_from_env()
 
 LAYOUTS = {
     "replicated": ShardLayout.replicated(SHAPE, [0, 1]),
@@ -258,7 +281,7 @@ def bad_input(rank: int, world_size: int, case: str) -> str:
     elif case == "mixed_placements":
         args = (DTensor.from_local(ids, mesh, [Replicate()], run_check=False), weight,
                 DTensor.from_local(offsets, mesh, [Shard(0)], run_check=False))
-    elif case in ("replicated_bad_id_on_rank_0_max", "replicated_values_differ"):
+    elif case in ("replicated_bad_id_on_rank_0_max", "replicated_values_differ", "replicated_values_differ_unchecked"):
         if rank == 0:  # a "replicated" batch that is not the same on every rank
             ids = ids.clone()
             ids[0] = SHAPE[0] if case == "replicated_bad_id_on_rank_0_max" else (int(ids[0]) + 1) % SHAPE[0]
@@ -270,8 +293,11 @@ def bad_input(rank: int, world_size: int, case: str) -> str:
                 else (ids, weight, offsets))
     else:  # plain input, DTensor offsets
         args = (ids, weight, DTensor.from_local(offsets, mesh, [Replicate()], run_check=False))
+    cross_rank = case in ("replicated_bad_id_on_rank_0_max", "replicated_values_differ",
+                          "replicate_on_rank_0_plain_on_rank_1")
     try:
-        sharded_embedding_bag(*args, mode="max" if case.endswith("_max") else "sum")
+        with debug_detail(cross_rank):  # differences between ranks' Replicate() batches: a DETAIL check
+            sharded_embedding_bag(*args, mode="max" if case.endswith("_max") else "sum")
     except (TypeError, ValueError, NotImplementedError) as e:
         return type(e).__name__
     return "no error"
@@ -286,6 +312,7 @@ def bad_input(rank: int, world_size: int, case: str) -> str:
     ("replicated_bad_id_on_rank_0_max", "ValueError"),
     ("replicated_values_differ", "ValueError"),
     ("replicate_on_rank_0_plain_on_rank_1", "ValueError"),
+    ("replicated_values_differ_unchecked", "no error"),  # without DETAIL nothing compares the ranks' batches
 ])
 def test_dtensor_input_validation(pool, case, kind):
     assert pool.run(bad_input, case) == [kind, kind]
@@ -309,7 +336,8 @@ def bad_input_message(rank: int, world_size: int, case: str) -> str:
         args = (DTensor.from_local(ids, mesh, [Replicate()], run_check=False), weight,
                 DTensor.from_local(offsets, mesh, [Replicate()], run_check=False))
     try:
-        sharded_embedding_bag(*args, mode="sum")
+        with debug_detail():
+            sharded_embedding_bag(*args, mode="sum")
     except ValueError as e:
         return str(e)
     return "no error"
@@ -323,7 +351,8 @@ def test_dtensor_input_disagreement_messages(pool):
 
 
 # ------------------------------------------------------------ Replicate() input: the agreement, no data collective
-def replicated_counts(rank: int, world_size: int, layout_name: str, call: str) -> tuple[dict, dict]:
+def replicated_counts(rank: int, world_size: int, layout_name: str, call: str, detail: bool = False,
+                      ) -> tuple[dict, dict]:
     from torch.distributed.tensor import DTensor, Replicate
 
     from torchrec_dtensor_bridge.lookup import sharded_embedding, sharded_embedding_bag
@@ -334,7 +363,7 @@ def replicated_counts(rank: int, world_size: int, layout_name: str, call: str) -
     mesh = _mesh()
     weight = _weight(LAYOUTS[layout_name], _table(), rank)
     d_ids = DTensor.from_local(ids, mesh, [Replicate()], run_check=False)
-    with CommCounter() as fwd:
+    with debug_detail(detail), CommCounter() as fwd:
         if call == "embedding":
             out = sharded_embedding(d_ids, weight)
         else:
@@ -348,6 +377,12 @@ def replicated_counts(rank: int, world_size: int, layout_name: str, call: str) -
 @pytest.mark.parametrize("layout_name", ["replicated", "row_wise", "column_wise", "column_wise_two_per_rank", "grid",
                                          "table_wise"])
 @pytest.mark.parametrize("call", ["bag", "embedding"])
-def test_replicated_input_communicates_only_the_agreement(pool, layout_name, call):
+def test_replicated_input_makes_no_collective(pool, layout_name, call):
     for fwd, bwd in pool.run(replicated_counts, layout_name, call):
+        assert fwd == {} and bwd == {}, (fwd, bwd)
+
+
+@pytest.mark.parametrize("layout_name", ["row_wise", "column_wise"])
+def test_replicated_input_checked_under_debug_detail(pool, layout_name):
+    for fwd, bwd in pool.run(replicated_counts, layout_name, "bag", True):
         assert fwd == {"all_gather": 1} and bwd == {}, (fwd, bwd)

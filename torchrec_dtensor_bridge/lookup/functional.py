@@ -29,12 +29,15 @@ lookup's group in its rank order:
   split, the output carries its true rows in a :class:`LocalShardsWrapper`
   (``convert.dtensor_from_local_shards``; read it with ``tdb.full_tensor``) and
   is not differentiable - pass even batches to train through it.
-* ``Replicate()``: every rank holds the same whole batch. The agreement step
-  still runs (ONE small ``all_gather``: a rank whose batch, kind or options
-  differ from the others' makes every rank raise), then:
+* ``Replicate()``: every rank holds the same whole batch - DTensor's contract:
+  the caller guarantees it, and no collective checks it (no agreement step; a
+  local failure raises on its rank only). Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+  (torch's switch for consistency checks of collectives) ONE small agreement
+  ``all_gather`` runs first: a rank whose batch, kind or options differ from the
+  others' makes every rank raise. Then:
 
   - replicated weight: a local lookup, a ``Replicate()`` output; no collective
-    in forward (past the agreement) or backward;
+    in forward or backward;
   - column-cut weight whose blocks are the even ``Shard(1)`` split in mesh order
     (one block per rank): each rank looks up its columns for the whole batch;
     ``Shard(1)`` output (last dim for ``sharded_embedding``); no data
@@ -209,6 +212,19 @@ def _replicated_input(
     return out, [Partial()], False
 
 
+def _check_replicated(fn: str, error: RejectedArguments | None, bags: Bags | None, codes: list[TableCodes],
+                      group: CommGroup) -> None:
+    """A ``Replicate()`` batch follows DTensor's contract: the caller guarantees that every rank holds the same
+    batch and options, so no collective checks it - unless ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, torch's switch
+    for consistency checks of collectives: then ONE agreement (options, layout, a digest of the batch) makes
+    every rank raise on any difference. Without it a local failure raises on this rank only."""
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        digest = 0 if bags is None else batch_digest(bags)
+        agree(fn, error, None if bags is None else [bags], codes, group, kind=InputKind.REPLICATE, digest=digest)
+    elif error is not None:
+        raise error.problem.error()
+
+
 def _table_codes(op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
                  shape: tuple[int, ...], dtype: torch.dtype | None, table: ResolvedTable | None,
                  binding: Any = None, bags: Bags | None = None) -> TableCodes:
@@ -294,8 +310,7 @@ def sharded_embedding_bag(
             error = e
     codes = [_table_codes(0, mode, padding, max_norm, norm_type, shape, dtype, table, bind, bags)]
     if kind is InputKind.REPLICATE:
-        digest = 0 if bags is None else batch_digest(bags)
-        agree(fn, error, None if bags is None else [bags], codes, group, kind=kind, digest=digest)
+        _check_replicated(fn, error, bags, codes, group)
         assert bags is not None and table is not None
         done = _replicated_input(table, bags, mode=mode, padding=padding, skip_padding=True,
                                  max_norm=max_norm, norm_type=norm_type, binding=bind)
@@ -362,8 +377,7 @@ def sharded_embedding(
             error = e
     codes = [_table_codes(1, "sum", padding, max_norm, norm_type, shape, dtype, table, bind)]
     if kind is InputKind.REPLICATE:
-        digest = 0 if bags is None else batch_digest(bags)
-        agree(fn, error, None if bags is None else [bags], codes, group, kind=kind, digest=digest)
+        _check_replicated(fn, error, bags, codes, group)
         assert bags is not None and table is not None and isinstance(input, torch.Tensor)
         done = _replicated_input(table, bags, mode="sum", padding=padding, skip_padding=False,
                                  max_norm=max_norm, norm_type=norm_type, binding=bind)
