@@ -318,6 +318,17 @@ def check_ebc_bad_input(rank: int, world_size: int) -> None:
     want = "lacks features ['f3']" if rank == 1 else "rank 1 rejected its arguments"
     _expect(ValueError, want, lambda: ebc(bad))
     assert ebc(_kjt(rank, keys)).values().shape[0] == 2 + rank
+    good = _kjt(rank, keys)
+    values = good.values().clone()
+    if rank == 1:  # an id past table t1's 7 rows, in feature f1a: the message names the table
+        at = int(sum(int(good[k].lengths().sum()) for k in keys[: keys.index("f1a")]))
+        values[at] = 7
+        assert int(good["f1a"].lengths().sum()) > 0
+    from torchrec import KeyedJaggedTensor
+
+    bad_id = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=good.lengths())
+    want = "sharded_embedding_bags (table 't1'): input holds id 7" if rank == 1 else "rank 1 rejected"
+    _expect(ValueError, want, lambda: ebc(bad_id))
 
 
 def test_ebc_bad_input_raises_on_every_rank(pool):

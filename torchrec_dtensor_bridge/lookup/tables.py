@@ -61,9 +61,19 @@ def _weights(weights: Any) -> list[Any]:
     return list(weights)
 
 
+def _labels(names: Any, n: int) -> list[str]:
+    """How messages name each table: ``table 'name'`` when names are given, else ``table i``."""
+    if names is None:
+        return [f"table {t}" for t in range(n)]
+    if isinstance(names, (str, bytes)) or not isinstance(names, Sequence) or len(names) != n:
+        raise RejectedArguments(ValueError, f"{_FN}: names must be one name per table ({n}), got {names!r}")
+    return [f"table {str(name)!r}" for name in names]
+
+
 def _validate(
     inputs: Any, weights: list[Any], offsets: Any, per_sample_weights: Any, group: CommGroup, *, mode: Any,
     padding_idx: Any, include_last_offset: bool, max_norm: Any, norm_type: Any, optimizer: Any = None,
+    names: Any = None,
 ) -> tuple[list[ResolvedTable], list[Bags], list[TableOptions], list[TableCodes], list[Any]]:
     """Every table resolved, its canonical batch and options; raises :class:`RejectedArguments` (local)."""
     if not isinstance(inputs, Sequence) or isinstance(inputs, torch.Tensor):
@@ -80,10 +90,11 @@ def _validate(
     pads = _per_table("padding_idx", padding_idx, n, (int,))
     norms = _per_table("max_norm", max_norm, n, (int, float))
     ptypes = _per_table("norm_type", norm_type, n, (int, float))
-    tables = [resolve_table(f"{_FN} (table {t})", w, group) for t, w in enumerate(weights)]
+    labels = _labels(names, n)
+    tables = [resolve_table(f"{_FN} ({labels[t]})", w, group) for t, w in enumerate(weights)]
     bags, options, codes, binds = [], [], [], []
     for t in range(n):
-        fn = f"{_FN} (table {t})"
+        fn = f"{_FN} ({labels[t]})"
         w = tables[t].weight
         if isinstance(inputs[t], DTensor):
             raise RejectedArguments(
@@ -115,6 +126,7 @@ def sharded_embedding_bags(
     norm_type: float | Sequence[float] = 2.0,
     process_group: dist.ProcessGroup | None = None,
     optimizer: Any = None,
+    names: Sequence[str] | None = None,
 ) -> list[torch.Tensor]:
     """:func:`sharded_embedding_bag` of several tables in one call, with fused collectives; *collective*.
 
@@ -129,7 +141,8 @@ def sharded_embedding_bags(
     in place and leaves ``weight.grad`` ``None``. Every rank of the call's
     group passes the same tables in the same order: the group of the weights'
     meshes (all on one group; tables on one-rank meshes join it), or
-    ``process_group``.
+    ``process_group``. ``names`` (one per table) name the tables in error
+    messages (else their positions).
 
     Raises:
         TypeError, ValueError, NotImplementedError: on every rank, naming the
@@ -158,7 +171,7 @@ def sharded_embedding_bags(
             tables, bags, options, codes, binds = _validate(
                 inputs, listed, offsets, per_sample_weights, group, mode=mode, padding_idx=padding_idx,
                 include_last_offset=include_last_offset, max_norm=max_norm, norm_type=norm_type,
-                optimizer=optimizer,
+                optimizer=optimizer, names=names,
             )
         except RejectedArguments as e:
             error = e

@@ -130,6 +130,7 @@ def ebc_forward(self: Any, features: Any, optimizer: Any = None) -> Any:
             norm_type=[bag.norm_type for bag in bags],
             process_group=group_of(self),
             optimizer=optimizer,
+            names=[list(self.embedding_bags)[k] for k in sharded],
         )
         outs.update(zip(sharded, results))
     pooled: list[torch.Tensor] = []
