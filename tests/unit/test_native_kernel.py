@@ -141,12 +141,21 @@ def test_threads_split_on_row_boundaries(kernel, kind):
 
 
 def test_row_cuts_never_split_a_row():
-    keys = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 5, 5, 5, 5, 5, 5, 9, 9], dtype=torch.int32)
-    for parts in range(1, 6):
-        cuts = native._row_cuts(keys, parts) if keys.numel() >= parts else [0, keys.numel()]
-        assert cuts[0] == 0 and cuts[-1] == keys.numel()
+    """Enough sorted occurrences for several cuts (each part at least _MIN_PER_THREAD), with long runs of one
+    row placed so that the even guesses fall inside them: every cut lands on a row boundary."""
+    g = torch.Generator().manual_seed(7)
+    n = 5 * native._MIN_PER_THREAD
+    runs = torch.randint(1, 3000, (200,), generator=g)
+    keys = torch.repeat_interleave(torch.arange(runs.numel(), dtype=torch.int32), runs)[:n]
+    keys = torch.cat([keys, torch.full((n - keys.numel(),), int(keys[-1]) + 1, dtype=torch.int32)])
+    several = 0
+    for parts in range(1, 7):
+        cuts = native._row_cuts(keys, parts)
+        assert cuts[0] == 0 and cuts[-1] == n and cuts == sorted(set(cuts)), (parts, cuts)
+        several += len(cuts) > 2
         for c in cuts[1:-1]:
-            assert keys[c - 1] != keys[c], (parts, cuts)
+            assert keys[c - 1] != keys[c], (parts, c)
+    assert several >= 4, "the cuts were exercised"
 
 
 def test_ids_out_of_range_raise_and_change_nothing(kernel):
