@@ -1,10 +1,13 @@
 """The one place that touches private PyTorch APIs.
 
-``ShardedTensor`` lives in ``torch.distributed._shard`` and has no public home;
-a one-rank :class:`DeviceMesh` without a process group needs the private
-``_init_backend`` flag; the mesh a sub-mesh was sliced from has no public
-accessor (torch 2.13: ``DeviceMesh._get_root_mesh``). Everything else in the package imports these names
-from here, so an upstream move breaks exactly one module.
+``ShardedTensor`` and its sharding specs live in ``torch.distributed._shard``
+and have no public home; a one-rank :class:`DeviceMesh` without a process
+group needs the private ``_init_backend`` flag; the mesh a sub-mesh was sliced
+from has no public accessor (torch 2.13: ``DeviceMesh._get_root_mesh``); DCP's
+``.metadata`` pickles refer to two private classes of
+``torch.distributed.checkpoint`` (``_StorageInfo``, ``_MEM_FORMAT_ENCODING``),
+which its restricted unpickler must resolve. Everything else in the package
+imports these names from here, so an upstream move breaks exactly one module.
 """
 
 from __future__ import annotations
@@ -14,21 +17,32 @@ from functools import lru_cache
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
-from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torch.distributed._shard.sharded_tensor import Shard as ShardedTensorShard
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    MEM_FORMAT_ENCODING as ShardedTensorMemFormat,
+)
 from torch.distributed._shard.sharded_tensor.metadata import (
     ShardedTensorMetadata,
 )
 from torch.distributed._shard.sharded_tensor.metadata import (
     TensorProperties as ShardedTensorProperties,
 )
+from torch.distributed._shard.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec
+from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as DcpMemFormat
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.remote_device import _remote_device
+from torch.distributed.remote_device import _remote_device as RemoteDevice
 
 __all__ = [
+    "ChunkShardingSpec",
+    "DcpMemFormat",
+    "DcpStorageInfo",
+    "EnumerableShardingSpec",
+    "RemoteDevice",
     "ShardMetadata",
     "ShardedTensor",
+    "ShardedTensorMemFormat",
     "ShardedTensorMetadata",
     "ShardedTensorProperties",
     "ShardedTensorShard",
@@ -61,9 +75,9 @@ def sharded_tensor_process_group(st: ShardedTensor) -> dist.ProcessGroup | None:
 
 
 @lru_cache(maxsize=4096)
-def shard_placement(placement: str) -> _remote_device:
+def shard_placement(placement: str) -> RemoteDevice:
     """The parsed ``"rank:N/device"`` placement of a ShardMetadata, parsed once per string."""
-    return _remote_device(placement)
+    return RemoteDevice(placement)
 
 
 @lru_cache(maxsize=None)

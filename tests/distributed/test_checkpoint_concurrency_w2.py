@@ -12,6 +12,7 @@ import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.checkpoint import manifest as mf
 from torchrec_dtensor_bridge.layout import ShardLayout
 
+from ..checkpoint_writers import rewrite_manifest
 from .checks import reference_table
 from .harness import make_pool_fixture
 
@@ -149,12 +150,12 @@ def test_damaged_record_read_by_one_rank_only(pool, tmp_path):
     key = "rw@0,0"  # rows 0-169: only rank 0's shard
     good = dict(body["items"][key])
     del body["items"][key]["offset"]
-    mf._write(root, body)
+    rewrite_manifest(root, body)
     (n0, m0), (n1, m1) = pool.run(_load_expecting, path)
     assert n0 == n1 == "CorruptCheckpointError" and m0 == m1, (m0, m1)
     assert f"item {key!r}" in m0 and "tdb_manifest.json" in m0 and "(rank 0)" in m0 and "rank 1" not in m0, m0
     body["items"][key] = good
-    mf._write(root, body)
+    rewrite_manifest(root, body)
     assert pool.run(_load_expecting, path) == [(None, 5), (None, 5)]
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.layout import ShardLayout
 
+from ..checkpoint_writers import checksum_items, write_manifest_v1
 from .checks import build_sharded_tensor, reference_table
 from .harness import make_pool_fixture
 
@@ -309,8 +310,8 @@ def test_format1_manifest_still_loads(pool, tmp_path):
     md = dcp.FileSystemReader(root).read_metadata()
     body = manifest.read_manifest(root)
     assert body["format"] == 3
-    manifest.write_manifest_v1(root, body["save_id"], manifest.checksum_items(root, md, list(md.storage_data)),
-                               {"world_size": 2, "dcp_save_id": body["dcp_save_id"]})
+    write_manifest_v1(root, body["save_id"], checksum_items(root, md, list(md.storage_data)),
+                      {"world_size": 2, "dcp_save_id": body["dcp_save_id"]})
     assert manifest.read_manifest(root)["format"] == 1
     for rank, (read, needed, error, _, equal) in enumerate(pool.run(_load_rows, path)):
         assert error is None and equal, (rank, error)

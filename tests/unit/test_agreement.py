@@ -13,7 +13,7 @@ import torch
 from torchrec_dtensor_bridge import agreement
 from torchrec_dtensor_bridge.agreement import Problem, ProblemKind, Rejected, check_same, float_code
 from torchrec_dtensor_bridge.checkpoint import agree as ckpt_agree
-from torchrec_dtensor_bridge.checkpoint.commit import (
+from torchrec_dtensor_bridge.checkpoint.errors import (
     CheckpointBusyError,
     CheckpointError,
     CorruptCheckpointError,

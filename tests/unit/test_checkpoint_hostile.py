@@ -17,6 +17,7 @@ import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.checkpoint import manifest as mf
 from torchrec_dtensor_bridge.checkpoint.validate import parse_metadata
 
+from ..checkpoint_writers import rewrite_manifest
 from ..distributed.checks import reference_table
 
 
@@ -122,7 +123,7 @@ def _evil_pickle(marker):
 def _rewrite_manifest(root, **changes):
     body = mf.read_manifest(root)
     body.update(changes)
-    mf._write(root, body)
+    rewrite_manifest(root, body)
 
 
 def test_pickle_payload_in_metadata_runs_nothing(tmp_path):

@@ -7,7 +7,7 @@
 """
 
 from .api import load, save
-from .commit import CheckpointBusyError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import CheckpointBusyError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 from .inspect import format_report, inspect
 from .migrate import migrate
 

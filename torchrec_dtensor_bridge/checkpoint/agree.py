@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .. import agreement
 from ..agreement import ProblemKind
 from ..convert.groups import CommGroup, of_group
-from .commit import CheckpointBusyError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import CheckpointBusyError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 __all__ = [
     "Kind",

@@ -17,13 +17,26 @@ Locks (``flock``: the kernel drops them when their holder dies, so a killed
 process never leaves one stuck):
 
 * one save at a time per path: rank 0 of a save holds ``.<name>.tdb_lock``
-  exclusively; a second save raises :class:`CheckpointBusyError` at once;
+  exclusively; a second save raises :class:`~.errors.CheckpointBusyError` at once;
 * readers hold a shared lock on the generation directory they read; a save
   reuses a spare, and a save removes an old generation, only under an
   exclusive lock it gets without waiting — a generation being read is never
   rewritten nor removed (the save takes a fresh directory instead, and the
   next save removes it). A reader that finds its generation renamed or
   locked resolves the link again.
+
+A save calls, in order (rank 0; :func:`~.api.save` runs the collective parts):
+
+1. :class:`SaveLock` on ``path``;
+2. :func:`prepare_generation`: a fresh generation, or a spare renamed to it;
+3. (every rank writes its files into the generation), then :func:`prune`
+   removes a reused spare's files the new save did not write;
+4. (the manifest is written into the generation), then :func:`commit` swaps
+   ``path`` to it: the commit point;
+5. :func:`sweep`: older and interrupted generations removed, the spare kept.
+
+A reader calls :func:`committed_name` then :func:`lock_generation` (again, if
+that returns ``None``).
 
 Names are never used as patterns: generations are found by prefix on the
 directory listing, so ``run[1]`` and ``run1`` never see each other's files.
@@ -37,41 +50,25 @@ import os
 import shutil
 from pathlib import Path
 
+from .errors import CheckpointBusyError, CheckpointError, IncompleteCheckpointError
+
 __all__ = [
-    "CheckpointBusyError",
-    "CheckpointError",
-    "CorruptCheckpointError",
     "DirLock",
-    "IncompleteCheckpointError",
     "SaveLock",
     "commit",
+    "committed_name",
     "generation_dir",
     "generations",
     "lock_generation",
     "prepare_generation",
     "prune",
+    "remove_generation",
     "resolve",
     "sweep",
 ]
 
 _TAG = ".tdb-"
 _LOCK = ".tdb_lock"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded as asked (an ``Exception``, unlike DCP's)."""
-
-
-class IncompleteCheckpointError(CheckpointError):
-    """No committed checkpoint exists at the path (never saved, or every save was interrupted)."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """A checkpoint's files are damaged, inconsistent or hostile; the message names the file and key."""
-
-
-class CheckpointBusyError(CheckpointError):
-    """Another save to the same path is in progress."""
 
 
 def generation_dir(path: Path, save_id: str) -> Path:

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from .._compat import root_mesh
 from ..convert.groups import group_of_mesh
 from ..wrapper import LocalShardsWrapper
-from .commit import CheckpointError
+from .errors import CheckpointError
 
 __all__ = ["dcp_failures", "default_process_group", "global_shape", "leaves", "run_dcp"]
 

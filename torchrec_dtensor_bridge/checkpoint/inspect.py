@@ -20,7 +20,7 @@ def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
     Non-tensor entries appear with ``{"type": "object"}``. Works on checkpoints
     written by :func:`save` and on plain DCP directories. Read-only and safe on
     untrusted checkpoints: the manifest and ``.metadata`` are verified and parsed
-    without running code (:mod:`.validate`); nothing else is read.
+    without running code (:mod:`.manifest`, :mod:`.validate`); nothing else is read.
 
     Example::
 

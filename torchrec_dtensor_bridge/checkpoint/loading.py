@@ -1,4 +1,24 @@
-"""``load``: one committed generation, agreed by every rank, validated before anything is read; see :mod:`.api`."""
+"""What :func:`~.api.load` runs before ``dcp.load``, and the planner it runs with.
+
+:func:`open_agreed` settles, on every rank, one committed generation to read and
+checks everything short of the data (*collective*):
+
+1. rank 0 resolves ``path`` to its committed generation and tells every rank;
+2. each rank takes a shared lock on that generation (held for the whole load:
+   a save never rewrites nor removes a generation being read), reads its
+   manifest (:func:`~.manifest.read_manifest`) and ``.metadata``
+   (:func:`~.validate.read_metadata`), checks every key, shape and dtype of the
+   destination, and that the manifest describes exactly the items this rank
+   will read (no data is read);
+3. every rank gathers every rank's save id and problems: if the generation was
+   renamed or reused under a rank before it was locked, every rank resolves
+   again (step 1); if any rank found a problem, or ranks read different saves,
+   every rank raises the same error — nothing was written.
+
+:class:`SafeObjectPlanner` is the ``dcp.load`` planner: non-tensor items are
+unpickled with ``weights_only=True`` unless trusted, and a bare
+``LocalShardsWrapper`` is planned by its global shape.
+"""
 
 from __future__ import annotations
 
@@ -11,29 +31,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.tensor import DTensor
 
 from .._compat import ShardedTensor
-from ..convert import layout_of
-from ..wrapper import LocalShardsWrapper
 from ..agreement import gather_objects
+from ..convert import layout_of
 from ..convert.groups import CommGroup
-from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_gathered
-from .commit import CheckpointError, CorruptCheckpointError, DirLock, committed_name, lock_generation
-from .common import default_process_group, global_shape, leaves, run_dcp
-from .manifest import Checksums, item_key, read_manifest
+from ..wrapper import LocalShardsWrapper
+from .agree import Kind, Problem, from_rank0, problem_from, raise_gathered
+from .commit import DirLock, committed_name, lock_generation
+from .common import global_shape, leaves
+from .errors import CheckpointError, CorruptCheckpointError
+from .manifest import item_key, item_record, read_manifest
 from .plan import needed_chunks
-from .reader import ReadStats, VerifiedReader
-from .validate import item_record, read_metadata
+from .validate import read_metadata
 
-__all__ = ["DEFAULT_STAGING_BYTES", "load"]
+__all__ = ["Opened", "SafeObjectPlanner", "open_agreed"]
 
-DEFAULT_STAGING_BYTES = 256 << 20
-"""Default ``load(..., staging_bytes=)``: above it a rank verifies first and reads again."""
 _RESOLVE_ATTEMPTS = 50
 
 
@@ -125,7 +142,7 @@ def _check_items(root: Path, manifest: dict[str, Any], md: Metadata, needed: lis
 
 
 @dataclass(frozen=True)
-class _Opened:
+class Opened:
     """What every rank agreed to read: the generation (held under a shared lock), its manifest and metadata."""
 
     root: Path
@@ -171,9 +188,25 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
     return lock, manifest, md, problems, ident
 
 
-def _open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify: bool,
-                 g: CommGroup, what: str, extra: list[Problem]) -> _Opened:
-    """Resolve ``path`` once (rank 0), lock and examine that generation on every rank, agree; *collective*."""
+def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify: bool,
+                g: CommGroup, what: str, extra: list[Problem]) -> Opened:
+    """Resolve ``path`` once (rank 0), lock and examine that generation on every rank, agree; *collective*.
+
+    Steps 1-3 of the module docstring. On success every rank holds a shared lock on the same generation
+    (release ``Opened.lock`` after the load); on any problem every rank raises the same error.
+
+    Args:
+        path: the checkpoint path (absolute).
+        state_dict: the destination; its keys, shapes and dtypes are checked against ``.metadata``.
+        strict: refuse a checkpoint holding keys absent from ``state_dict``.
+        verify: check that the manifest describes every item this rank reads.
+        g: the group the load runs on (see :func:`~.agree.member_group`).
+        what: how error messages name the load.
+        extra: problems the caller found (e.g. in its arguments), raised with the rest after the agreement.
+
+    Returns:
+        The generation every rank agreed to read, its lock, manifest and metadata.
+    """
     rank = g.rank
     assert rank is not None, "member_group checked it"
     for _ in range(_RESOLVE_ATTEMPTS):
@@ -203,7 +236,7 @@ def _open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify
                 lock.release()
             raise_gathered(what + " refused, nothing was modified", [p for _, p, _ in everyone], g, mixed)
         assert lock is not None and md is not None
-        return _Opened(path.parent / name if name else path, lock, manifest, md)
+        return Opened(path.parent / name if name else path, lock, manifest, md)
     raise CheckpointError(f"{what}: {path} changed under the load {_RESOLVE_ATTEMPTS} times in a row")
 
 
@@ -220,7 +253,7 @@ class _GlobalView:
         return self._w.__create_chunk_list__()
 
 
-class _SafeObjectPlanner(DefaultLoadPlanner):
+class SafeObjectPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` whose non-tensor items are unpickled with ``weights_only=True`` unless trusted,
     and which plans a bare ``LocalShardsWrapper`` by its global shape (DCP's planner compares local sizes)."""
 
@@ -247,71 +280,3 @@ class _SafeObjectPlanner(DefaultLoadPlanner):
             torch.save(obj, value)
             value.seek(0)
         super().load_bytes(read_item, value)
-
-
-def load(
-    state_dict: Mapping[str, Any],
-    path: str | Path,
-    *,
-    strict: bool = False,
-    verify: bool = True,
-    staging_bytes: int | None = DEFAULT_STAGING_BYTES,
-    trusted_pickles: bool = False,
-    process_group: dist.ProcessGroup | None = None,
-) -> ReadStats:
-    """Load the checkpoint at ``path`` in place into ``state_dict``; *collective*.
-
-    Destinations may be DTensors, ShardedTensors, bare ``LocalShardsWrapper``\\ s
-    or plain tensors of any layout and world size: each rank reads only the rows
-    of the saved chunks that overlap its shards. The state_dict decides what is
-    loaded: every key it holds must be in the checkpoint; keys only in the
-    checkpoint are ignored unless ``strict``. Every rank reads the same committed
-    save, even while other jobs save to ``path``. Every key, shape and dtype is
-    checked first, then every checksum block a rank reads; on any problem every
-    rank raises the same error and nothing is written. Verification covers
-    exactly the bytes read: a corrupt block that no rank needs does not stop a load.
-
-    Args:
-        state_dict: the destination, as returned by ``state_dict()`` (nested dicts allowed).
-        path: a checkpoint written by :func:`save` (or, with ``verify=False``, any DCP directory).
-        strict: refuse a checkpoint holding keys absent from ``state_dict``.
-        verify: check checksums (requires a checkpoint written by :func:`save`).
-        staging_bytes: the most memory a rank spends holding verified bytes until every
-            rank has verified its own (about the bytes it reads; 256 MiB by default). A
-            rank that would read more verifies first and reads again to copy: no extra
-            memory, and the second pass is served by the page cache while the rank's
-            share fits in it (BENCHMARKS.md: 0.2 s vs 0.9 s for 1 GiB a rank here, where
-            fresh staging memory costs ~0.3 s/GiB to map). Should a file change between
-            the two passes, the second pass's checksums catch it and the load raises
-            (destinations may then be partly written). ``None``: no limit (read each
-            byte once; the choice for cold or remote storage with memory to spare).
-        trusted_pickles: unpickle non-tensor items with ``weights_only=False`` (they can
-            run code: only for checkpoints you trust). By default they load with
-            ``weights_only=True`` (tensors, containers, numbers, strings).
-        process_group: the group to load over; ``None``: see :func:`.common.default_process_group`.
-
-    Returns:
-        What this rank read: ``bytes_read`` from data files (every pass) and ``files_opened``.
-
-    Example::
-
-        >>> tdb.checkpoint.load(tdb.state_dict_to_dtensor(model.state_dict()), "/ckpt/step100")
-    """
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-    group = process_group if process_group is not None else default_process_group(state_dict)
-    path = Path(path).absolute()
-    what = f"checkpoint.load({path})"
-    extra: list[Problem] = []
-    if staging_bytes is not None and (not isinstance(staging_bytes, int) or staging_bytes < 0):
-        extra.append(Problem(Kind.VALUE, f"staging_bytes must be a non-negative int or None, got {staging_bytes!r}"))
-    opened = _open_agreed(path, state_dict, strict, verify, member_group(group, what), what, extra)
-    try:
-        checksums = Checksums(opened.manifest) if verify and opened.manifest is not None else None
-        reader = VerifiedReader(opened.root, checksums=checksums, process_group=group, staging_bytes=staging_bytes,
-                                what=what, metadata=opened.metadata, trusted_pickles=trusted_pickles)
-        run_dcp(dcp.load, state_dict, storage_reader=reader, planner=_SafeObjectPlanner(trusted_pickles),
-                 process_group=group)
-    finally:
-        opened.lock.release()
-    return reader.stats

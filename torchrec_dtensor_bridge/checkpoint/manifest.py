@@ -1,30 +1,48 @@
-"""Checksums of a DCP checkpoint's data files, written at commit and checked by every read.
+"""The checksum manifest of a checkpoint: its format, written at commit, read and verified by every read.
 
-Format 2 (written by :func:`~.api.save` and :func:`~.migrate.migrate`): each
-data file is cut into fixed-size blocks (:data:`BLOCK`, counted from the start
-of the file) and the manifest holds the xxh3-64 of every block, one hex string
-per file. The blocks are hashed from the bytes as they are written
-(:class:`BlockHasher`), so a save never reads its files back, and a load
-verifies exactly the blocks it reads: a rank that needs a few rows of a saved
-chunk reads and checks a few blocks, never the whole chunk. (xxh3 hashes at
-memory speed, ~3x faster than ``zlib.crc32`` here.)
+The manifest (``tdb_manifest.json`` in each generation) is the checkpoint's
+own record of what its bytes must hash to. This module owns all of it:
+the format, writing it (:func:`write_manifest`), and reading it as untrusted
+input (:func:`read_manifest`), in order:
 
-Format 3 (written since, with everything of format 2) covers the checkpoint's
-own records: the manifest file starts with a header line holding the xxh3-64
-and length of its JSON body, and the body holds the size and xxh3-64 of
-``.metadata``. Both are verified before either is parsed (:mod:`.validate`),
-so a damaged byte in either is reported naming the file, never parsed.
-Format 2 manifests are plain JSON (still read; their ``.metadata`` is
-unprotected, but still parsed with the restricted unpickler).
+1. the file is checked to be a regular file no larger than
+   :data:`MAX_MANIFEST_BYTES`, then read;
+2. the header check (:func:`split_header`, format 3): the header line's
+   length and xxh3-64 of the JSON body are verified before the body is parsed,
+   so a damaged byte is reported naming the file, never parsed;
+3. the body is parsed as JSON and checked for shape (:func:`parse_manifest`):
+   format, save id, block size, plain file names, one digest per block;
+4. a load then asks :class:`Checksums` "which byte ranges must I read, and what
+   must they hash to?", and :func:`item_record` where each item's bytes lie.
 
-Format 1 (older checkpoints, still read): one xxh3-64 per storage item (one
-chunk of one tensor, or one pickled object); a load reads and verifies whole
-items. :class:`Checksums` answers "which byte ranges must I read, and what
-must they hash to?" for both formats.
+Format 3 (written by :func:`~.api.save` and :func:`~.migrate.migrate`): a header
+line ``TDBMANIFEST <xxh3-64 hex> <body length>`` before the JSON body. Each data
+file is cut into fixed-size blocks (:data:`BLOCK`, counted from the start of the
+file) and the body holds the xxh3-64 of every block, one hex string per file,
+where each item lies, and the size and xxh3-64 of ``.metadata`` (checked by
+:func:`~.validate.read_metadata` before it unpickles anything). The blocks are
+hashed from the bytes as they are written (:class:`BlockHasher`), so a save
+never reads its files back, and a load verifies exactly the blocks it reads: a
+rank that needs a few rows of a saved chunk reads and checks a few blocks, never
+the whole chunk. (xxh3 hashes at memory speed, faster than ``zlib.crc32``.)
+
+Format 2 (older checkpoints, still read): the same body as plain JSON, without
+the header or the ``.metadata`` checksum (``.metadata`` is still parsed with the
+restricted unpickler).
+
+Format 1 (older checkpoints, still read): plain JSON, one xxh3-64 per storage
+item (one chunk of one tensor, or one pickled object); a load reads and verifies
+whole items.
 
 The manifest also records the save id that DCP writes into ``.metadata``, so
 a ``.metadata`` from another save is refused, and any data file from another
-save fails its block checksums.
+save fails its block checksums. Every failure to read it is a
+:class:`~.errors.CorruptCheckpointError` naming the file.
+
+Example::
+
+    >>> manifest = read_manifest(Path("/ckpt/.step100.tdb-1f2e"))  # None for a plain DCP directory
+    >>> Checksums(manifest).blocks("__0_0.distcp", 0, 4096)  # what bytes 0-4096 must hash to
 """
 
 from __future__ import annotations
@@ -39,20 +57,26 @@ from typing import Any
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
+from .errors import CorruptCheckpointError
+from .plan import block_span
+
 __all__ = [
     "BLOCK",
     "FORMAT",
     "MANIFEST",
+    "MAX_MANIFEST_BYTES",
     "Block",
     "BlockHasher",
     "Checksums",
     "FileSums",
-    "ItemSum",
-    "checksum_items",
+    "check_file_name",
+    "encode_manifest",
     "item_key",
+    "item_record",
+    "parse_manifest",
     "read_manifest",
+    "split_header",
     "write_manifest",
-    "write_manifest_v1",
 ]
 
 MANIFEST = "tdb_manifest.json"
@@ -64,7 +88,6 @@ BLOCK = 256 << 10
 """Bytes per checksummed block. A ranged read of one saved chunk reads at most four blocks more than its
 rows: the partial blocks at either end, and the blocks holding the zip's head and central directory."""
 _HEX = 16  # hex digits of one xxh3-64 digest
-_READ = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -77,16 +100,6 @@ class FileSums:
 
     def digest(self, k: int) -> int:
         return int(self.blocks[k * _HEX : (k + 1) * _HEX], 16)
-
-
-@dataclass(frozen=True)
-class ItemSum:
-    """Format 1: where one storage item lives and what its bytes hash to."""
-
-    file: str
-    offset: int
-    length: int
-    digest: int
 
 
 @dataclass(frozen=True)
@@ -128,15 +141,6 @@ class BlockHasher:
             self._h.reset()
             self._fill = 0
         return FileSums(self.size, self.block, "".join(self._hex))
-
-
-def file_sums(path: Path, block: int = BLOCK) -> FileSums:
-    """Block checksums of a whole file, read from disk (for files not hashed as they were written)."""
-    h = BlockHasher(block)
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_READ):
-            h.update(chunk)
-    return h.finish()
 
 
 def item_key(index: MetadataIndex) -> str:
@@ -188,31 +192,21 @@ class Checksums:
         sums = self._files.get(rel)
         if sums is None or end > sums.size:
             raise KeyError(f"bytes {start}-{end} of {rel} have no checksum in the manifest")
-        from .plan import block_span
-
         b = sums.block
         return [Block(k * b, min((k + 1) * b, sums.size), sums.digest(k)) for k in block_span(start, end, b)]
 
 
-def checksum_items(root: Path, md: Metadata, indexes: list[MetadataIndex]) -> dict[str, ItemSum]:
-    """Format 1: the xxh3-64 of each storage item in ``indexes`` (kept to write format-1 checkpoints in tests)."""
-    out = {}
-    for idx in indexes:
-        info = md.storage_data[idx]
-        with open(root / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-        out[item_key(idx)] = ItemSum(info.relative_path, info.offset, info.length, xxhash.xxh3_64(data).intdigest())
-    return out
-
-
-def _write(root: Path, body: dict[str, Any], *, header: bool = True) -> None:
-    """Write the manifest atomically and durably (temporary file, fsync, rename); ``header``: format 3's
-    checksummed header line before the JSON body."""
-    tmp = root / f".{MANIFEST}.tmp"
+# -------------------------------------------------------------------- writing
+def encode_manifest(body: dict[str, Any]) -> bytes:
+    """A format-3 manifest's bytes: the header line (``TDBMANIFEST``, the body's xxh3-64 and length), then the
+    JSON body. :func:`split_header` is its inverse."""
     data = json.dumps(body).encode()
-    if header:
-        data = b"%s %s %d\n" % (_HEADER, xxhash.xxh3_64(data).hexdigest().encode(), len(data)) + data
+    return b"%s %s %d\n" % (_HEADER, xxhash.xxh3_64(data).hexdigest().encode(), len(data)) + data
+
+
+def _write_durably(root: Path, data: bytes) -> None:
+    """Write ``root``'s manifest atomically and durably: a temporary file, fsync, rename."""
+    tmp = root / f".{MANIFEST}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -248,33 +242,23 @@ def write_manifest(root: Path, save_id: str, md: Metadata, files: dict[str, File
         "items": dict(sorted(items.items())),
         **extra,
     }
-    _write(root, body)
+    _write_durably(root, encode_manifest(body))
 
 
-def write_manifest_v1(root: Path, save_id: str, items: dict[str, ItemSum], extra: dict[str, Any]) -> None:
-    """Write a format-1 manifest (one checksum per item), as releases before block checksums did."""
-    body = {
-        "format": 1,
-        "checksum": "xxh3_64",
-        "save_id": save_id,
-        "items": {k: vars(v) for k, v in sorted(items.items())},
-        **extra,
-    }
-    _write(root, body, header=False)
-
-
+# -------------------------------------------------------------------- reading
 def read_manifest(root: Path) -> dict[str, Any] | None:
     """The manifest of a checkpoint directory, verified and checked for shape, or ``None`` for a plain DCP
-    directory; raises :class:`~.commit.CorruptCheckpointError` naming the file (see :mod:`.validate`)."""
-    from .validate import parse_manifest
+    directory (steps 1-3 of the module docstring).
 
+    Raises:
+        CorruptCheckpointError: the manifest is not a regular file, too large, damaged or malformed; the
+            message names the file.
+    """
     p = root / MANIFEST
     try:
         size = os.lstat(p).st_size
     except FileNotFoundError:
         return None
-    from .commit import CorruptCheckpointError
-
     if not os.path.isfile(p) or os.path.islink(p):
         raise CorruptCheckpointError(f"manifest {p} is not a regular file")
     if size > MAX_MANIFEST_BYTES:
@@ -285,10 +269,13 @@ def read_manifest(root: Path) -> dict[str, Any] | None:
 
 
 def split_header(data: bytes, where: str) -> bytes:
-    """The JSON body of a manifest's bytes, its header's checksum verified (format 3); legacy plain JSON
-    (formats 1 and 2) is returned as is."""
-    from .commit import CorruptCheckpointError
+    """The JSON body of a manifest's bytes, its header's length and checksum verified (format 3); legacy plain
+    JSON (formats 1 and 2) is returned as is.
 
+    Raises:
+        CorruptCheckpointError: no valid header line, a body of another length than the header says, or a body
+            whose xxh3-64 differs from the header's; the message names ``where``.
+    """
     if data[:1] == b"{":
         return data
     nl = data.find(b"\n", 0, 128)
@@ -304,3 +291,72 @@ def split_header(data: bytes, where: str) -> bytes:
         raise CorruptCheckpointError(f"manifest {where} is corrupt: its body's checksum is {got}, its header "
                                      f"says {head[1].decode(errors='replace')}")
     return body
+
+
+def check_file_name(rel: Any, where: str) -> str:
+    """``rel`` if it is a plain file name inside the checkpoint directory (no ``/``, no ``..``), else raise
+    :class:`~.errors.CorruptCheckpointError` naming ``where``."""
+    if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or rel in (".", "..") or "\0" in rel:
+        raise CorruptCheckpointError(f"{where}: data file name {rel!r} is not a plain file name inside the "
+                                     "checkpoint directory")
+    return rel
+
+
+def _type_err(where: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"manifest {where} is malformed: {what}")
+
+
+def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
+    """A manifest's bytes, header checksum verified (format 3), parsed and checked for shape.
+
+    Raises:
+        CorruptCheckpointError: damaged or malformed bytes; the message names ``where``.
+
+    Example::
+
+        >>> parse_manifest(encode_manifest(body), "tdb_manifest.json")["format"]
+        3
+    """
+    body = split_header(data, where)
+    try:
+        m = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"manifest {where} is corrupt: {type(e).__name__}: {e}") from None
+    if not isinstance(m, dict) or m.get("format") not in (1, 2, 3):
+        raise _type_err(where, f"unknown format {m.get('format') if isinstance(m, dict) else m!r}")
+    if m.get("format") == 3 and data[:1] == b"{":
+        raise _type_err(where, "format 3 without its checksummed header")
+    if not isinstance(m.get("save_id"), str) or m.get("checksum") != "xxh3_64":
+        raise _type_err(where, "save_id or checksum missing")
+    if not isinstance(m.get("items"), dict):
+        raise _type_err(where, "no items")
+    if m["format"] == 3:
+        md = m.get("metadata")
+        if not (isinstance(md, dict) and type(md.get("size")) is int and isinstance(md.get("xxh3_64"), str)):
+            raise _type_err(where, "no .metadata checksum")
+    if m["format"] == 1:
+        for key, rec in m["items"].items():
+            if not (isinstance(rec, dict) and isinstance(rec.get("file"), str)
+                    and all(type(rec.get(k)) is int and rec[k] >= 0 for k in ("offset", "length", "digest"))):
+                raise _type_err(where, f"item {key!r}: record {rec!r}")
+        return m
+    block = m.get("block")
+    if type(block) is not int or block <= 0 or not isinstance(m.get("files"), dict):
+        raise _type_err(where, f"block size {block!r} or file list")
+    for rel, rec in m["files"].items():
+        check_file_name(rel, f"manifest {where}")
+        if not (isinstance(rec, dict) and type(rec.get("size")) is int and rec["size"] >= 0
+                and isinstance(rec.get("blocks"), str) and len(rec["blocks"]) == 16 * -(-rec["size"] // block)):
+            raise _type_err(where, f"file {rel!r}: record does not match its size")
+    return m
+
+
+def item_record(manifest: dict[str, Any], key: str, where: str) -> tuple[str, int, int] | None:
+    """(file, offset, length) of one item of a format-2/3 manifest, checked; ``None`` if absent."""
+    rec = manifest["items"].get(key)
+    if rec is None:
+        return None
+    if not (isinstance(rec, dict) and isinstance(rec.get("file"), str)
+            and all(type(rec.get(k)) is int and rec[k] >= 0 for k in ("offset", "length"))):
+        raise _type_err(where, f"item {key!r}: record {rec!r}")
+    return rec["file"], rec["offset"], rec["length"]

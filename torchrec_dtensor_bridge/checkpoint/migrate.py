@@ -28,21 +28,39 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import re
 import shutil
 import socket
+import stat
 import traceback
 import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import stat
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
-from .commit import CheckpointError, CorruptCheckpointError, SaveLock, commit, generation_dir, resolve, sweep
-from .manifest import BlockHasher, FileSums, read_manifest, write_manifest
-from .validate import check_file_name, read_metadata
+from .._compat import (
+    ChunkShardingSpec,
+    EnumerableShardingSpec,
+    RemoteDevice,
+    ShardedTensor,
+    ShardedTensorMemFormat,
+    ShardedTensorMetadata,
+    ShardedTensorProperties,
+    ShardedTensorShard,
+    ShardMetadata,
+)
+from ..convert import state_dict_to_dtensor
+from .api import save
+from .commit import SaveLock, commit, generation_dir, resolve, sweep
+from .errors import CheckpointError, CorruptCheckpointError
+from .manifest import BlockHasher, FileSums, check_file_name, read_manifest, write_manifest
+from .validate import read_metadata
 
 __all__ = ["migrate", "rank_files"]
 
@@ -51,8 +69,6 @@ _COPY_BLOCK = 8 << 20
 
 
 def _bar(total: int, desc: str, enabled: bool, unit: str = "B") -> Any:
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not enabled, leave=False)
 
 
@@ -173,34 +189,21 @@ def _free_port() -> int:
 
 def _safe_sharded_globals() -> list[Any]:
     """The classes a ``torch.save`` of a state_dict of ShardedTensors refers to, for ``weights_only`` loads."""
-    from .. import _compat
-
-    import importlib
-    import pickle
-
-    st = _compat.ShardedTensor
-    spec_module = importlib.import_module("torch.distributed._shard.sharding_spec")
-    st_metadata = importlib.import_module(_compat.ShardedTensorMetadata.__module__)
+    st = ShardedTensor
 
     def nested_class(owner: Any, name: str) -> Any:  # the pickles name ShardedTensor.ProcessGroupState so
         if owner is st and name == "ProcessGroupState":
             return st.ProcessGroupState
         raise pickle.UnpicklingError(f"getattr({owner!r}, {name!r}) is not allowed")
 
-    return [st, st.ProcessGroupState, _compat.ShardedTensorShard, _compat.ShardMetadata, _compat.ShardedTensorMetadata,
-            _compat.ShardedTensorProperties, _compat.EnumerableShardingSpec, _compat._remote_device,
-            spec_module.ChunkShardingSpec, st_metadata.MEM_FORMAT_ENCODING, (nested_class, "builtins.getattr")]
+    return [st, st.ProcessGroupState, ShardedTensorShard, ShardMetadata, ShardedTensorMetadata,
+            ShardedTensorProperties, EnumerableShardingSpec, RemoteDevice,
+            ChunkShardingSpec, ShardedTensorMemFormat, (nested_class, "builtins.getattr")]
 
 
 def _rank_worker(rank: int, world: int, port: int, files: list[str], dst: str, progress: bool, out: Any,
                  trusted: bool) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-    import torch.distributed as dist
-
-    from ..convert import state_dict_to_dtensor
-    from .api import save
-
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))
@@ -233,10 +236,6 @@ def _rank_worker(rank: int, world: int, port: int, files: list[str], dst: str, p
 
 
 def _tensors(sd: Any) -> list[Any]:
-    import torch
-
-    from .._compat import ShardedTensor
-
     out = []
     for v in sd.values():
         if isinstance(v, ShardedTensor):

@@ -1,8 +1,9 @@
 """What a load reads, computed from layouts alone: chunks needed, byte ranges, checksum blocks, staging.
 
-The loader calls these functions to decide what to read (:func:`~.api.load`
+The loader calls these functions to decide what to read (:mod:`.loading`
 picks the chunks, :class:`~.reader.VerifiedReader` turns requests into byte
-ranges and checksum blocks and chooses staging), and
+ranges and checksum blocks and chooses staging, :class:`~.manifest.Checksums`
+finds the blocks of a byte range), and
 ``scripts/simulate_reshard.py`` calls the same functions on layouts that exist
 only on paper — no tensors, no files, no processes — to predict what a load of
 a terabyte-scale checkpoint reads on every rank.

@@ -49,10 +49,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .agree import Kind, Problem, raise_if_any
-from .commit import CheckpointError
+from .errors import CheckpointError
 from .manifest import BLOCK, Checksums
 from .plan import ItemPlace, request_span, staged_bytes, zip_spans
 from .savedtensor import Unreadable, parse_layout
+from .validate import read_metadata as read_checked_metadata
 
 __all__ = ["ReadStats", "VerifiedReader"]
 
@@ -246,9 +247,7 @@ class VerifiedReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._given_md is None:
-            from .validate import read_metadata
-
-            self._given_md = read_metadata(self._root, None)
+            self._given_md = read_checked_metadata(self._root, None)
         md = self._given_md
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()

@@ -1,19 +1,21 @@
-"""Reading a checkpoint's own records as untrusted input: verified, bounded, parsed without running code.
+"""Reading a checkpoint's ``.metadata`` as untrusted input: bounded, verified, parsed without running code.
 
-``.metadata`` is a pickle (DCP's format) and the manifest is JSON. Both are
-read as hostile bytes:
+``.metadata`` is a pickle (DCP's format). :func:`read_metadata` reads it as
+hostile bytes, in order:
 
-1. sizes are checked before anything is read (:data:`MAX_METADATA_BYTES`);
-2. their checksums, recorded at commit (manifest format 3), are verified
-   before either is parsed;
-3. ``.metadata`` is unpickled by :class:`MetadataUnpickler`, which resolves
-   only DCP's metadata classes, ``torch.Size``, dtypes, layouts, memory formats
-   and paths — no other global, so no checkpoint runs code;
-4. the parsed records are checked for shape: types, non-negative integers,
-   plain file names (no ``/``, no ``..``), every chunk in bounds, and the
-   chunks of every tensor tiling it exactly (no gap, no overlap).
+1. its size is checked before anything is read (:data:`MAX_METADATA_BYTES`),
+   and against the size the manifest recorded at commit (format 3);
+2. its xxh3-64 is verified against the manifest's before it is parsed (the
+   manifest itself was verified by :func:`~.manifest.read_manifest`);
+3. it is unpickled by :class:`MetadataUnpickler`, which resolves only DCP's
+   metadata classes, ``torch.Size``, dtypes, layouts, memory formats and
+   paths — no other global, so no checkpoint runs code;
+4. the parsed records are checked for shape (:func:`parse_metadata`): types,
+   non-negative integers, plain file names (no ``/``, no ``..``), every chunk
+   in bounds, and the chunks of every tensor tiling it exactly (no gap, no
+   overlap: :func:`check_tiling`).
 
-Every failure is a :class:`~.commit.CorruptCheckpointError` naming the file
+Every failure is a :class:`~.errors.CorruptCheckpointError` naming the file
 and, where there is one, the key.
 
 Example::
@@ -24,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import io
-import json
 import pathlib
 import pickle
 from math import prod
@@ -32,8 +33,6 @@ from typing import Any
 
 import torch
 import xxhash
-from torch.distributed.checkpoint import metadata as dcpmd
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -44,15 +43,14 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .commit import CorruptCheckpointError
-from .manifest import split_header
+from .._compat import DcpMemFormat, DcpStorageInfo
+from .errors import CorruptCheckpointError
+from .manifest import check_file_name
 
 __all__ = [
     "MAX_METADATA_BYTES",
     "MetadataUnpickler",
-    "check_file_name",
     "check_tiling",
-    "parse_manifest",
     "parse_metadata",
     "read_metadata",
 ]
@@ -66,8 +64,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     for c in (Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata, ChunkStorageMetadata,
               BytesStorageMetadata)
 }
-_ALLOWED[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = dcpmd._MEM_FORMAT_ENCODING
-_ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = _StorageInfo
+_ALLOWED[("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")] = DcpMemFormat
+_ALLOWED[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = DcpStorageInfo
 _ALLOWED[("torch", "Size")] = torch.Size
 _ALLOWED[("pathlib", "PosixPath")] = pathlib.PurePosixPath  # a path is data: never touches the file system
 _ALLOWED[("pathlib", "PurePosixPath")] = pathlib.PurePosixPath
@@ -127,7 +125,7 @@ def read_metadata(root: pathlib.Path, manifest: dict[str, Any] | None) -> Metada
 
 def parse_metadata(data: bytes, where: str) -> Metadata:
     """Unpickle ``.metadata`` bytes with :class:`MetadataUnpickler` and check every record; raises
-    :class:`~.commit.CorruptCheckpointError` naming ``where`` and the key."""
+    :class:`~.errors.CorruptCheckpointError` naming ``where`` and the key."""
     try:
         md = MetadataUnpickler(io.BytesIO(data)).load()
     except (Exception, RecursionError) as e:  # any parse failure: damaged or hostile bytes
@@ -144,14 +142,6 @@ def _ints(v: Any, n: int | None, what: str, where: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def check_file_name(rel: Any, where: str) -> str:
-    """``rel`` if it is a plain file name inside the checkpoint directory (no ``/``, no ``..``), else raise."""
-    if not isinstance(rel, str) or not rel or "/" in rel or "\\" in rel or rel in (".", "..") or "\0" in rel:
-        raise CorruptCheckpointError(f"{where}: data file name {rel!r} is not a plain file name inside the "
-                                     "checkpoint directory")
-    return rel
-
-
 def _check_metadata(md: Any, where: str) -> None:
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise CorruptCheckpointError(f"{where} does not hold DCP metadata (got {type(md).__name__})")
@@ -161,7 +151,7 @@ def _check_metadata(md: Any, where: str) -> None:
     if not isinstance(storage, dict):
         raise CorruptCheckpointError(f"{where}: storage_data is a {type(storage).__name__}, not a dict")
     for idx, info in storage.items():
-        if not isinstance(idx, MetadataIndex) or not isinstance(info, _StorageInfo):
+        if not isinstance(idx, MetadataIndex) or not isinstance(info, DcpStorageInfo):
             raise CorruptCheckpointError(f"{where}: storage_data holds {type(idx).__name__} -> {type(info).__name__}")
         who = f"{where}: key {idx.fqn!r}"
         check_file_name(info.relative_path, who)
@@ -218,54 +208,3 @@ def check_tiling(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tupl
             if all(a < b + bs and b < a + s_ for a, s_, b, bs in zip(o, s, ao, as_)):
                 raise CorruptCheckpointError(f"{where}: chunks at offsets {list(ao)} and {list(o)} overlap")
         active.append((o, s))
-
-
-def _type_err(where: str, what: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"manifest {where} is malformed: {what}")
-
-
-def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
-    """A manifest's bytes, header checksum verified (format 3), parsed and checked for shape."""
-    body = split_header(data, where)
-    try:
-        m = json.loads(body)
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"manifest {where} is corrupt: {type(e).__name__}: {e}") from None
-    if not isinstance(m, dict) or m.get("format") not in (1, 2, 3):
-        raise _type_err(where, f"unknown format {m.get('format') if isinstance(m, dict) else m!r}")
-    if m.get("format") == 3 and data[:1] == b"{":
-        raise _type_err(where, "format 3 without its checksummed header")
-    if not isinstance(m.get("save_id"), str) or m.get("checksum") != "xxh3_64":
-        raise _type_err(where, "save_id or checksum missing")
-    if not isinstance(m.get("items"), dict):
-        raise _type_err(where, "no items")
-    if m["format"] == 3:
-        md = m.get("metadata")
-        if not (isinstance(md, dict) and type(md.get("size")) is int and isinstance(md.get("xxh3_64"), str)):
-            raise _type_err(where, "no .metadata checksum")
-    if m["format"] == 1:
-        for key, rec in m["items"].items():
-            if not (isinstance(rec, dict) and isinstance(rec.get("file"), str)
-                    and all(type(rec.get(k)) is int and rec[k] >= 0 for k in ("offset", "length", "digest"))):
-                raise _type_err(where, f"item {key!r}: record {rec!r}")
-        return m
-    block = m.get("block")
-    if type(block) is not int or block <= 0 or not isinstance(m.get("files"), dict):
-        raise _type_err(where, f"block size {block!r} or file list")
-    for rel, rec in m["files"].items():
-        check_file_name(rel, f"manifest {where}")
-        if not (isinstance(rec, dict) and type(rec.get("size")) is int and rec["size"] >= 0
-                and isinstance(rec.get("blocks"), str) and len(rec["blocks"]) == 16 * -(-rec["size"] // block)):
-            raise _type_err(where, f"file {rel!r}: record does not match its size")
-    return m
-
-
-def item_record(manifest: dict[str, Any], key: str, where: str) -> tuple[str, int, int] | None:
-    """(file, offset, length) of one item of a format-2/3 manifest, checked; ``None`` if absent."""
-    rec = manifest["items"].get(key)
-    if rec is None:
-        return None
-    if not (isinstance(rec, dict) and isinstance(rec.get("file"), str)
-            and all(type(rec.get(k)) is int and rec[k] >= 0 for k in ("offset", "length"))):
-        raise _type_err(where, f"item {key!r}: record {rec!r}")
-    return rec["file"], rec["offset"], rec["length"]

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
+from .._compat import ShardedTensor
 from ..convert.dtensor import layout_of, local_shards_of
 from ..convert.reshard import copy_into
 from .kinds import OptimKind
