@@ -83,3 +83,17 @@ def check_layout(rank: int, world_size: int, layout: ShardLayout, dtype: torch.d
     st = build_sharded_tensor(layout, table, rank)
     dt = check_roundtrip(st, table, layout.name)
     return tdb.visualize_sharding(dt, name=layout.name)
+
+
+def expect_raises(exc: type[Exception], match: str, fn) -> None:
+    """``fn()`` raises ``exc`` whose message contains ``match`` (called on every rank of a test, each with
+    the message it must see: the shared check that a refused collective call raises everywhere)."""
+    try:
+        fn()
+    except exc as e:
+        assert match in str(e), (match, str(e))
+        return
+    except Exception as e:  # noqa: BLE001 - report the wrong kind
+        raise AssertionError(f"expected {exc.__name__} matching {match!r}, got {type(e).__name__}: {e}") from e
+    raise AssertionError(f"expected {exc.__name__} matching {match!r}, nothing raised")
+

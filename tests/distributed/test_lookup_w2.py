@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from torchrec_dtensor_bridge.layout import LayoutKind, ShardLayout
 
+from .checks import expect_raises
 from .harness import make_pool_fixture
 
 pool = make_pool_fixture(2)
@@ -279,8 +280,8 @@ def check_bags_edge_cases(rank: int, world_size: int) -> None:
     ids = [torch.randint(0, lay.global_shape[0], (0 if rank == 0 else 4, 3), generator=g) for lay in layouts]
     # table 0 lives on rank 1: built from a layout without a dtype, rank 0's (empty) DTensor says float32
     careless = [_weight(untyped[0], tables[0], rank)] + weights[1:]
-    _expect(ValueError, "dtype differs between ranks for table 0: ['torch.float32', 'torch.float64']",
-            lambda: tdb.sharded_embedding_bags(ids, careless, mode="sum"))
+    expect_raises(ValueError, "dtype differs between ranks for table 0: ['torch.float32', 'torch.float64']",
+                  lambda: tdb.sharded_embedding_bags(ids, careless, mode="sum"))
     outs = tdb.sharded_embedding_bags(ids, weights, mode="sum")
     everyone = _everyone(ids)
     for t, (lay, tab) in enumerate(zip(layouts, tables)):
@@ -309,15 +310,15 @@ def check_bags_bad_inputs(rank: int, world_size: int) -> int:
     n = 0
     bad_ids = [good[0], good[1], torch.tensor([[0, 9]]) if last else good[2]]  # table 2 has 9 rows
     want = "sharded_embedding_bags (table 2): input holds id 9" if last else f"rank {world_size - 1} rejected"
-    _expect(ValueError, want, lambda: tdb.sharded_embedding_bags(bad_ids, weights, mode="sum"))
+    expect_raises(ValueError, want, lambda: tdb.sharded_embedding_bags(bad_ids, weights, mode="sum"))
     n += 1
     fewer = weights[:2] if last else weights
     want = "different numbers of tables" if not last else "different numbers of tables"
-    _expect(ValueError, want, lambda: tdb.sharded_embedding_bags(good[: len(fewer)], fewer, mode="sum"))
+    expect_raises(ValueError, want, lambda: tdb.sharded_embedding_bags(good[: len(fewer)], fewer, mode="sum"))
     n += 1
     modes = ["sum", "mean", "max"] if not last else ["sum", "mean", "sum"]
-    _expect(ValueError, "ranks disagree on mode for table 2",
-            lambda: tdb.sharded_embedding_bags(good, weights, mode=modes))
+    expect_raises(ValueError, "ranks disagree on mode for table 2",
+                  lambda: tdb.sharded_embedding_bags(good, weights, mode=modes))
     n += 1
     for exc, match, call in (
         (ValueError, "need one input per weight", lambda: tdb.sharded_embedding_bags(good[:2], weights)),
@@ -327,7 +328,7 @@ def check_bags_bad_inputs(rank: int, world_size: int) -> int:
          lambda: tdb.sharded_embedding_bags(good, [weights[0], torch.ones(3, 2), weights[2]])),
         (TypeError, "inputs must be a list of Tensors", lambda: tdb.sharded_embedding_bags(good[0], weights)),
     ):
-        _expect(exc, match, call)
+        expect_raises(exc, match, call)
         n += 1
     outs = tdb.sharded_embedding_bags(good, weights, mode="sum")  # the group is still in step
     assert [tuple(o.shape) for o in outs] == [(1, lay.global_shape[1]) for lay in layouts]
@@ -409,16 +410,6 @@ def _bad_cases(rows: int) -> list[tuple[type[Exception], str, dict]]:
     ]
 
 
-def _expect(exc: type[Exception], match: str, fn) -> None:
-    try:
-        fn()
-    except exc as e:
-        assert match in str(e), (match, str(e))
-        return
-    except Exception as e:  # noqa: BLE001 - report the wrong kind
-        raise AssertionError(f"expected {exc.__name__} matching {match!r}, got {type(e).__name__}: {e}") from e
-    raise AssertionError(f"expected {exc.__name__} matching {match!r}, nothing raised")
-
 
 def check_bad_inputs(rank: int, world_size: int, layout: ShardLayout) -> int:
     """Each bad input on every rank, then on ONE rank only: every rank raises; lookups still work after."""
@@ -430,17 +421,17 @@ def check_bad_inputs(rank: int, world_size: int, layout: ShardLayout) -> int:
     n = 0
     for exc, match, kw in _bad_cases(rows):
         args = dict(kw)
-        _expect(exc, match, lambda: sharded_embedding_bag(args.pop("input"), weight, **args))
+        expect_raises(exc, match, lambda: sharded_embedding_bag(args.pop("input"), weight, **args))
         args = dict(kw) if rank == world_size - 1 else dict(good)
         # only the last rank is wrong: the others raise the same kind, naming that rank
         want = match if rank == world_size - 1 else f"rank {world_size - 1} rejected its arguments"
-        _expect(exc, want, lambda: sharded_embedding_bag(args.pop("input"), weight, **args))
+        expect_raises(exc, want, lambda: sharded_embedding_bag(args.pop("input"), weight, **args))
         n += 1
-    _expect(TypeError, "weight must be a DTensor", lambda: sharded_embedding_bag(good["input"], torch.ones(3, 2)))
-    _expect(ValueError, "ranks disagree on mode",
-            lambda: sharded_embedding_bag(good["input"], weight, mode="sum" if rank else "mean"))
+    expect_raises(TypeError, "weight must be a DTensor", lambda: sharded_embedding_bag(good["input"], torch.ones(3, 2)))
+    expect_raises(ValueError, "ranks disagree on mode",
+                  lambda: sharded_embedding_bag(good["input"], weight, mode="sum" if rank else "mean"))
     bad_ids = torch.tensor([rows + 5]) if rank == 0 else torch.tensor([0])
-    _expect(ValueError, "outside" if rank == 0 else "rank 0 rejected", lambda: sharded_embedding(bad_ids, weight))
+    expect_raises(ValueError, "outside" if rank == 0 else "rank 0 rejected", lambda: sharded_embedding(bad_ids, weight))
     out = sharded_embedding_bag(good["input"], weight, mode="sum")  # the group is still in step
     assert out.shape == (1, layout.global_shape[1])
     return n

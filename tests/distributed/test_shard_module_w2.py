@@ -17,6 +17,7 @@ from torch import nn
 
 from torchrec_dtensor_bridge.layout import ShardLayout
 
+from .checks import expect_raises
 from .harness import make_pool_fixture
 
 pool = make_pool_fixture(2)
@@ -316,7 +317,7 @@ def check_ebc_bad_input(rank: int, world_size: int) -> None:
     keys = ["f0", "f1a", "f1b", "f2", "f3"]
     bad = _kjt(rank, keys[:-1] if rank == 1 else keys)
     want = "lacks features ['f3']" if rank == 1 else "rank 1 rejected its arguments"
-    _expect(ValueError, want, lambda: ebc(bad))
+    expect_raises(ValueError, want, lambda: ebc(bad))
     assert ebc(_kjt(rank, keys)).values().shape[0] == 2 + rank
     good = _kjt(rank, keys)
     values = good.values().clone()
@@ -328,7 +329,7 @@ def check_ebc_bad_input(rank: int, world_size: int) -> None:
 
     bad_id = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=good.lengths())
     want = "sharded_embedding_bags (table 't1'): input holds id 7" if rank == 1 else "rank 1 rejected"
-    _expect(ValueError, want, lambda: ebc(bad_id))
+    expect_raises(ValueError, want, lambda: ebc(bad_id))
 
 
 def test_ebc_bad_input_raises_on_every_rank(pool):
@@ -336,16 +337,6 @@ def test_ebc_bad_input_raises_on_every_rank(pool):
 
 
 # ------------------------------------------------------------------ refused calls
-def _expect(exc: type[Exception], match: str, fn) -> None:
-    try:
-        fn()
-    except exc as e:
-        assert match in str(e), (match, str(e))
-        return
-    except Exception as e:  # noqa: BLE001 - report the wrong kind
-        raise AssertionError(f"expected {exc.__name__} matching {match!r}, got {type(e).__name__}: {e}") from e
-    raise AssertionError(f"expected {exc.__name__} matching {match!r}, nothing raised")
-
 
 class _Tied(nn.Module):
     def __init__(self) -> None:
@@ -409,7 +400,7 @@ def check_refusals(rank: int, world_size: int) -> int:
     n = 0
     for case, exc, match, make in _refusals(rank):
         try:
-            _expect(exc, match, lambda: _call(bag, make, mesh))
+            expect_raises(exc, match, lambda: _call(bag, make, mesh))
         except AssertionError as e:
             raise AssertionError(f"case {case!r}: {e}") from None
         _unchanged(bag, before, nn.EmbeddingBag)
@@ -420,32 +411,32 @@ def check_refusals(rank: int, world_size: int) -> int:
         emb.weight = nn.Parameter(torch.randn(ROWS, DIM).t())
     before = {k: (p, p.detach().clone()) for k, p in emb.named_parameters()}
     want = "'weight': the parameter is not contiguous (stride [1, 6])"
-    _expect(ValueError, want if rank == 1 else f"rank 1 refused the call: shard_module: plan entry {want}",
-            lambda: tdb.shard_module(emb, {"weight": ShardLayout.row_wise((DIM, ROWS), 2)}, mesh))
+    expect_raises(ValueError, want if rank == 1 else f"rank 1 refused the call: shard_module: plan entry {want}",
+                  lambda: tdb.shard_module(emb, {"weight": ShardLayout.row_wise((DIM, ROWS), 2)}, mesh))
     _unchanged(emb, before, nn.Embedding)
     # a parameter missing on rank 0 only
     model = _Model() if rank == 1 else nn.Module()
-    _expect(ValueError, "no submodule 'emb'",
-            lambda: tdb.shard_module(model, {"emb.weight": ShardLayout.row_wise((ROWS, DIM), 2)}, mesh))
+    expect_raises(ValueError, "no submodule 'emb'",
+                  lambda: tdb.shard_module(model, {"emb.weight": ShardLayout.row_wise((ROWS, DIM), 2)}, mesh))
     # not an embedding module's weight
-    _expect(ValueError, "'proj.weight': belongs to a Linear",
-            lambda: tdb.shard_module(_Model(), {"proj.weight": ShardLayout.row_wise((2, DIM), 2)}, mesh))
+    expect_raises(ValueError, "'proj.weight': belongs to a Linear",
+                  lambda: tdb.shard_module(_Model(), {"proj.weight": ShardLayout.row_wise((2, DIM), 2)}, mesh))
     # aliases and tied weights
     tied = _Tied()
     before = {k: (p, p.detach().clone()) for k, p in tied.named_parameters()}
     rw = ShardLayout.row_wise((ROWS, DIM), 2)
-    _expect(ValueError, "plan entries 'a.weight' and 'c.weight' name the same parameter",
-            lambda: tdb.shard_module(tied, {"a.weight": rw, "c.weight": rw}, mesh))
-    _expect(ValueError, "'a.weight': the parameter is tied to ['a.weight', 'b.weight']",
-            lambda: tdb.shard_module(tied, {"a.weight": rw}, mesh))
+    expect_raises(ValueError, "plan entries 'a.weight' and 'c.weight' name the same parameter",
+                  lambda: tdb.shard_module(tied, {"a.weight": rw, "c.weight": rw}, mesh))
+    expect_raises(ValueError, "'a.weight': the parameter is tied to ['a.weight', 'b.weight']",
+                  lambda: tdb.shard_module(tied, {"a.weight": rw}, mesh))
     _unchanged(tied, before, _Tied)
     # unsupported module options
-    _expect(NotImplementedError, "scale_grad_by_freq=True",
-            lambda: tdb.shard_module(nn.Embedding(ROWS, DIM, scale_grad_by_freq=True), {"weight": rw}, mesh))
+    expect_raises(NotImplementedError, "scale_grad_by_freq=True",
+                  lambda: tdb.shard_module(nn.Embedding(ROWS, DIM, scale_grad_by_freq=True), {"weight": rw}, mesh))
     # already sharded
     emb = nn.Embedding(ROWS, DIM)
     tdb.shard_module(emb, {"weight": rw}, mesh)
-    _expect(ValueError, "already a DTensor", lambda: tdb.shard_module(emb, {"weight": rw}, mesh))
+    expect_raises(ValueError, "already a DTensor", lambda: tdb.shard_module(emb, {"weight": rw}, mesh))
     # the group is still in step
     out = emb(torch.tensor([[0, 9]]))
     assert out.shape == (1, 2, DIM)

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from .checks import expect_raises
 from .harness import make_pool_fixture
 
 pool = make_pool_fixture(4)
@@ -60,16 +61,6 @@ def _batch(seed: int, bags: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, SHAPE[0], (int(lengths.sum()),), generator=g)
     return ids, torch.cat([lengths.new_zeros(1), lengths.cumsum(0)[:-1]])
 
-
-def _raises(exc: type[Exception], match: str, fn) -> None:
-    try:
-        fn()
-    except exc as e:
-        assert match in str(e), (match, str(e))
-        return
-    except Exception as e:  # noqa: BLE001 - report what was raised instead
-        raise AssertionError(f"expected {exc.__name__}({match!r}), got {type(e).__name__}: {e}") from None
-    raise AssertionError(f"expected {exc.__name__}({match!r}); nothing was raised")
 
 
 # ------------------------------------------------------------ torch's table-wise example pattern
@@ -209,8 +200,8 @@ def layout_less_sub_mesh(rank: int, world_size: int) -> None:
     assert torch.equal(tdb.full_tensor(dt), table)
     assert [s.sizes[0] for s in tdb.layout_of(dt).shards] == ([7, 3] if rank < 2 else [2, 8])
     ids, offsets = _batch(rank, 3)
-    _raises(NotImplementedError, "without the table's layout",
-            lambda: tdb.sharded_embedding_bag(ids, dt, offsets, mode="sum"))
+    expect_raises(NotImplementedError, "without the table's layout",
+                  lambda: tdb.sharded_embedding_bag(ids, dt, offsets, mode="sum"))
     attached = tdb.to_dtensor(tdb.to_sharded_tensor(dt))
     torch.testing.assert_close(tdb.sharded_embedding_bag(ids, attached, offsets, mode="sum"),
                                F.embedding_bag(ids, table, offsets, mode="sum"))
