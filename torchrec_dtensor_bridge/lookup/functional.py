@@ -233,6 +233,7 @@ def _table_codes(op: int, mode: str, padding: int | None, max_norm: float | None
                          psw_grad=bags is not None and psw_grad(bags))
 
 
+@torch.compiler.disable(recursive=True)  # collectives and data-dependent routing: a graph break
 def sharded_embedding_bag(
     input: torch.Tensor,
     weight: DTensor,
@@ -333,6 +334,7 @@ def sharded_embedding_bag(
     return _rows_dtensor(out, [i.num_bags for i in infos[0]], mesh)
 
 
+@torch.compiler.disable(recursive=True)  # collectives and data-dependent routing: a graph break
 def sharded_embedding(
     input: torch.Tensor,
     weight: DTensor,

@@ -113,6 +113,7 @@ def _validate(
     return tables, bags, options, codes, binds
 
 
+@torch.compiler.disable(recursive=True)  # collectives and data-dependent routing: a graph break
 def sharded_embedding_bags(
     inputs: Sequence[torch.Tensor],
     weights: Sequence[DTensor],
