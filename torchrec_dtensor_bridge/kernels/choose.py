@@ -40,10 +40,15 @@ def _forced() -> Impl | None:
     want = os.environ.get("TDB_KERNELS", "auto").lower()
     if want == "auto":
         return Impl.FBGEMM if os.environ.get("TDB_NATIVE_KERNELS", "1") == "0" else None
-    try:
+    if want.upper() in Impl.__members__:
         return Impl[want.upper()]
-    except KeyError:
-        raise ValueError(f"TDB_KERNELS must be one of auto, native, fbgemm, torch; got {want!r}") from None
+    _warn_once(f"TDB_KERNELS={want!r} is not one of auto, native, fbgemm, torch: choosing as for auto")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    log.warning("torchrec_dtensor_bridge: %s", message)
 
 
 _CALIBRATED = ("pool", "update_sgd", "update_rowwise_adagrad", "update_adagrad")
