@@ -83,8 +83,18 @@ def visualize_sharding(
     Ranks are global ranks. Collective-free, except for a DTensor over a shards
     wrapper without a layout (TorchRec's) on several ranks: then, as
     :func:`~torchrec_dtensor_bridge.layout_of`, every rank of the DTensor's group
-    (its mesh's sharding axis) calls it. A DTensor on a 2-D mesh shows every
-    replica's blocks.
+    (its mesh's sharding axis) calls it. A table on a one-rank mesh never
+    communicates and every rank draws it, whatever its form of "nothing on
+    this rank" (an empty plain tensor, an empty ``LocalShardsWrapper`` with or
+    without a layout). A DTensor on a 2-D mesh shows every replica's blocks.
+
+    Args:
+        t: a DTensor, ShardedTensor or layout.
+        name: the table's name, drawn in the picture's first line.
+        print: also print the picture.
+
+    Returns:
+        The picture.
 
     Example::
 

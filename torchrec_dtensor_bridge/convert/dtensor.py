@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from .placements import layout_from_placements, placement_for_layout, world_mesh
 
 __all__ = [
     "dtensor_from_local_shards",
+    "gather_layout",
     "layout_of",
     "needs_layout_gather",
     "local_shards_of",
@@ -109,6 +110,10 @@ def to_dtensor(
     which lookups need. This is *collective* exactly when :func:`layout_of` is
     (a layout-less wrapper on a mesh of several ranks: every rank of its group
     calls it); a DTensor that already carries its layout is returned as is.
+    A table on a one-rank mesh needs no communication: its owner's wrapper
+    holds the whole table, and every other rank (an empty plain tensor, or an
+    empty wrapper with or without a layout) gets the layout from the mesh and
+    an empty wrapper carrying it.
 
     The result's local shards are the ShardedTensor's local tensors (same
     ``data_ptr``). A ShardedTensor of a sub-group gives a DTensor on that
@@ -177,9 +182,32 @@ def layout_of(
     axis, or ``process_group``) must call it, in the same order, and the
     offsets are gathered on that group; blocks of other replica groups of a
     2-D mesh are taken to be the same (the replica axis holds identical data).
-    A wrapper on a one-rank mesh (torch's table-wise example) holds the whole
-    layout itself, and a rank outside the mesh (an empty plain local tensor)
-    derives it from the placements: neither communicates.
+    On such a mesh every rank's local tensor must be a layout-less shards
+    wrapper (an empty one where a rank holds nothing, TorchRec's convention),
+    or every rank's must carry the layout: a rank cannot know that the others
+    communicate.
+
+    A table on a one-rank mesh (a table held by one rank, torch's table-wise
+    example) never communicates: the mesh's rank holds the whole table, so
+    its own blocks are the layout, and every other rank derives the layout
+    from the mesh and placements, whatever its form of "nothing on this
+    rank" (an empty plain tensor, or an empty shards wrapper with or without
+    a layout). A rank outside the mesh that holds data raises ``ValueError``.
+
+    Args:
+        t: the tensor.
+        name: the table's name, for the layout and error messages.
+        process_group: the group a layout gather runs on (default: :func:`.groups.comm_group`).
+
+    Returns:
+        The whole table's layout.
+
+    Raises:
+        TypeError: ``t`` is not a DTensor, ShardedTensor or LocalShardsWrapper.
+        ValueError: a wrapper that carries no layout on its own; a table on a
+            one-rank mesh whose owner's blocks do not cover it, or whose other
+            ranks hold data; a rank outside a mesh of several ranks whose
+            wrapper carries no layout (it cannot take part in the gather).
 
     Example::
 
@@ -197,10 +225,10 @@ def layout_of(
     local = t._local_tensor
     if isinstance(local, LocalShardsWrapper) and local.layout_of_table is not None:
         return local.layout_of_table.with_name(name)
+    if t.device_mesh.size() == 1:
+        return _one_rank_layout(t, local, name)
     if needs_layout_gather(t):
-        return _gather_layout(t, local, name, process_group)
-    if _is_shards_wrapper(local):  # on a one-rank mesh: this rank's blocks are the whole layout
-        return _own_layout(t, local, name)
+        return gather_layout(t, _blocks(local), name=name, process_group=process_group)
     return layout_from_placements(t.device_mesh, t.placements, t.shape, dtype=t.dtype, name=name)
 
 
@@ -213,6 +241,27 @@ def needs_layout_gather(t: DTensor) -> bool:
     return _is_shards_wrapper(local) and t.device_mesh.size() > 1
 
 
+def _one_rank_layout(t: DTensor, local: Any, name: str) -> ShardLayout:
+    """A table on a one-rank mesh: all of it on the mesh's rank; collective-free on every rank."""
+    mesh = t.device_mesh
+    if mesh.get_coordinate() is not None:  # the owner: its blocks are the whole layout
+        if _is_shards_wrapper(local):
+            return _own_layout(t, local, name)
+        return layout_from_placements(mesh, t.placements, t.shape, dtype=t.dtype, name=name)
+    owner = int(mesh.mesh.flatten()[0].item())
+    if _is_shards_wrapper(local):
+        held = [(list(o), list(s.shape)) for o, s in zip(local.local_offsets(), local.local_shards()) if s.numel()]
+    else:
+        held = [([0] * local.ndim, list(local.shape))] if local.numel() else []
+    if held:
+        raise ValueError(
+            f"table {name!r}: rank {_rank()} is outside the one-rank mesh of rank {owner} (the rank that holds "
+            f"the whole table) but its local tensor holds blocks (offsets, sizes) {held}; a rank that holds "
+            "nothing of the table passes an empty tensor or an empty LocalShardsWrapper"
+        )
+    return layout_from_placements(mesh, t.placements, t.shape, dtype=t.dtype, name=name)
+
+
 def _blocks(local: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     return [
         (tuple(int(v) for v in o), tuple(int(v) for v in s.shape))
@@ -223,22 +272,51 @@ def _blocks(local: Any) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 def _own_layout(t: DTensor, local: Any, name: str) -> ShardLayout:
     rank = _rank()
     lay = ShardLayout(tuple(t.shape), tuple(ShardSpec(rank, o, s) for o, s in _blocks(local)), t.dtype, name)
-    lay.validate()
+    try:
+        lay.validate()
+    except ValueError as e:
+        raise ValueError(
+            f"{e}; rank {rank} is the only rank of this table's one-rank mesh, so its LocalShardsWrapper must "
+            "hold the whole table (or carry the layout: LocalShardsWrapper(..., layout=...))"
+        ) from None
     return lay
 
 
-def _gather_layout(t: DTensor, local: Any, name: str, process_group: dist.ProcessGroup | None) -> ShardLayout:
-    """Collective over the DTensor's group: every member's blocks; other replica lines copy them."""
-    group = comm_group(t, process_group)
+def gather_layout(
+    t: DTensor,
+    blocks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]],
+    *,
+    name: str = "table",
+    process_group: dist.ProcessGroup | None = None,
+) -> ShardLayout:
+    """The layout made of every group member's ``blocks``; *collective* over ``t``'s group.
+
+    Every member of the group (:func:`.groups.comm_group` of ``t`` and
+    ``process_group``) calls it, in the same order, with its own blocks
+    (``(offsets, sizes)`` in the order of its local shards; none where it holds
+    nothing). On a mesh of more axes than the group's, the other lines hold
+    what the member at the same coordinate of the group's axis holds (replica
+    axes hold identical data). Every rank builds and validates the same
+    layout, so every rank returns it or every rank raises the same error.
+
+    Raises:
+        ValueError: this rank is not in the group (raised without
+            communicating), or the gathered blocks do not make a valid layout.
+    """
     rank = _rank()
-    if rank not in group.members:
+    outside = process_group is None and t.device_mesh.get_coordinate() is None
+    group = None if outside else comm_group(t, process_group)
+    if group is None or rank not in group.members:
+        members = list(group.members) if group else [int(r) for r in t.device_mesh.mesh.flatten().tolist()]
         raise ValueError(
-            f"table {name!r}: rank {rank} is not in the group of ranks {list(group.members)} this DTensor's "
-            "layout is gathered on"
+            f"table {name!r}: rank {rank} is not in the group of ranks {members} this DTensor's "
+            "layout is gathered on, and its local tensor carries no layout; call it on the group's ranks only, "
+            "or give this rank's empty LocalShardsWrapper the layout (layout=...)"
         )
     everyone: list[Any] = [None] * group.size
-    dist.all_gather_object(everyone, (rank, _blocks(local)), group=group.group)
-    shards = [ShardSpec(r, o, s) for r, blocks in everyone for o, s in blocks]
+    mine = [(tuple(int(v) for v in o), tuple(int(v) for v in z)) for o, z in blocks]
+    dist.all_gather_object(everyone, (rank, mine), group=group.group)
+    shards = [ShardSpec(r, o, s) for r, held in everyone for o, s in held]
     shards += _replica_blocks(t, group, everyone)
     lay = ShardLayout(tuple(t.shape), tuple(shards), t.dtype, name)
     lay.validate()

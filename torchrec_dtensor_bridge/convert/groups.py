@@ -18,6 +18,9 @@ same way on every rank:
    collectives run on the default group, so every rank calls them (pass
    ``process_group`` to keep them inside a sub-mesh).
 
+A rank outside a mesh of several ranks has no part in its group: asking for
+it raises ``ValueError`` on that rank, without communicating.
+
 Ranks: a :class:`~torchrec_dtensor_bridge.layout.ShardLayout` always speaks
 *global* ranks (as ``DeviceMesh.mesh`` does); :attr:`CommGroup.members` lists
 the group's global ranks in group-rank order, and
@@ -111,10 +114,22 @@ def sharding_axis(mesh: DeviceMesh, placements: tuple | list) -> int | None:
 
 
 def group_of_mesh(mesh: DeviceMesh, axis: int | None) -> CommGroup:
-    """The group of ``mesh``'s ``axis`` (``None``: the whole mesh, which must be the world)."""
+    """The group of ``mesh``'s ``axis`` (``None``: the whole mesh, which must be the world).
+
+    Raises:
+        ValueError: this rank is outside a mesh of several ranks (it has no
+            part in the mesh's group; raised without communicating).
+        NotImplementedError: ``axis`` is ``None`` on an n-D mesh that is not the world.
+    """
     if mesh.size() == 1:
         return of_group(None, mesh.device_type)
     ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if dist.is_initialized() and mesh.get_coordinate() is None:
+        raise ValueError(
+            f"rank {_global_rank()} is outside the device mesh of ranks {ranks}: the collectives of a DTensor "
+            "on that mesh run on the mesh's group, so only the mesh's ranks call them (pass process_group to "
+            "name another group)"
+        )
     if axis is None or mesh.ndim == 1:
         if mesh.ndim == 1:
             return CommGroup(mesh.get_group(), tuple(ranks), _device_for(None, mesh.device_type), mesh)
@@ -127,9 +142,7 @@ def group_of_mesh(mesh: DeviceMesh, axis: int | None) -> CommGroup:
     group = mesh.get_group(axis)
     me = _global_rank()
     coord = mesh.get_coordinate()
-    if coord is None:  # not a member: the group is not ours; report the mesh's first line
-        line = mesh.mesh.movedim(axis, -1).reshape(-1, mesh.size(axis))[0]
-        return CommGroup(group, tuple(int(r) for r in line.tolist()), _device_for(None, mesh.device_type), mesh)
+    assert coord is not None, "a member of the mesh (checked above)"
     index = [slice(None) if a == axis else c for a, c in enumerate(coord)]
     line = mesh.mesh[tuple(index)]
     members = tuple(int(r) for r in line.tolist())

@@ -89,7 +89,7 @@ def _embedding_bag_forward(
     """``nn.EmbeddingBag.forward`` on the sharded weight; *collective* (each rank passes its own batch)."""
     out = sharded_embedding_bag(
         input,
-        self.weight,  # type: ignore[arg-type]  # a DTensor parameter
+        self.weight,  # a DTensor parameter
         offsets,
         mode=self.mode,
         per_sample_weights=per_sample_weights,
@@ -105,7 +105,7 @@ def _embedding_bag_forward(
 def _embedding_forward(self: nn.Embedding, input: torch.Tensor) -> torch.Tensor:
     """``nn.Embedding.forward`` on the sharded weight; *collective* (each rank passes its own ids)."""
     weight = self.weight  # a DTensor parameter
-    out = sharded_embedding(input, weight, self.padding_idx, self.max_norm, self.norm_type,  # type: ignore[arg-type]
+    out = sharded_embedding(input, weight, self.padding_idx, self.max_norm, self.norm_type,
                             process_group=group_of(self))
     return _finish(self, out)
 
