@@ -18,7 +18,8 @@ checkpoint at DST (committed atomically, with block checksums of every data file
 
 Accepted SRC:
   * a DCP directory (one with a .metadata file), e.g. written by
-    torch.distributed.checkpoint.save of a TorchRec state_dict of ShardedTensors;
+    torch.distributed.checkpoint.save of a TorchRec state_dict of ShardedTensors,
+    or any plain DCP directory (DST then loads with checksums verified);
     its chunks must cover every tensor exactly (a missing row is an error);
   * a directory of per-rank torch.save files of state_dicts, one per rank, named
     like rank0.pt, model_rank_1.pt (extensions .pt/.pth/.bin). One local gloo
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     args = _parser().parse_args(argv)
     from . import checkpoint
+    from .checkpoint.common import format_mib
 
     try:
         if args.command == "inspect":
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             summary = checkpoint.migrate(args.src, args.dst, progress=not args.no_progress,
                                          trusted_pickles=args.trusted_pickles)
-            print(f"migrated {summary['keys']} keys ({summary['bytes'] / 2**20:.2f} MiB) from "
+            print(f"migrated {summary['keys']} keys ({format_mib(summary['bytes'])} MiB of tensors) from "
                   f"{summary['source']} {args.src} to {args.dst} (save id {summary['save_id']})")
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,6 +78,10 @@ def test_migrate_then_load_into_another_plan(pool, tmp_path, kind):
     pool.run(_load_new, dst)
     report = _cli("inspect", dst)
     assert report.returncode == 0, report.stderr
+    migrated_mib = re.search(r"\(([0-9.]+) MiB of tensors\)", run.stdout)
+    assert migrated_mib and f"{len(TABLES)} keys, {migrated_mib[1]} MiB of tensors" in report.stdout, (
+        run.stdout, report.stdout)  # migrate and inspect count and round the same bytes
+    assert "None" not in report.stdout, report.stdout
     for name, (rows, dim, _) in TABLES.items():
         line = next(l for l in report.stdout.splitlines() if l.startswith(f"embedding_bags.{name}.weight"))
         assert f"{rows}x{dim}" in line and "float32" in line, line

@@ -18,6 +18,7 @@ from torchrec_dtensor_bridge.checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    NotACheckpointError,
 )
 
 
@@ -105,6 +106,8 @@ def test_raise_gathered_lists_common_problems_after_the_ranks_and_names_no_rank_
     (ckpt_agree.Kind.CORRUPT, ProblemKind.FAILURE, CorruptCheckpointError),
     (ckpt_agree.Kind.BUSY, ProblemKind.FAILURE, CheckpointBusyError),
     (ckpt_agree.Kind.IO, ProblemKind.FAILURE, CheckpointError),
+    (ckpt_agree.Kind.NOT_A_CHECKPOINT, ProblemKind.FAILURE, NotACheckpointError),
+    (ckpt_agree.Kind.NOT_A_DIRECTORY, ProblemKind.BAD_VALUE, NotADirectoryError),
 ])
 def test_checkpoint_problems_are_agreement_problems(kind, problem_kind, exc):
     p = ckpt_agree.Problem(kind, "data file __0_0.distcp, key 'w': bad")
@@ -118,6 +121,7 @@ def test_checkpoint_problem_from_an_exception_keeps_its_type_and_names_the_errno
     cases = [
         (CheckpointBusyError("/c is being saved"), CheckpointBusyError, "at /c: /c is being saved"),
         (IncompleteCheckpointError("no checkpoint at /c"), IncompleteCheckpointError, "at /c: no checkpoint at /c"),
+        (NotACheckpointError("/c is not a checkpoint"), NotACheckpointError, "at /c: /c is not a checkpoint"),
         (CorruptCheckpointError("bad"), CorruptCheckpointError, "at /c: bad"),
         (FileNotFoundError(2, "No such file or directory", "/c/x"), CheckpointError,
          "at /c: OSError [2 ENOENT] [Errno 2] No such file or directory: '/c/x'"),

@@ -101,7 +101,8 @@ def test_a_header_that_is_not_one_is_refused():
 
 # -------------------------------------------------------------------- errors and entry points
 def test_errors_live_in_their_module_and_stay_public():
-    for name in ("CheckpointError", "IncompleteCheckpointError", "CorruptCheckpointError", "CheckpointBusyError"):
+    for name in ("CheckpointError", "IncompleteCheckpointError", "CorruptCheckpointError", "CheckpointBusyError",
+                 "NotACheckpointError"):
         cls = getattr(tdb.checkpoint, name)
         assert cls is getattr(errors, name) and cls.__module__ == errors.__name__ and name in tdb.checkpoint.__all__
         assert issubclass(cls, CheckpointError) and issubclass(cls, RuntimeError)

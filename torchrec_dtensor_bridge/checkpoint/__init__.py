@@ -7,7 +7,13 @@
 """
 
 from .api import load, save
-from .errors import CheckpointBusyError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import (
+    CheckpointBusyError,
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+)
 from .inspect import format_report, inspect
 from .migrate import migrate
 
@@ -16,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "NotACheckpointError",
     "format_report",
     "inspect",
     "load",

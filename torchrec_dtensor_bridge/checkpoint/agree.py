@@ -34,7 +34,13 @@ import torch.distributed as dist
 from .. import agreement
 from ..agreement import ProblemKind
 from ..convert.groups import CommGroup, of_group
-from .errors import CheckpointBusyError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from .errors import (
+    CheckpointBusyError,
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    NotACheckpointError,
+)
 
 __all__ = [
     "Kind",
@@ -52,6 +58,8 @@ class Kind(enum.Enum):
 
     VALUE = (ProblemKind.BAD_VALUE, ValueError)  # the caller's arguments or state_dict
     INCOMPLETE = (ProblemKind.INCOMPLETE, IncompleteCheckpointError)  # no committed checkpoint
+    NOT_A_CHECKPOINT = (ProblemKind.FAILURE, NotACheckpointError)  # a file, or a directory of other things
+    NOT_A_DIRECTORY = (ProblemKind.BAD_VALUE, NotADirectoryError)  # a path under a regular file
     CORRUPT = (ProblemKind.FAILURE, CorruptCheckpointError)  # damaged, hostile or inconsistent files
     BUSY = (ProblemKind.FAILURE, CheckpointBusyError)  # another save holds the path
     IO = (ProblemKind.FAILURE, CheckpointError)  # the file system refused (OSError, errno named)
@@ -92,6 +100,8 @@ def problem_from(e: BaseException, where: str = "") -> Problem:
         return Problem(Kind.BUSY, f"{prefix}{e}")
     if isinstance(e, IncompleteCheckpointError):
         return Problem(Kind.INCOMPLETE, f"{prefix}{e}")
+    if isinstance(e, NotACheckpointError):
+        return Problem(Kind.NOT_A_CHECKPOINT, f"{prefix}{e}")
     if isinstance(e, CorruptCheckpointError):
         return Problem(Kind.CORRUPT, f"{prefix}{e}")
     if isinstance(e, OSError):

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..agreement import gather_objects
 from ..convert.groups import CommGroup
 from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_gathered
-from .commit import DirLock, SaveLock, commit, generation_dir, prepare_generation, prune, sweep
+from .commit import DirLock, SaveLock, commit, generation_dir, prepare_generation, prune, sweep, writable_parent
 from .common import dcp_failures, default_process_group, global_shape, leaves, run_dcp
 from .errors import CheckpointError
 from .loading import SafeObjectPlanner, open_agreed
@@ -130,6 +130,13 @@ def save(
         process_group: the group to save over; ``None``: see :func:`.common.default_process_group`
             (the DTensors' mesh's group, else the default group).
 
+    Raises:
+        NotADirectoryError: an existing parent of ``path`` is a file (on every rank, nothing written).
+        CheckpointBusyError: another save to ``path`` is in progress.
+        ValueError: ranks disagree on a key's shape or dtype (on every rank, nothing written).
+        CheckpointError: ``path`` exists and is not a checkpoint of ours, or writing or committing failed (the
+            previous checkpoint stays in force).
+
     Example::
 
         >>> tdb.checkpoint.save(tdb.state_dict_to_dtensor(model.state_dict()), "/ckpt/step100")
@@ -147,6 +154,11 @@ def save(
     save_id = uuid.uuid4().hex
     gen = generation_dir(path, save_id)
     if rank == 0:
+        try:
+            writable_parent(path)
+        except NotADirectoryError as e:  # before anything is written; raised as itself on every rank
+            problems.append(Problem(Kind.NOT_A_DIRECTORY, str(e)))
+    if rank == 0 and not problems:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             if path.exists() and not path.is_symlink():
@@ -266,7 +278,8 @@ def load(
         state_dict: the destination, as returned by ``state_dict()`` (nested dicts allowed).
         path: a checkpoint written by :func:`save` (or, with ``verify=False``, any DCP directory).
         strict: refuse a checkpoint holding keys absent from ``state_dict``.
-        verify: check checksums (requires a checkpoint written by :func:`save`).
+        verify: check checksums (requires a checkpoint written by :func:`save` or
+            :func:`~.migrate.migrate`: a plain DCP directory loads with ``verify=False``, or migrate it once).
         staging_bytes: the most memory a rank spends holding verified bytes until every
             rank has verified its own (about the bytes it reads; 256 MiB by default). A
             rank that would read more verifies first and reads again to copy: no extra
@@ -282,7 +295,17 @@ def load(
         process_group: the group to load over; ``None``: see :func:`.common.default_process_group`.
 
     Returns:
-        What this rank read: ``bytes_read`` from data files (every pass) and ``files_opened``.
+        What this rank read (:class:`.reader.ReadStats`): ``bytes_read`` from data files (every pass),
+        ``files_opened``, and whether the bytes were ``verified``.
+
+    Raises:
+        IncompleteCheckpointError: nothing was committed at ``path`` (never saved, or every save interrupted).
+        NotACheckpointError: ``path`` is a file, or a directory holding neither ``.metadata`` nor a manifest.
+        CorruptCheckpointError: the checkpoint's files are damaged, inconsistent or hostile (or, with
+            ``verify``, it has no manifest to verify against).
+        ValueError: a key, shape or dtype of ``state_dict`` does not match the checkpoint.
+
+        Every rank raises the same exception, and nothing was modified (see :mod:`.errors`).
 
     Example::
 

@@ -36,7 +36,9 @@ A save calls, in order (rank 0; :func:`~.api.save` runs the collective parts):
 5. :func:`sweep`: older and interrupted generations removed, the spare kept.
 
 A reader calls :func:`committed_name` then :func:`lock_generation` (again, if
-that returns ``None``).
+that returns ``None``). :func:`committed_name` also tells a path that holds no
+checkpoint of any kind (:class:`~.errors.NotACheckpointError`) from one where
+nothing was committed yet (:class:`~.errors.IncompleteCheckpointError`).
 
 Names are never used as patterns: generations are found by prefix on the
 directory listing, so ``run[1]`` and ``run1`` never see each other's files.
@@ -50,7 +52,8 @@ import os
 import shutil
 from pathlib import Path
 
-from .errors import CheckpointBusyError, CheckpointError, IncompleteCheckpointError
+from .errors import CheckpointBusyError, CheckpointError, IncompleteCheckpointError, NotACheckpointError
+from .manifest import MANIFEST
 
 __all__ = [
     "DirLock",
@@ -65,10 +68,16 @@ __all__ = [
     "remove_generation",
     "resolve",
     "sweep",
+    "writable_parent",
 ]
 
 _TAG = ".tdb-"
 _LOCK = ".tdb_lock"
+_SHOWN = 5  # entries of a directory that is not a checkpoint named in the message
+
+_EXPECTED = ("expected a checkpoint written by tdb.checkpoint.save (a link to a generation directory holding "
+             f".metadata and {MANIFEST}) or a plain DCP directory holding .metadata (written by "
+             "torch.distributed.checkpoint.save)")  # what a checkpoint path must hold, as messages say it
 
 
 def generation_dir(path: Path, save_id: str) -> Path:
@@ -148,7 +157,14 @@ def commit(path: Path, gen: Path) -> Path | None:
 
 
 def committed_name(path: Path) -> str:
-    """The name of the generation ``path`` links to, ``""`` for a plain DCP directory; raises if none."""
+    """The name of the generation ``path`` links to, ``""`` for a plain DCP directory; raises if none.
+
+    Raises:
+        IncompleteCheckpointError: nothing was committed at ``path``: it does not exist, its link names a
+            generation that is gone, or it holds DCP data files without ``.metadata`` (an unfinished DCP save).
+        NotACheckpointError: ``path`` is a file, or a directory with neither ``.metadata`` nor a manifest.
+        CheckpointError: ``path`` links to something that is not one of its generations.
+    """
     if path.is_symlink():
         target = os.readlink(path)
         if "/" in target or not _is_ours(path, path.parent / target):
@@ -157,10 +173,68 @@ def committed_name(path: Path) -> str:
             raise IncompleteCheckpointError(f"{path} points at {target}, which is missing")
         return target
     if path.is_dir():
+        _check_plain_directory(path)
         return ""
+    if path.exists():
+        raise NotACheckpointError(f"{path} is not a checkpoint: it is a file, not a directory; {_EXPECTED}")
     stray = sorted(p.name for p in generations(path)) if path.parent.is_dir() else []
     detail = f"; uncommitted generations {stray} are from interrupted saves" if stray else ""
     raise IncompleteCheckpointError(f"no committed checkpoint at {path}{detail}")
+
+
+def _check_plain_directory(path: Path) -> None:
+    """Raise unless the directory ``path`` holds ``.metadata`` or a manifest (whether they are sound is the
+    reader's to check: a damaged one is a corrupt checkpoint, not a missing one)."""
+    names = sorted(os.listdir(path))
+    if ".metadata" in names or MANIFEST in names:
+        return
+    data = [n for n in names if n.endswith(".distcp")]
+    if data:
+        raise IncompleteCheckpointError(
+            f"{path} holds DCP data files ({_some(data)}) but no .metadata: a torch.distributed.checkpoint.save "
+            "that did not finish (DCP writes .metadata last)"
+        )
+    holds = "is empty" if not names else f"holds only {_some(names)}"
+    inside = [n for n in names if _is_checkpoint_link(path / n)]
+    hint = f"; it holds the checkpoints {_some(inside)}: pass one of those paths" if inside else ""
+    raise NotACheckpointError(f"{path} is not a checkpoint: the directory {holds}; {_EXPECTED}{hint}")
+
+
+def _is_checkpoint_link(p: Path) -> bool:
+    """Whether ``p`` is the link of a checkpoint written by a save (it names one of its own generations)."""
+    try:
+        return p.is_symlink() and _is_ours(p, p.parent / os.readlink(p))
+    except OSError:
+        return False
+
+
+def _some(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown if len(names) <= _SHOWN else f"{shown} and {len(names) - _SHOWN} more"
+
+
+def writable_parent(path: Path) -> None:
+    """Raise ``NotADirectoryError`` if an existing ancestor of ``path`` is not a directory; writes nothing.
+
+    The directories above ``path`` that do not exist yet are created by the save; one that exists as a regular
+    file (or a link to one, or a broken link) would make that fail with a bare ``EEXIST``.
+
+    Example::
+
+        >>> writable_parent(Path("/ckpt/notes.txt/step100"))
+        Traceback (most recent call last):
+        NotADirectoryError: cannot save to /ckpt/notes.txt/step100: /ckpt/notes.txt is a file, not a directory ...
+    """
+    for parent in path.parents:
+        if parent.is_dir():
+            return
+        if parent.exists() or parent.is_symlink():
+            what = "a file" if parent.exists() else "a broken symbolic link"
+            raise NotADirectoryError(
+                f"cannot save to {path}: {parent} is {what}, not a directory (a checkpoint's parent directories "
+                "must be directories, or not exist yet: they are created); choose another path, or move "
+                f"{parent} away"
+            )
 
 
 def resolve(path: Path) -> Path:

@@ -1,4 +1,11 @@
-"""What ``save`` and ``load`` share: the process group they run on, DCP calls, the state_dict's leaves."""
+"""What the checkpoint modules share: the process group, DCP calls, the state_dict's leaves, and sizes.
+
+Sizes: :func:`tensor_bytes` is the one count of a checkpoint's tensor bytes
+(every element of every saved tensor once, from ``.metadata``; pickle framing
+and non-tensor items not counted), and :func:`format_mib` the one way it is
+printed (MiB = 2**20 bytes), so ``inspect`` and ``migrate`` report the same
+figure for the same checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -16,7 +24,20 @@ from ..convert.groups import group_of_mesh
 from ..wrapper import LocalShardsWrapper
 from .errors import CheckpointError
 
-__all__ = ["dcp_failures", "default_process_group", "global_shape", "leaves", "run_dcp"]
+__all__ = [
+    "MIB",
+    "dcp_failures",
+    "default_process_group",
+    "format_bytes",
+    "format_mib",
+    "global_shape",
+    "leaves",
+    "run_dcp",
+    "tensor_bytes",
+]
+
+MIB = 1 << 20
+"""Bytes in a MiB, as every size the checkpoint modules print counts them."""
 
 
 def dcp_failures(e: CheckpointException) -> list[BaseException]:
@@ -90,3 +111,38 @@ def leaves(sd: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 def global_shape(v: torch.Tensor) -> tuple[int, ...]:
     return tuple(v.global_shape) if isinstance(v, LocalShardsWrapper) else tuple(v.shape)
+
+
+# -------------------------------------------------------------------- sizes
+def tensor_bytes(md: Metadata, fqn: str | None = None) -> int:
+    """The bytes of the saved tensor ``fqn`` (shape x dtype size), or of every saved tensor when ``None``.
+
+    Non-tensor items count 0. Data files are larger (each chunk is a ``torch.save`` zip).
+
+    Example::
+
+        >>> tensor_bytes(md, "t")  # a saved float32 tensor of shape (1000, 64)
+        256000
+    """
+    fqns = md.state_dict_metadata if fqn is None else [fqn]
+    total = 0
+    for key in fqns:
+        m = md.state_dict_metadata[key]
+        if isinstance(m, TensorStorageMetadata):
+            total += m.size.numel() * m.properties.dtype.itemsize
+    return total
+
+
+def format_mib(nbytes: int) -> str:
+    """``nbytes`` in MiB (2**20 bytes), two decimals, without the unit: ``format_mib(1 << 20) == "1.00"``."""
+    return f"{nbytes / MIB:.2f}"
+
+
+def format_bytes(nbytes: int) -> str:
+    """``nbytes`` in the largest binary unit that keeps it at least 1: ``"512 bytes"``, ``"1.50 KiB"``,
+    ``"3.25 MiB"`` (:func:`format_mib`'s rounding), ``"1.00 GiB"``."""
+    if nbytes < 1024:
+        return f"{nbytes} byte{'' if nbytes == 1 else 's'}"
+    unit, scale = next((u, s) for u, s in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1 << 10))
+                       if nbytes >= s)
+    return f"{nbytes / scale:.2f} {unit}"

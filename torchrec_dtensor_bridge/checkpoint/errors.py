@@ -4,6 +4,24 @@ All are :class:`CheckpointError`, a ``RuntimeError`` (an ``Exception``, unlike
 DCP's ``CheckpointException``). Every rank raises the same one when a step
 fails on any rank (:mod:`.agree`), and messages name the file and key.
 
+What a load (or ``inspect``) of ``path`` raises when there is nothing usable to read:
+
+- :class:`IncompleteCheckpointError`: nothing was ever committed at ``path``:
+  it does not exist (perhaps beside uncommitted generations that interrupted
+  saves left), its link names a generation that is gone, or it is a directory
+  holding DCP data files (``*.distcp``) but no ``.metadata`` (a
+  ``torch.distributed.checkpoint.save`` that did not finish: DCP writes
+  ``.metadata`` last). Starting from scratch is the usual answer.
+- :class:`NotACheckpointError`: ``path`` exists but holds no checkpoint of any
+  kind: a regular file, or a directory with neither ``.metadata`` nor a
+  ``tdb_manifest.json`` (empty, or unrelated files). Usually a wrong path:
+  starting from scratch would hide the mistake, so it is not an
+  :class:`IncompleteCheckpointError`.
+- :class:`CorruptCheckpointError`: ``path`` is a checkpoint (its ``.metadata``
+  or its manifest exists) whose files are damaged, inconsistent or hostile: a
+  ``.metadata`` or manifest that cannot be parsed or fails its checksum, a
+  manifest without its ``.metadata``, a data file missing or truncated.
+
 Example::
 
     >>> try:
@@ -19,6 +37,7 @@ __all__ = [
     "CheckpointError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "NotACheckpointError",
 ]
 
 
@@ -28,6 +47,10 @@ class CheckpointError(RuntimeError):
 
 class IncompleteCheckpointError(CheckpointError):
     """No committed checkpoint exists at the path (never saved, or every save was interrupted)."""
+
+
+class NotACheckpointError(CheckpointError):
+    """The path exists but is no checkpoint: a file, or a directory with neither ``.metadata`` nor a manifest."""
 
 
 class CorruptCheckpointError(CheckpointError):

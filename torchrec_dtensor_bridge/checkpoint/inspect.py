@@ -8,6 +8,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .commit import resolve
+from .common import format_mib, tensor_bytes
 from .manifest import read_manifest
 from .validate import read_metadata
 
@@ -35,7 +36,6 @@ def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
         if not isinstance(m, TensorStorageMetadata):
             out[fqn] = {"type": "object"}
             continue
-        itemsize = m.properties.dtype.itemsize
         shards = sorted(
             ({"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks),
             key=lambda s: s["offsets"],
@@ -45,13 +45,13 @@ def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
             "shape": list(m.size),
             "dtype": str(m.properties.dtype).replace("torch.", ""),
             "shards": shards,
-            "bytes": m.size.numel() * itemsize,
+            "bytes": tensor_bytes(md, fqn),
         }
     return out
 
 
 def format_report(path: str | Path) -> str:
-    """``inspect(path)`` as a table a person reads, with totals and the commit state."""
+    """``inspect(path)`` as a table a person reads, with totals (MiB = 2**20 bytes) and the commit state."""
     root = resolve(Path(path).absolute())
     info = inspect(path)
     manifest = read_manifest(root)
@@ -64,19 +64,29 @@ def format_report(path: str | Path) -> str:
             continue
         total += rec["bytes"]
         cuts = _describe_cuts(rec)
-        rows.append([fqn, rec["dtype"], "x".join(map(str, rec["shape"])), cuts, f"{rec['bytes'] / 2**20:.2f}"])
+        rows.append([fqn, rec["dtype"], "x".join(map(str, rec["shape"])), cuts, format_mib(rec["bytes"])])
     widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
     fmt = "  ".join("{:<%d}" % w for w in widths)
     lines = [f"checkpoint {root}"]
     if manifest is not None:
-        lines.append(f"save id {manifest['save_id']}, written by {manifest.get('world_size', '?')} rank(s), "
-                     f"{len(manifest['items'])} checksummed items")
+        lines.append(f"save id {manifest['save_id']}, {_writers(manifest)}, {len(manifest['items'])} checksummed items")
     else:
         lines.append("plain DCP directory (no checksum manifest)")
     lines.append(fmt.format(*head).rstrip())
     lines += [fmt.format(*r).rstrip() for r in rows]
-    lines.append(f"{len(rows)} keys, {total / 2**20:.2f} MiB of tensors")
+    lines.append(f"{len(rows)} keys, {format_mib(total)} MiB of tensors")
     return "\n".join(lines)
+
+
+def _writers(manifest: dict[str, Any]) -> str:
+    """Who wrote the checkpoint, as far as its manifest records it."""
+    world = manifest.get("world_size")
+    if type(world) is int:
+        return f"written by {world} rank(s)"
+    source = manifest.get("migrated_from")
+    if isinstance(source, str):
+        return f"migrated from {source} (the number of ranks that wrote the source is not recorded)"
+    return "written by an unrecorded number of ranks"
 
 
 def _describe_cuts(rec: dict[str, Any]) -> str:

@@ -45,7 +45,7 @@ from .agree import Kind, Problem, from_rank0, problem_from, raise_gathered
 from .commit import DirLock, committed_name, lock_generation
 from .common import global_shape, leaves
 from .errors import CheckpointError, CorruptCheckpointError
-from .manifest import item_key, item_record, read_manifest
+from .manifest import MANIFEST, item_key, item_record, read_manifest
 from .plan import needed_chunks
 from .validate import read_metadata
 
@@ -141,6 +141,19 @@ def _check_items(root: Path, manifest: dict[str, Any], md: Metadata, needed: lis
     return problems
 
 
+def _no_manifest(root: Path, plain: bool) -> str:
+    """Why a verified load of ``root`` (without a manifest) is refused, and what to do instead."""
+    if plain:
+        return (f"{root} is a plain DCP directory: it has no checksum manifest ({MANIFEST}; not written by "
+                "tdb.checkpoint.save), so there is nothing to verify it against. Load it unverified with "
+                "tdb.checkpoint.load(..., verify=False), or convert it once into a checksummed checkpoint with "
+                f"`python -m torchrec_dtensor_bridge migrate {root} NEW_PATH` (or tdb.checkpoint.migrate) and load "
+                "NEW_PATH")
+    return (f"{root} has no checksum manifest ({MANIFEST}), which every checkpoint written by tdb.checkpoint.save "
+            "has: it was removed or the checkpoint is damaged; tdb.checkpoint.load(..., verify=False) loads it "
+            "unverified")
+
+
 @dataclass(frozen=True)
 class Opened:
     """What every rank agreed to read: the generation (held under a shared lock), its manifest and metadata."""
@@ -174,8 +187,7 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
         problems += key_problems
         if verify and not key_problems:
             if manifest is None:
-                problems.append(Problem(Kind.CORRUPT, f"{root} has no checksum manifest (not written by "
-                                                      "checkpoint.save); pass verify=False to load it unchecked"))
+                problems.append(Problem(Kind.CORRUPT, _no_manifest(root, plain=not name)))
             else:
                 saved_id = md.storage_meta.save_id if md.storage_meta is not None else None
                 if saved_id != manifest.get("dcp_save_id"):

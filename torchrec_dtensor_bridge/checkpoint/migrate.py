@@ -57,7 +57,8 @@ from .._compat import (
 )
 from ..convert import state_dict_to_dtensor
 from .api import save
-from .commit import SaveLock, commit, generation_dir, resolve, sweep
+from .commit import SaveLock, commit, generation_dir, resolve, sweep, writable_parent
+from .common import tensor_bytes
 from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import BlockHasher, FileSums, check_file_name, read_manifest, write_manifest
 from .validate import read_metadata
@@ -97,12 +98,14 @@ def migrate(src: str | Path, dst: str | Path, *, progress: bool = True, trusted_
             ) -> dict[str, Any]:
     """Convert the checkpoint at ``src`` into a committed checkpoint at ``dst``.
 
-    Returns a summary: ``{"source": kind, "keys": n, "bytes": n, "save_id": id}``.
+    Returns a summary: ``{"source": kind, "keys": n, "bytes": n, "save_id": id}``, where
+    ``bytes`` counts the tensors as :func:`~.inspect.inspect` does (:func:`~.common.tensor_bytes`).
     Raises ``ValueError`` or :class:`.CorruptCheckpointError` (naming the key or
-    file) for an incomplete, inconsistent or hostile source; ``dst`` is
-    untouched unless the migration completes. Reads only inside ``src``, writes
-    only inside ``dst``'s directory, runs no code from the source unless
-    ``trusted_pickles`` (per-rank files loaded with ``weights_only=False``).
+    file) for an incomplete, inconsistent or hostile source, ``NotADirectoryError``
+    if an existing parent of ``dst`` is a file; ``dst`` is untouched unless the
+    migration completes. Reads only inside ``src``, writes only inside ``dst``'s
+    directory, runs no code from the source unless ``trusted_pickles`` (per-rank
+    files loaded with ``weights_only=False``).
 
     Example::
 
@@ -112,6 +115,7 @@ def migrate(src: str | Path, dst: str | Path, *, progress: bool = True, trusted_
     src, dst = Path(src).absolute(), Path(dst).absolute()
     if dst.exists() and not dst.is_symlink():
         raise CheckpointError(f"{dst} exists and is not a torchrec_dtensor_bridge checkpoint")
+    writable_parent(dst)
     if not src.exists():
         raise ValueError(f"migrate: source {src} does not exist")
     root = resolve(src) if src.is_symlink() else src
@@ -157,7 +161,7 @@ def _migrate_dcp(root: Path, dst: Path, progress: bool) -> dict[str, Any]:
         sweep(dst, keep=gen)
     finally:
         lock.release()
-    return {"source": "dcp", "keys": len(md.state_dict_metadata), "bytes": total, "save_id": save_id}
+    return {"source": "dcp", "keys": len(md.state_dict_metadata), "bytes": tensor_bytes(md), "save_id": save_id}
 
 
 def _copy_durably(root: Path, rel: str, gen: Path, bar: Any) -> FileSums:
@@ -227,22 +231,10 @@ def _rank_worker(rank: int, world: int, port: int, files: list[str], dst: str, p
             bar.update(1)
             save_id = save(dts, dst)
             bar.update(1)
-        keys = len(dts)
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(sd))
-        out.put((rank, "ok", {"source": "per-rank torch.save", "keys": keys, "bytes": nbytes, "save_id": save_id}))
+        out.put((rank, "ok", {"source": "per-rank torch.save", "keys": len(dts), "save_id": save_id}))
         dist.destroy_process_group()
     except BaseException:  # reported to the parent, which raises
         out.put((rank, "error", traceback.format_exc()))
-
-
-def _tensors(sd: Any) -> list[Any]:
-    out = []
-    for v in sd.values():
-        if isinstance(v, ShardedTensor):
-            out += [s.tensor for s in v.local_shards()]
-        elif isinstance(v, torch.Tensor):
-            out.append(v)
-    return out
 
 
 def _migrate_rank_files(files: list[Path], dst: Path, progress: bool, trusted: bool) -> dict[str, Any]:
@@ -272,5 +264,6 @@ def _migrate_rank_files(files: list[Path], dst: Path, progress: bool, trusted: b
     if errors:
         raise CheckpointError("migrate failed:\n" + "\n".join(f"--- rank {r} ({files[r].name}) ---\n{m}" for r, m in errors))
     summary = next(msg for r, status, msg in results if r == 0)
-    summary["bytes"] = sum(msg["bytes"] for _, _, msg in results)
+    committed = resolve(dst)
+    summary["bytes"] = tensor_bytes(read_metadata(committed, read_manifest(committed)))
     return summary

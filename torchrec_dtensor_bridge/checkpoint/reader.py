@@ -37,6 +37,7 @@ import io
 import mmap
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from .agree import Kind, Problem, raise_if_any
+from .common import format_bytes
 from .errors import CheckpointError
 from .manifest import BLOCK, Checksums
 from .plan import ItemPlace, request_span, staged_bytes, zip_spans
@@ -78,12 +80,29 @@ def _buffer(n: int) -> memoryview:
     return memoryview(mmap.mmap(-1, n, flags=_POPULATE)) if n else memoryview(bytearray())
 
 
+@dataclass
 class ReadStats:
-    """What a reader read: bytes read from data files (every pass) and data files opened."""
+    """What a reader read on this rank; what :func:`~.api.load` returns.
 
-    def __init__(self) -> None:
-        self.bytes_read = 0
-        self.files_opened = 0
+    Attributes:
+        bytes_read: bytes read from data files, every pass counted (a verify-first load reads twice).
+        files_opened: data files opened (once per pass).
+        verified: whether every byte read was checked against the checkpoint's manifest (``verify=True``).
+
+    Example::
+
+        >>> tdb.checkpoint.load(sd, "/ckpt/step100")
+        ReadStats(read 1.20 MiB from 3 data files on this rank, checksums verified)
+    """
+
+    bytes_read: int = 0
+    files_opened: int = 0
+    verified: bool = False
+
+    def __repr__(self) -> str:
+        files = f"{self.files_opened} data file{'' if self.files_opened == 1 else 's'}"
+        checked = "checksums verified" if self.verified else "not verified (verify=False)"
+        return f"ReadStats(read {format_bytes(self.bytes_read)} from {files} on this rank, {checked})"
 
 
 class _VerifiedFile:
@@ -243,7 +262,7 @@ class VerifiedReader(dcp.FileSystemReader):
         self._what = what
         self._md: Metadata | None = None
         self.staged: bool | None = None  # how the last read_data ran (for tests and benchmarks)
-        self.stats = ReadStats()
+        self.stats = ReadStats(verified=checksums is not None)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self._given_md is None:
@@ -377,7 +396,8 @@ class VerifiedReader(dcp.FileSystemReader):
         delegate = any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items)
         if delegate and self._checksums is not None:
             problems.append(Problem(Kind.VALUE, "the checkpoint's data files use DCP stream transforms, which "
-                                                "checksummed loads do not support; pass verify=False"))
+                                                "checksummed loads do not support; load it unverified with "
+                                                "tdb.checkpoint.load(..., verify=False)"))
         per_file = self._per_file(plan) if not delegate else {}
         try:
             estimate = self._estimate({k: v for items in per_file.values() for k, v in items.items()})

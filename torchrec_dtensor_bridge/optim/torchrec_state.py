@@ -14,6 +14,10 @@ What moves, and what is refused (with the reason):
 * ``adagrad`` <-> ``EXACT_ADAGRAD`` ``momentum1``: element-wise, the weight's shape, any layout.
 * ``sgd``: no state; nothing moves.
 * ``adam``: refused (not mapped: TorchRec's CPU kernels have no Adam to compare against).
+* a table without state in TorchRec's ``fused_optimizer``: refused, naming the table. TorchRec
+  keeps optimizer state only for tables planned with the fused compute kernel
+  (``compute_kernel="fused"``, ``EmbeddingComputeKernel.FUSED``); a dense-kernel table is
+  trained by an ordinary optimizer of the user's, outside ``fused_optimizer``.
 
 Both directions reshard (:func:`..convert.reshard.copy_into`), so the two sides
 may use different plans; both are *collective*.
@@ -55,6 +59,21 @@ def _theirs(osd: Mapping[str, Any], names: list[str]) -> dict[str, dict[str, tor
     return out
 
 
+def _their_tables(osd: Mapping[str, Any]) -> list[str]:
+    """The table names TorchRec's state holds on this rank (its keys are ``f"{table}.{state}"``)."""
+    names = {str(key).rpartition(".")[0] for per in osd["state"].values() if isinstance(per, Mapping) for key in per}
+    return sorted(names)
+
+
+def _no_state(table: str, state: str, theirs: list[str]) -> str:
+    """Why TorchRec's state has no ``state`` for ``table``, and what to do."""
+    held = f"it holds state for tables {theirs}" if theirs else "it holds no table's state"
+    return (f"table {table!r}: TorchRec's fused_optimizer.state_dict() has no {state} for it ({held}). TorchRec "
+            "keeps optimizer state only for tables with the FUSED compute kernel: plan the table with "
+            "compute_kernel=\"fused\" (EmbeddingComputeKernel.FUSED); a table with the dense kernel is trained "
+            "by a separate optimizer of yours, and its state is not in fused_optimizer.state_dict()")
+
+
 def _pairs(opt: Any, osd: Mapping[str, Any]) -> list[tuple[str, str, Any, torch.Tensor | None]]:
     """(table, state, our DTensor, TorchRec's tensor or None on a rank without it), checked on every rank."""
     kind = opt.hyper.kind
@@ -64,15 +83,17 @@ def _pairs(opt: Any, osd: Mapping[str, Any]) -> list[tuple[str, str, Any, torch.
     theirs = _theirs(osd, names)
     mine = opt.state_dict()
     have = {(n, s): tuple(theirs[n][s].shape) for n in theirs for s in theirs[n] if s in _STATES[kind]}
-    seen: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, have)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (have, _their_tables(osd)))
+    seen = [h for h, _ in gathered]
+    their_tables = sorted({t for _, tables in gathered for t in tables})
     problems, out = [], []
     for n in names:
         for s in _STATES[kind]:
             shapes = {r: h[(n, s)] for r, h in enumerate(seen) if (n, s) in h}
             ours = mine[f"{n}.{s}"]
             if not shapes:
-                problems.append(f"{n}: no {s} in TorchRec's state")
+                problems.append(_no_state(n, s, their_tables))
                 continue
             shape = next(iter(shapes.values()))
             if shape != tuple(ours.shape):

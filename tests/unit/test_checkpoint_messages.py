@@ -1,0 +1,255 @@
+"""What a checkpoint error tells its reader, in one process: the exception class, the path, and what to do.
+
+A path that holds no checkpoint, a plain DCP directory loaded with verification, a save under a regular
+file, the sizes ``inspect`` and ``migrate`` print, ``ReadStats``' repr.
+"""
+
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import torchrec_dtensor_bridge as tdb
+from torchrec_dtensor_bridge import cli
+from torchrec_dtensor_bridge.checkpoint import errors
+from torchrec_dtensor_bridge.checkpoint.common import format_bytes, format_mib
+from torchrec_dtensor_bridge.checkpoint.reader import ReadStats
+
+from ..distributed.checks import reference_table
+
+EXPECTED = ("expected a checkpoint written by tdb.checkpoint.save", "or a plain DCP directory holding .metadata",
+            "torch.distributed.checkpoint.save")
+
+
+def _blank():
+    return {"w": torch.full((30, 4), -1.0)}
+
+
+def _state():
+    return {"w": reference_table((30, 4), seed=1)}
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - what it raised is the subject of the test
+        return e
+    raise AssertionError("nothing raised")
+
+
+def _load_error(path):
+    dest = _blank()
+    err = _raised(lambda: tdb.checkpoint.load(dest, path))
+    assert torch.equal(dest["w"], _blank()["w"]), "a refused load modified the destination"
+    return err
+
+
+def _plain_dcp(path, sd=None):
+    sd = _state() if sd is None else sd
+    dcp.save(sd, checkpoint_id=str(path), no_dist=True)
+    return sd
+
+
+# ------------------------------------------------------------------ not a checkpoint / incomplete / corrupt
+@pytest.mark.parametrize("contents", [[], ["notes.txt", "model.onnx"]], ids=["empty", "unrelated_files"])
+def test_a_directory_without_a_checkpoint_is_not_a_checkpoint(tmp_path, contents):
+    path = tmp_path / "step100"
+    path.mkdir()
+    for name in contents:
+        (path / name).write_text("not a checkpoint")
+    err = _load_error(path)
+    assert type(err) is tdb.checkpoint.NotACheckpointError, (type(err), err)
+    text = str(err)
+    assert f"{path} is not a checkpoint" in text and all(e in text for e in EXPECTED), text
+    assert ("the directory is empty" in text) if not contents else ("holds only model.onnx, notes.txt" in text), text
+    assert ".metadata is missing" not in text
+    for fn in (tdb.checkpoint.inspect, tdb.checkpoint.format_report):  # the same answer without a process group
+        err = _raised(lambda fn=fn: fn(path))
+        assert type(err) is tdb.checkpoint.NotACheckpointError and f"{path} is not a checkpoint" in str(err), err
+
+
+def test_a_directory_of_many_unrelated_files_names_a_few(tmp_path):
+    for i in range(8):
+        (tmp_path / f"f{i}.txt").write_text("x")
+    err = _load_error(tmp_path)
+    assert type(err) is tdb.checkpoint.NotACheckpointError
+    assert "holds only f0.txt, f1.txt, f2.txt, f3.txt, f4.txt and 3 more" in str(err), err
+
+
+def test_the_directory_above_checkpoints_names_them(tmp_path):
+    for name in ("step100", "step200"):
+        tdb.checkpoint.save(_state(), tmp_path / name)
+    err = _load_error(tmp_path)
+    assert type(err) is tdb.checkpoint.NotACheckpointError, (type(err), err)
+    assert "; it holds the checkpoints step100, step200: pass one of those paths (rank 0)" in str(err), err
+
+
+def test_a_regular_file_is_not_a_checkpoint(tmp_path):
+    path = tmp_path / "step100.pt"
+    torch.save(_state(), path)
+    err = _load_error(path)
+    assert type(err) is tdb.checkpoint.NotACheckpointError, (type(err), err)
+    assert f"{path} is not a checkpoint: it is a file, not a directory" in str(err), err
+    assert all(e in str(err) for e in EXPECTED), err
+
+
+def test_nothing_saved_yet_is_incomplete(tmp_path):
+    err = _load_error(tmp_path / "step100")
+    assert type(err) is tdb.checkpoint.IncompleteCheckpointError, (type(err), err)
+    assert f"no committed checkpoint at {tmp_path / 'step100'}" in str(err), err
+
+
+def test_an_unfinished_plain_dcp_save_is_incomplete(tmp_path):
+    """DCP writes ``.metadata`` last: data files without it are a save that did not finish."""
+    path = tmp_path / "plain"
+    _plain_dcp(path)
+    (path / ".metadata").unlink()
+    err = _load_error(path)
+    assert type(err) is tdb.checkpoint.IncompleteCheckpointError, (type(err), err)
+    assert f"{path} holds DCP data files (__0_0.distcp) but no .metadata" in str(err), err
+    assert "did not finish" in str(err), err
+
+
+def test_damaged_checkpoints_stay_corrupt(tmp_path):
+    saved = tmp_path / "ck"
+    tdb.checkpoint.save(_state(), saved)
+    (saved.resolve() / ".metadata").unlink()  # a committed generation without its .metadata
+    err = _load_error(saved)
+    assert type(err) is tdb.checkpoint.CorruptCheckpointError, (type(err), err)
+    assert ".metadata is missing" in str(err), err
+
+    manifest_only = tmp_path / "manifest_only"  # a manifest of ours, its .metadata gone
+    tdb.checkpoint.save(_state(), tmp_path / "ck2")
+    os.rename((tmp_path / "ck2").resolve(), manifest_only)
+    (manifest_only / ".metadata").unlink()
+    err = _load_error(manifest_only)
+    assert type(err) is tdb.checkpoint.CorruptCheckpointError and ".metadata is missing" in str(err), (type(err), err)
+
+    garbage = tmp_path / "plain"  # a plain DCP directory whose .metadata is not DCP's
+    _plain_dcp(garbage)
+    (garbage / ".metadata").write_bytes(b"not a pickle")
+    err = _raised(lambda: tdb.checkpoint.load(_blank(), garbage, verify=False))
+    assert type(err) is tdb.checkpoint.CorruptCheckpointError and "cannot be read" in str(err), (type(err), err)
+
+
+def test_not_a_checkpoint_error_is_public_and_documented():
+    cls = tdb.checkpoint.NotACheckpointError
+    assert cls is errors.NotACheckpointError and "NotACheckpointError" in tdb.checkpoint.__all__
+    assert issubclass(cls, tdb.checkpoint.CheckpointError)
+    assert not issubclass(cls, (tdb.checkpoint.IncompleteCheckpointError, tdb.checkpoint.CorruptCheckpointError))
+    for name in ("NotACheckpointError", "IncompleteCheckpointError", "CorruptCheckpointError"):
+        assert name in errors.__doc__, name
+
+
+# ------------------------------------------------------------------ a plain DCP directory, verified
+def test_a_plain_dcp_directory_says_how_to_load_it_and_both_ways_work(tmp_path, capsys):
+    src, dst = tmp_path / "plain", tmp_path / "converted"
+    want = _plain_dcp(src)
+    err = _load_error(src)
+    assert type(err) is tdb.checkpoint.CorruptCheckpointError, (type(err), err)
+    text = str(err)
+    assert f"{src} is a plain DCP directory" in text and "not written by tdb.checkpoint.save" in text, text
+    assert "tdb.checkpoint.load(..., verify=False)" in text, text
+    assert f"python -m torchrec_dtensor_bridge migrate {src} NEW_PATH" in text, text
+
+    dest = _blank()  # the first way: unverified
+    stats = tdb.checkpoint.load(dest, src, verify=False)
+    assert torch.equal(dest["w"], want["w"]) and not stats.verified
+
+    assert cli.main(["migrate", str(src), str(dst), "--no-progress"]) == 0, capsys.readouterr().err  # the second
+    dest = _blank()
+    stats = tdb.checkpoint.load(dest, dst)
+    assert torch.equal(dest["w"], want["w"]) and stats.verified
+
+
+def test_a_generation_without_its_manifest_is_not_called_a_plain_directory(tmp_path):
+    path = tmp_path / "ck"
+    tdb.checkpoint.save(_state(), path)
+    (path.resolve() / "tdb_manifest.json").unlink()
+    err = _load_error(path)
+    assert type(err) is tdb.checkpoint.CorruptCheckpointError, (type(err), err)
+    assert "has no checksum manifest" in str(err) and "plain DCP directory" not in str(err), err
+    assert "tdb.checkpoint.load(..., verify=False)" in str(err), err
+
+
+# ------------------------------------------------------------------ saving under a regular file
+@pytest.mark.parametrize("below", [["ck"], ["a", "b", "ck"]], ids=["parent", "ancestor"])
+def test_saving_under_a_regular_file_names_it_and_writes_nothing(tmp_path, below):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file, not a directory")
+    path = blocker.joinpath(*below)
+    before = sorted(os.listdir(tmp_path))
+    err = _raised(lambda: tdb.checkpoint.save(_state(), path))
+    assert type(err) is NotADirectoryError, (type(err), err)
+    text = str(err)
+    assert f"cannot save to {path}: {blocker} is a file, not a directory" in text, text
+    assert "nothing was written" in text and "EEXIST" not in text, text
+    assert sorted(os.listdir(tmp_path)) == before and blocker.read_text() == "a file, not a directory"
+
+
+def test_saving_under_a_broken_link_names_it(tmp_path):
+    link = tmp_path / "runs"
+    link.symlink_to(tmp_path / "gone")
+    err = _raised(lambda: tdb.checkpoint.save(_state(), link / "ck"))
+    assert type(err) is NotADirectoryError, (type(err), err)
+    assert f"{link} is a broken symbolic link, not a directory" in str(err), err
+    assert not (tmp_path / "gone").exists()
+
+
+def test_migrating_under_a_regular_file_names_it(tmp_path, capsys):
+    src, blocker = tmp_path / "plain", tmp_path / "notes.txt"
+    _plain_dcp(src)
+    blocker.write_text("x")
+    err = _raised(lambda: tdb.checkpoint.migrate(src, blocker / "ck", progress=False))
+    assert type(err) is NotADirectoryError and f"{blocker} is a file, not a directory" in str(err), (type(err), err)
+    assert cli.main(["migrate", str(src), str(blocker / "ck"), "--no-progress"]) == 1
+    assert f"error: cannot save to {blocker / 'ck'}: {blocker} is a file" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "plain"]
+
+
+# ------------------------------------------------------------------ sizes, reprs, inspect of a migrated checkpoint
+def test_sizes_read_in_binary_units():
+    assert [format_bytes(n) for n in (0, 1, 1023, 1024, 1536, 5 << 20, 3 << 30, 1 << 40)] == [
+        "0 bytes", "1 byte", "1023 bytes", "1.00 KiB", "1.50 KiB", "5.00 MiB", "3.00 GiB", "1.00 TiB"]
+    assert format_mib(1032192) == "0.98" and format_mib(1 << 20) == "1.00"
+
+
+def test_read_stats_repr_says_what_was_read():
+    assert repr(ReadStats(1258291, 3, verified=True)) == (
+        "ReadStats(read 1.20 MiB from 3 data files on this rank, checksums verified)")
+    assert repr(ReadStats(512, 1)) == (
+        "ReadStats(read 512 bytes from 1 data file on this rank, not verified (verify=False))")
+
+
+def test_load_returns_read_stats_that_read_well(tmp_path):
+    path = tmp_path / "ck"
+    tdb.checkpoint.save(_state(), path)
+    stats = tdb.checkpoint.load(_blank(), path)
+    assert stats.verified and stats.files_opened == 1 and stats.bytes_read > 30 * 4 * 4
+    assert repr(stats) == (
+        f"ReadStats(read {format_bytes(stats.bytes_read)} from 1 data file on this rank, checksums verified)")
+    assert "object at 0x" not in repr(stats)
+
+
+def test_inspect_and_migrate_agree_on_a_migrated_checkpoint(tmp_path, capsys):
+    """258,048 float32 values: 0.98 MiB of tensor, 0.99 MiB of data file (the zip's framing)."""
+    src, dst = tmp_path / "plain", tmp_path / "converted"
+    _plain_dcp(src, {"t": torch.ones(258048)})
+    assert sum(p.stat().st_size for p in src.glob("*.distcp")) / 2**20 >= 0.985  # the two figures differ
+    assert cli.main(["migrate", str(src), str(dst), "--no-progress"]) == 0
+    said = capsys.readouterr().out
+    assert "migrated 1 keys (0.98 MiB of tensors)" in said, said
+    report = tdb.checkpoint.format_report(dst)
+    assert "1 keys, 0.98 MiB of tensors" in report, report
+    assert "None" not in report and f"migrated from {src}" in report, report
+    assert re.search(r"^t\s+float32\s+258048\s+1 \(whole\)\s+0\.98$", report, re.M), report
+    summary = tdb.checkpoint.migrate(src, tmp_path / "again", progress=False)
+    assert summary["bytes"] == sum(r["bytes"] for r in tdb.checkpoint.inspect(dst).values()) == 258048 * 4
+
+
+def test_inspect_of_a_saved_checkpoint_counts_its_ranks(tmp_path):
+    tdb.checkpoint.save(_state(), tmp_path / "ck")
+    report = tdb.checkpoint.format_report(tmp_path / "ck")
+    assert "written by 1 rank(s)" in report and "None" not in report, report
