@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from torch.distributed.checkpoint.metadata import Metadata
 
-import torchrec_dtensor_bridge
 import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.checkpoint import api, errors
 from torchrec_dtensor_bridge.checkpoint.errors import CheckpointError, CorruptCheckpointError
@@ -24,8 +23,10 @@ from torchrec_dtensor_bridge.checkpoint.manifest import (
     write_manifest,
 )
 
-ROOT = Path(torchrec_dtensor_bridge.__file__).parent
-PKG = "torchrec_dtensor_bridge"
+from ..import_graph import PKG, ROOT, find_cycle
+from ..import_graph import module_name as _module
+from ..import_graph import package_imports as _package_imports
+
 CHECKPOINT = ROOT / "checkpoint"
 
 
@@ -116,52 +117,6 @@ def test_save_and_load_are_in_api():
 
 
 # -------------------------------------------------------------------- the import graph
-def _module(path: Path) -> str:
-    rel = path.relative_to(ROOT).with_suffix("")
-    parts = [PKG, *rel.parts]
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-MODULES = {_module(p) for p in ROOT.rglob("*.py")}
-
-
-def _nested(tree: ast.AST) -> set[int]:
-    return {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            for n in ast.walk(f) if n is not f}
-
-
-def _package_imports(path: Path) -> list[tuple[str, bool, int]]:
-    """(module of this package imported, inside a function, line) for every import in ``path``.
-
-    ``from . import x`` counts as an import of module ``x`` when it is one, else of the package.
-    """
-    me = _module(path)
-    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
-    tree = ast.parse(path.read_text())
-    nested = _nested(tree)
-    out = []
-    for node in ast.walk(tree):
-        targets: list[str] = []
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            for a in node.names:
-                full = f"{target}.{a.name}"
-                targets.append(full if full in MODULES else target)
-        elif isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        for t in targets:
-            if t == PKG or t.startswith(PKG + "."):
-                while t not in MODULES and "." in t:
-                    t = t.rsplit(".", 1)[0]
-                out.append((t, id(node) in nested, node.lineno))
-    return out
-
-
 def test_no_function_level_import_of_the_package_in_checkpoint():
     found = [f"{p.relative_to(ROOT)}:{line} imports {t} inside a function"
              for p in sorted(CHECKPOINT.glob("*.py")) for t, inner, line in _package_imports(p) if inner]
@@ -173,19 +128,8 @@ def test_no_import_cycle_between_checkpoint_modules():
     for p in CHECKPOINT.glob("*.py"):
         src = _module(p)
         graph[src] = {t for t, _, _ in _package_imports(p) if t.startswith(f"{PKG}.checkpoint") and t != src}
-    state: dict[str, int] = {}
-
-    def visit(node: str, path: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph.get(node, ())):
-            assert state.get(nxt) != 1, f"import cycle: {' -> '.join(path + [node, nxt])}"
-            if nxt not in state:
-                visit(nxt, path + [node])
-        state[node] = 2
-
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [])
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
     assert graph[f"{PKG}.checkpoint.errors"] == set(), "errors.py imports nothing else of the package"
     assert not any(_package_imports(CHECKPOINT / "errors.py"))
 

@@ -79,6 +79,16 @@ DEFAULT_STAGING_BYTES = 256 << 20
 _fault_hook: Callable[[str], None] | None = None
 
 
+def _call(verb: str, state_dict: object, path: str | Path, process_group: dist.ProcessGroup | None,
+          ) -> tuple[dist.ProcessGroup | None, Path, str]:
+    """What ``save`` and ``load`` start from: the group, the absolute path, and how messages name the call."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+    group = process_group if process_group is not None else default_process_group(state_dict)
+    path = Path(path).absolute()
+    return group, path, f"checkpoint.{verb}({path})"
+
+
 def _stage(name: str) -> None:
     if _fault_hook is not None:
         _fault_hook(name)
@@ -141,11 +151,7 @@ def save(
 
         >>> tdb.checkpoint.save(tdb.state_dict_to_dtensor(model.state_dict()), "/ckpt/step100")
     """
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-    group = process_group if process_group is not None else default_process_group(state_dict)
-    path = Path(path).absolute()
-    what = f"checkpoint.save({path})"
+    group, path, what = _call("save", state_dict, path, process_group)
     g = member_group(group, what)
     rank, world = g.rank, g.size
     problems: list[Problem] = []
@@ -311,11 +317,7 @@ def load(
 
         >>> tdb.checkpoint.load(tdb.state_dict_to_dtensor(model.state_dict()), "/ckpt/step100")
     """
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-    group = process_group if process_group is not None else default_process_group(state_dict)
-    path = Path(path).absolute()
-    what = f"checkpoint.load({path})"
+    group, path, what = _call("load", state_dict, path, process_group)
     extra: list[Problem] = []
     if staging_bytes is not None and (not isinstance(staging_bytes, int) or staging_bytes < 0):
         extra.append(Problem(Kind.VALUE, f"staging_bytes must be a non-negative int or None, got {staging_bytes!r}"))
