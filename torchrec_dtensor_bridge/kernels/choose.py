@@ -170,7 +170,11 @@ def calibrated(what: str) -> Impl:
             return Impl[record["choices"][what]]
     except (OSError, ValueError, KeyError):
         record = {}
-    ours, theirs = _measure(what)
+    try:
+        ours, theirs = _measure(what)
+    except Exception as e:  # noqa: BLE001 - a failed measurement must not fail (or desynchronise) a lookup
+        log.warning("torchrec_dtensor_bridge: kernel calibration of %s failed (%s): using fbgemm's", what, e)
+        return Impl.FBGEMM
     pick = Impl.NATIVE if ours <= theirs else Impl.FBGEMM
     log.info("torchrec_dtensor_bridge: %s: ours %.2f ms, fbgemm %.2f ms: %s", what, ours * 1e3, theirs * 1e3,
              pick.name.lower())
