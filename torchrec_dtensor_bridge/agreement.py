@@ -232,7 +232,17 @@ def agree(
     n = len(values) if width is None else width
     mine = list(values)[:n]
     message = [0 if problem is None else problem.kind.value, len(mine)] + mine + [_PAD] * (n - len(mine))
-    rows = _all_rows(message, g)
+    try:
+        rows = _all_rows(message, g)
+    except RuntimeError as e:  # gloo's and NCCL's timeouts name no call of ours: say which and why
+        if "timed out" not in str(e).lower():
+            raise
+        raise RuntimeError(
+            f"{what}: timed out in its first collective (the agreement step) on the group of ranks "
+            f"{list(g.members)}: the other ranks of the group did not make this call. It is collective: every "
+            f"rank of the group must call it, in the same order (not under an `if rank == ...`). "
+            f"The backend said: {str(e).strip().splitlines()[0][:300]}"
+        ) from e
     failed = [r for r, row in enumerate(rows) if row[0]]
     if failed:
         problems = _objects(problem, g)

@@ -1,0 +1,36 @@
+"""A collective call made on one rank only ends in an error that names the call and the group and says what
+to do, not in the backend's bare timeout (2 gloo ranks, a group with a 3-second timeout)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import torchrec_dtensor_bridge as tdb
+from torchrec_dtensor_bridge.convert.placements import world_mesh
+
+from .harness import make_pool_fixture
+
+pool = make_pool_fixture(2)
+
+
+def lookup_on_rank_0_only(rank: int, world: int) -> str:
+    group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=3))
+    weight = distribute_tensor(torch.randn(10, 4), world_mesh("cpu"), [Shard(0)])
+    if rank != 0:
+        return "skipped the call"
+    try:
+        tdb.sharded_embedding_bag(torch.tensor([1, 2]), weight, torch.tensor([0]), process_group=group)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_lookup_on_one_rank_says_which_call_and_group(pool):
+    msg, other = pool.run(lookup_on_rank_0_only)
+    assert other == "skipped the call"
+    assert msg.startswith("sharded_embedding_bag: timed out in its first collective"), msg
+    assert "group of ranks [0, 1]" in msg and "every rank of the group must call it" in msg, msg
