@@ -247,7 +247,8 @@ def checkpoint_phase(
     The ranks that load (``0 .. world - 2``) read blocks other ranks wrote, across nodes
     when there are several."""
     failures: list[str] = []
-    root = where if where is not None else tempfile.mkdtemp(prefix="tdb-demo-")
+    # one temporary directory, made by rank 0 (the one whose path every rank uses) and removed by it below
+    root = where if where is not None else (tempfile.mkdtemp(prefix="tdb-demo-") if rank == 0 else None)
     path = [str(Path(root) / "ckpt") if rank == 0 else None]
     dist.broadcast_object_list(path)
     tdb.checkpoint.save(dts, path[0])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ._compat import ShardedTensor
@@ -76,7 +77,7 @@ def _glyph(rank: int | None) -> str:
 
 
 def visualize_sharding(
-    t: DTensor | ShardedTensor | ShardLayout, *, name: str = "table", print: bool = False
+    t: DTensor | ShardedTensor | ShardLayout, *, name: str = "table", print: bool | str = False
 ) -> str:
     """The rank-to-rows/columns picture of ``t``; correct for uneven and multi-shard layouts.
 
@@ -91,7 +92,8 @@ def visualize_sharding(
     Args:
         t: a DTensor, ShardedTensor or layout.
         name: the table's name, drawn in the picture's first line.
-        print: also print the picture.
+        print: also print the picture: ``True`` on global rank 0 only (every rank draws the same
+            picture), ``"all"`` on every rank.
 
     Returns:
         The picture.
@@ -102,8 +104,10 @@ def visualize_sharding(
     """
     from .convert import layout_of
 
+    if print is not True and print is not False and print != "all":
+        raise ValueError(f"visualize_sharding: print must be True, False or 'all', got {print!r}")
     layout = t.with_name(name) if isinstance(t, ShardLayout) else layout_of(t, name=name)
     text = render_layout(layout)
-    if print:
+    if print == "all" or (print is True and (not dist.is_initialized() or dist.get_rank() == 0)):
         builtins.print(text)
     return text
