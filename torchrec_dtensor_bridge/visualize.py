@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ._compat import ShardedTensor
+from .convert import layout_of
 from .layout import ShardLayout
 
 __all__ = ["render_layout", "visualize_sharding"]
@@ -102,8 +103,6 @@ def visualize_sharding(
 
         >>> tdb.visualize_sharding(dt, name="t0", print=True)
     """
-    from .convert import layout_of
-
     if print is not True and print is not False and print != "all":
         raise ValueError(f"visualize_sharding: print must be True, False or 'all', got {print!r}")
     layout = t.with_name(name) if isinstance(t, ShardLayout) else layout_of(t, name=name)
