@@ -19,9 +19,9 @@ import torch
 
 from . import ops  # noqa: F401 - registers torch.ops.tdb
 from .choose import calibrated, choice_code, dense_impl, pool_impl, settle, update_impl
-from .impl import Impl
+from .impl import Impl, add_bag_grads
 
-__all__ = ["Impl", "accepts", "calibrated", "choice_code", "dense_impl", "pool_impl", "settle", "update_impl"]
+__all__ = ["Impl", "accepts", "add_bag_grads", "calibrated", "choice_code", "dense_impl", "pool_impl", "settle", "update_impl"]
 
 
 def accepts(shard: torch.Tensor) -> bool:

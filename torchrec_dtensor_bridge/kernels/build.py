@@ -31,7 +31,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-__all__ = ["SOURCE", "cache_dir", "cache_key", "library"]
+__all__ = ["SOURCE", "cache_dir", "cache_key", "cpu_model", "library"]
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _compiler_version(cc: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's ``model name`` from ``/proc/cpuinfo``; empty where there is none."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -98,7 +98,7 @@ def cache_key(source_bytes: bytes, cc: str) -> str:
         20 hex digits of a SHA-256 over the source, the machine, the compiler's identity and the flags.
     """
     path = shutil.which(cc) or cc
-    parts: list[bytes | str] = [source_bytes, platform.machine(), _cpu_model(), platform.system(),
+    parts: list[bytes | str] = [source_bytes, platform.machine(), cpu_model(), platform.system(),
                                 os.path.realpath(path), _compiler_version(path), repr((_FLAGS, _ATTEMPTS, _LIBS))]
     h = hashlib.sha256()
     for part in parts:

@@ -140,17 +140,6 @@ def settle(device: torch.device, codes: list[int]) -> None:
 _ROWS, _DIM, _BAGS, _PER_BAG, _REPS = 1 << 18, 128, 4096, 20, 9
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _record_path() -> str:
     lib = native.kernel()
     ident = "-".join((lib.path.stem if lib is not None else "none", getattr(fbgemm._module(), "__version__", "?"),
@@ -162,7 +151,7 @@ def _record_path() -> str:
 @functools.lru_cache(maxsize=None)
 def calibrated(what: str) -> Impl:
     """:attr:`Impl.NATIVE` or :attr:`Impl.FBGEMM`, whichever ran ``what`` faster on this machine (step 3)."""
-    path, model = _record_path(), _cpu_model()
+    path, model = _record_path(), build.cpu_model() or platform.machine()
     try:
         with open(path, encoding="utf-8") as f:
             record = json.load(f)

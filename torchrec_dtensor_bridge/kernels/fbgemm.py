@@ -22,6 +22,7 @@ every device); the caller (:mod:`.ops`) has checked shapes and dtypes.
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -72,12 +73,8 @@ def table_args(offsets: tuple[int, ...], dims: tuple[int, ...], rows: tuple[int,
 
 @functools.lru_cache(maxsize=256)
 def _table_args(offsets: tuple[int, ...], dims: tuple[int, ...], rows: tuple[int, ...], device: str) -> TableArgs:
-    d_offsets = [0]
-    for d in dims:
-        d_offsets.append(d_offsets[-1] + d)
-    cum = [0]
-    for r in rows:
-        cum.append(cum[-1] + r)
+    d_offsets = list(itertools.accumulate(dims, initial=0))
+    cum = list(itertools.accumulate(rows, initial=0))
     return TableArgs(
         torch.tensor(offsets, dtype=torch.int64, device=device),
         torch.tensor(d_offsets, dtype=torch.int32, device=device),
@@ -111,6 +108,12 @@ def _learning_rate(lr: float) -> torch.Tensor:
     return torch.tensor(lr, dtype=torch.float32)
 
 
+@functools.lru_cache(maxsize=64)
+def _on_host(tables: int) -> torch.Tensor:
+    """Every table's placement: in host memory (read only by the kernels)."""
+    return torch.full((tables,), HOST, dtype=torch.int32)
+
+
 def update(kind: str, weights: torch.Tensor, args: TableArgs, grad: torch.Tensor, ids: torch.Tensor,
            offsets: torch.Tensor, per_sample_weights: torch.Tensor | None, momentum: torch.Tensor | None,
            momentum_offsets: torch.Tensor | None, lr: float, eps: float) -> None:
@@ -119,7 +122,7 @@ def update(kind: str, weights: torch.Tensor, args: TableArgs, grad: torch.Tensor
     ``grad``: ``(bags, total_d)`` with unit column stride (rows may be strided); ``momentum``: the flat
     state buffer with each table's first element at ``momentum_offsets``.
     """
-    place = torch.full((args.weights_offsets.numel(),), HOST, dtype=torch.int32)
+    place = _on_host(args.weights_offsets.numel())
     common = (grad, weights, place, args.weights_offsets, args.d_offsets, args.total_d, args.hash_size_cumsum,
               args.hash_bits, ids, offsets, POOL_SUM, per_sample_weights, False)
     rate = _learning_rate(lr)

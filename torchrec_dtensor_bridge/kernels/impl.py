@@ -10,12 +10,13 @@ checked every argument; which implementation runs is :mod:`.choose`'s decision.
 from __future__ import annotations
 
 import enum
+import itertools
 
 import torch
 
 from . import fbgemm, native
 
-__all__ = ["Impl", "dense_grad", "pool_sum", "sparse_update"]
+__all__ = ["Impl", "add_bag_grads", "dense_grad", "pool_sum", "sparse_update"]
 
 
 class Impl(enum.IntEnum):
@@ -41,11 +42,22 @@ def _bags(ids: torch.Tensor, offsets: torch.Tensor, psw: torch.Tensor | None, t:
     return ids[lo:hi], cut - lo, None if psw is None else psw[lo:hi]
 
 
-def _columns(dims: list[int]) -> list[int]:
-    starts = [0]
-    for d in dims:
-        starts.append(starts[-1] + d)
-    return starts
+def _starts(sizes: list[int]) -> list[int]:
+    """Where each of ``sizes`` starts when laid back to back, and the total at the end."""
+    return list(itertools.accumulate(sizes, initial=0))
+
+
+def add_bag_grads(out: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                  psw: torch.Tensor | None) -> torch.Tensor:
+    """``out`` (a ``(rows, dim)`` gradient) plus the pooled SUM lookup's weight gradient, with torch ops (any
+    dtype): each id's row gets its bag's output gradient ``grad`` (times its per-sample weight)."""
+    lengths = offsets[1:] - offsets[:-1]
+    bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad.device), lengths,
+                                  output_size=ids.numel())
+    per_id = grad.index_select(0, bag)
+    if psw is not None:
+        per_id = per_id * psw.unsqueeze(1)
+    return out.index_add_(0, ids, per_id.to(out.dtype))
 
 
 def pool_sum(which: Impl, weights: torch.Tensor, weights_offsets: list[int], dims: list[int], rows: list[int],
@@ -56,7 +68,7 @@ def pool_sum(which: Impl, weights: torch.Tensor, weights_offsets: list[int], dim
     if which is Impl.FBGEMM:
         args = fbgemm.table_args(tuple(weights_offsets), tuple(dims), tuple(rows), weights.device)
         return fbgemm.pool_sum(weights, args, ids, offsets, psw)
-    starts = _columns(dims)
+    starts = _starts(dims)
     out = torch.empty(b, starts[-1], dtype=torch.float32, device=weights.device)
     kernel = native.kernel() if which is Impl.NATIVE else None
     for t in range(tables):
@@ -74,23 +86,16 @@ def pool_sum(which: Impl, weights: torch.Tensor, weights_offsets: list[int], dim
 def dense_grad(which: Impl, grad: torch.Tensor, dims: list[int], rows: list[int], ids: torch.Tensor,
                offsets: torch.Tensor, psw: torch.Tensor | None) -> torch.Tensor:
     """Every table's dense weight gradient, flat and back to back (table ``t``'s ``rows[t] x dims[t]``)."""
-    packed = [0]
-    for r, d in zip(rows, dims):
-        packed.append(packed[-1] + r * d)
+    packed = _starts([r * d for r, d in zip(rows, dims)])
     if which is Impl.FBGEMM:
         args = fbgemm.table_args(tuple(packed[:-1]), tuple(dims), tuple(rows), grad.device)
         return fbgemm.dense_grad(grad, args, ids, offsets, psw, packed[-1])
-    tables, starts = len(dims), _columns(dims)
+    tables, starts = len(dims), _starts(dims)
     b = (offsets.numel() - 1) // tables
     out = torch.zeros(packed[-1], dtype=torch.float32, device=grad.device)
     for t in range(tables):
         tid, toff, tpsw = _bags(ids, offsets, psw, t, b)
-        lengths = toff[1:] - toff[:-1]
-        bag = torch.repeat_interleave(torch.arange(b, device=grad.device), lengths, output_size=tid.numel())
-        per_id = grad[:, starts[t] : starts[t + 1]].index_select(0, bag)
-        if tpsw is not None:
-            per_id = per_id * tpsw.unsqueeze(1)
-        _table(out, packed[t], rows[t], dims[t]).index_add_(0, tid, per_id)
+        add_bag_grads(_table(out, packed[t], rows[t], dims[t]), grad[:, starts[t] : starts[t + 1]], tid, toff, tpsw)
     return out
 
 
@@ -100,30 +105,17 @@ def sparse_update(which: Impl, weights: torch.Tensor, weights_offsets: list[int]
                   momentum2_offsets: list[int], lr: float, eps: float, weight_decay: float, decay: int,
                   beta1: float, beta2: float, step: int) -> None:
     """Every table's touched rows (and their state) updated in place: :attr:`Impl.NATIVE` or :attr:`Impl.FBGEMM`."""
-    if which is Impl.FBGEMM and kind == "adagrad" and list(momentum1_offsets) != list(weights_offsets):
-        # fbgemm's CPU Adagrad addresses its momentum by the WEIGHTS' offsets (momentum1_offsets unread):
-        # state laid out otherwise takes one call per table
-        tables, starts = len(dims), _columns(dims)
-        b = (offsets.numel() - 1) // tables
-        assert momentum1 is not None, "checked by the op"
-        for t in range(tables):
-            tid, toff, tpsw = _bags(ids, offsets, psw, t, b)
-            size = rows[t] * dims[t]
-            args = fbgemm.table_args((0,), (dims[t],), (rows[t],), weights.device)
-            fbgemm.update(kind, weights[weights_offsets[t] : weights_offsets[t] + size], args,
-                          grad[:, starts[t] : starts[t + 1]], tid, toff, tpsw,
-                          momentum1[momentum1_offsets[t] : momentum1_offsets[t] + size], args.weights_offsets, lr,
-                          eps)
-        return
-    if which is Impl.FBGEMM:
+    if which is Impl.FBGEMM and (kind != "adagrad" or list(momentum1_offsets) == list(weights_offsets)):
         args = fbgemm.table_args(tuple(weights_offsets), tuple(dims), tuple(rows), weights.device)
         m_off = None if momentum1 is None else torch.tensor(momentum1_offsets, dtype=torch.int64)
         fbgemm.update(kind, weights, args, grad, ids, offsets, psw, momentum1, m_off, lr, eps)
         return
     kernel = native.kernel()
-    if which is not Impl.NATIVE or kernel is None:
+    if which is Impl.TORCH or (which is Impl.NATIVE and kernel is None):
         raise RuntimeError(f"sparse update: no one-pass kernel for {which.name.lower()} (choose.update_impl decides)")
-    tables, starts = len(dims), _columns(dims)
+    # one call per table: ours, or fbgemm's Adagrad, which addresses its momentum by the WEIGHTS' offsets
+    # (momentum1_offsets unread), for state laid out otherwise
+    tables, starts = len(dims), _starts(dims)
     b = (offsets.numel() - 1) // tables
     per_row = kind == "rowwise_adagrad"
     for t in range(tables):
@@ -138,7 +130,13 @@ def sparse_update(which: Impl, weights: torch.Tensor, weights_offsets: list[int]
                 states.append(m[at[t] : at[t] + rows[t]])
             else:
                 states.append(_table(m, at[t], rows[t], dims[t]))
+        shard, tgrad = _table(weights, weights_offsets[t], rows[t], dims[t]), grad[:, starts[t] : starts[t + 1]]
+        if which is Impl.FBGEMM:
+            args = fbgemm.table_args((0,), (dims[t],), (rows[t],), weights.device)
+            state = None if states[0] is None else states[0].reshape(-1)
+            fbgemm.update(kind, shard.view(-1), args, tgrad, tid, toff, tpsw, state, args.weights_offsets, lr, eps)
+            continue
+        assert kernel is not None, "checked above"
         with torch.profiler.record_function(f"tdb::native_update_{kind}"):
-            kernel.update(_NATIVE_KINDS[kind], _table(weights, weights_offsets[t], rows[t], dims[t]),
-                          grad[:, starts[t] : starts[t + 1]], tid, toff, tpsw, states[0], lr, eps, weight_decay,
+            kernel.update(_NATIVE_KINDS[kind], shard, tgrad, tid, toff, tpsw, states[0], lr, eps, weight_decay,
                           decay, state2=states[1], beta1=beta1, beta2=beta2, step=step)

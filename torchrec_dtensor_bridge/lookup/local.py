@@ -99,13 +99,7 @@ def weight_grad(grad: torch.Tensor, r: Pooling, argmax: torch.Tensor | None = No
     if argmax is not None:
         return torch.zeros_like(r.shard).scatter_add_(0, argmax.clamp(min=0), grad.to(r.shard.dtype))
     if not kernels.accepts(r.shard):
-        lengths = r.offsets[1:] - r.offsets[:-1]
-        bag = torch.repeat_interleave(torch.arange(lengths.numel(), device=r.ids.device), lengths,
-                                      output_size=r.ids.numel())
-        rows = grad.index_select(0, bag)
-        if r.weights is not None:
-            rows = rows * r.weights.unsqueeze(1)
-        return torch.zeros_like(r.shard).index_add_(0, r.ids, rows.to(r.shard.dtype))
+        return kernels.add_bag_grads(torch.zeros_like(r.shard), grad, r.ids, r.offsets, r.weights)
     grad = grad.to(torch.float32)
     grad = grad if grad.stride(-1) == 1 else grad.contiguous()
     psw = None if r.weights is None else r.weights.to(torch.float32)
@@ -171,17 +165,19 @@ def _columns(grads: list[torch.Tensor]) -> torch.Tensor:
 def update(updates: list[Update]) -> None:
     """Apply each update's optimizer to its block's shard in place, touched rows only; ONE
     ``tdb::sparse_update`` per group of blocks sharing weight storage, state storage and step."""
-    groups: dict[tuple, list[Update]] = {}
+    groups: dict[tuple, list[tuple[Update, tuple[torch.Tensor | None, torch.Tensor | None]]]] = {}
     for u in updates:
         shard = u.plan.shards[u.block.index]
-        m1, m2 = _states(u)
+        held = _states(u)
+        m1, m2 = held
         key = (*_home(shard), u.bind.hyper, int(u.bind.table.step), u.block.offsets.numel(),
                u.block.weights is not None, None if m1 is None else _home(m1), None if m2 is None else _home(m2))
-        groups.setdefault(key, []).append(u)
-    for members in groups.values():
+        groups.setdefault(key, []).append((u, held))
+    for group in groups.values():
+        members = [u for u, _ in group]
+        states = [st for _, st in group]
         shards = [u.plan.shards[u.block.index].detach() for u in members]
         flat, at = _flat(shards)
-        states = [_states(u) for u in members]
         m1 = m2 = None
         m1_at: list[int] = []
         m2_at: list[int] = []
