@@ -19,6 +19,7 @@ import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.convert import local_shards_of
 from torchrec_dtensor_bridge.convert.placements import world_mesh
 
+from .checks import expect_raises
 from .harness import make_pool_fixture
 from .torchrec_models import build_ebc, random_kjt
 
@@ -162,3 +163,57 @@ def check_shared_state_round_trip(rank: int, world: int, kind: str, root: str) -
 @pytest.mark.parametrize("kind", ["rowwise_adagrad", "adagrad"])
 def test_shared_state_round_trip(pool, kind, tmp_path):
     pool.run(check_shared_state_round_trip, kind, str(tmp_path / kind))
+
+
+def check_bad_inputs_raise_everywhere(rank: int, world: int) -> int:
+    """What the kernels' boundary refuses (an id past its table, per-sample weights of the wrong length, an
+    optimizer state that no longer fits its table) is found before the agreement: given on the last rank
+    only, every rank raises, naming the table, and no rank updated anything; with either kernel kind."""
+    last = rank == world - 1
+    others = f"rank {world - 1} rejected"
+    kjt = random_kjt(TABLES, batch=6, seed=11 + rank)
+    feats = [kjt[f"f_{n}"] for n in TABLES]
+    ids, offsets = [f.values() for f in feats], [f.offsets() for f in feats]
+    n = 0
+    for impl in ("native", "fbgemm"):
+        os.environ["TDB_KERNELS"] = impl
+        try:
+            _, weights = _fused_module("rowwise_adagrad", world)
+            opt = tdb.FusedOptimizer(weights, "rowwise_adagrad", lr=LR, eps=1e-8)
+            before = {k: [s.clone() for s in local_shards_of(v)]
+                      for k, v in {**weights, **opt.state_dict()}.items()}
+
+            def step(ids=ids, psw=None) -> None:
+                outs = tdb.sharded_embedding_bags(ids, list(weights.values()), offsets, mode="sum",
+                                                  per_sample_weights=psw, include_last_offset=True,
+                                                  optimizer=opt, names=list(TABLES))
+                sum(o.square().sum() for o in outs).backward()
+
+            past = [i.clone() for i in ids]
+            if last:
+                past[3][0] = TABLES["t3"][0]
+            expect_raises(ValueError, "(table 't3'): input holds id" if last else others, lambda: step(past))
+            psw = [torch.ones(i.numel()) for i in ids]
+            if last:
+                psw[2] = psw[2][:-1]
+            expect_raises(ValueError, "(table 't2'): per_sample_weights" if last else others,
+                          lambda: step(psw=psw))
+            table = opt._tables["t5"]  # damaged on purpose: the state the kernels would write unchecked
+            saved = list(table.row_states)
+            if last:
+                table.row_states[0] = saved[0][:-1]
+            expect_raises(ValueError, "the optimizer's state 't5.momentum1' on this rank no longer fits" if last
+                          else others, step)
+            table.row_states = saved
+            for k, v in {**weights, **opt.state_dict()}.items():
+                for got, want in zip(local_shards_of(v), before[k]):
+                    assert torch.equal(got, want), f"{impl}: {k} modified by a refused step"
+            step()  # the group is still in step
+            n += 3
+        finally:
+            os.environ.pop("TDB_KERNELS", None)
+    return n
+
+
+def test_bad_inputs_raise_on_every_rank_before_any_kernel(pool):
+    assert pool.run(check_bad_inputs_raise_everywhere) == [6, 6]

@@ -89,7 +89,31 @@ def bind_optimizer(fn: str, optimizer: object, weight: object) -> Any:
     if bind is None:
         raise RejectedArguments(ValueError, f"{fn}: the weight is not one of the optimizer's tables "
                                 f"{optimizer.names()} (pass the same DTensor objects the optimizer was built with)")
+    _check_state(fn, bind)
     return bind
+
+
+def _check_state(fn: str, bind: Any) -> None:
+    """The binding's state on this rank still fits the weight's shards (the kernels write ``state[row]``
+    unchecked): per-row state one fp32 value per row of each row block, element-wise state shaped as its
+    shard, in its dtype; contiguous, on the shards' device. Checked before the agreement, so a damaged state
+    on one rank makes every rank raise before anything is updated."""
+    t = bind.table
+    checks = []
+    if t.rows is not None:
+        blocks = t.rows[0].shards_on(t.rank)
+        checks.append(("momentum1", list(t.row_states), [(tuple(b.sizes), torch.float32) for b in blocks]))
+    for name in t.elements[0] if t.elements else {}:
+        checks.append((name, [e[name] for e in t.elements], [(tuple(s.shape), s.dtype) for s in t.shards]))
+    for name, got, want in checks:
+        devices = {x.device for x in got} | {s.device for s in t.shards}
+        if [(tuple(x.shape), x.dtype) for x in got] != want or len(devices) > 1 or not all(
+                x.is_contiguous() for x in got):
+            raise RejectedArguments(
+                ValueError, f"{fn}: the optimizer's state '{t.name}.{name}' on this rank no longer fits the "
+                f"table: {[(list(x.shape), x.dtype) for x in got]} on {sorted(map(str, devices))}, the shards need "
+                f"{[(list(shape), dtype) for shape, dtype in want]}, contiguous, on the shards' device"
+            )
 
 
 def check_options(
