@@ -73,9 +73,22 @@ STAGES = [
 ]
 
 
+# The default run kills at every stage over a checkpoint with a spare generation (the most state on disk: a
+# previous commit, a spare being rewritten) and covers each other mode at two stages; `-m slow` adds the rest.
+DEFAULT_OTHERS = {("fresh", "prepared"), ("fresh", "committed"), ("overwrite", "dcp_saved"),
+                  ("overwrite", "manifest_written")}
+
+
+def _cases():
+    for stage, victim, committed in STAGES:
+        for mode in ("fresh", "overwrite", "overwrite_spare"):
+            default = mode == "overwrite_spare" or (mode, stage) in DEFAULT_OTHERS
+            yield pytest.param(mode, stage, victim, committed, marks=() if default else (pytest.mark.slow,),
+                               id=f"{stage}-{victim}-{committed}-{mode}")
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["fresh", "overwrite", "overwrite_spare"])
-@pytest.mark.parametrize("stage, victim, committed", STAGES)
+@pytest.mark.parametrize("mode, stage, victim, committed", list(_cases()))
 def test_killed_save(tmp_path, mode, stage, victim, committed):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

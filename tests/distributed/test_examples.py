@@ -187,14 +187,19 @@ def test_mismatch_fails_on_every_rank_with_a_clear_message():
     assert "All checks passed" not in res.stdout
 
 
+def _names_listed(stderr: str) -> None:
+    errors = [line for line in stderr.splitlines() if "invalid choice" in line]
+    assert errors and "diagonal" in errors[0], stderr
+    for name in [*NAMES, "all"]:
+        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", errors[0]), name
+
+
+@pytest.mark.slow  # four interpreters for a usage error; the same parser runs in-process below
 @pytest.mark.timeout(180)
 def test_unknown_name_is_an_error_listing_the_valid_names():
     res = run_cli(["-e", "diagonal"])
     assert res.returncode != 0
-    errors = [line for line in res.stderr.splitlines() if "invalid choice" in line]
-    assert errors and "diagonal" in errors[0], res.stderr
-    for name in [*NAMES, "all"]:
-        assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", errors[0]), name
+    _names_listed(res.stderr)
     assert "===" not in res.stdout, "nothing may run for an unknown name"
 
 
@@ -217,6 +222,13 @@ def test_help_lists_every_example():
 
 
 # ------------------------------------------------------ one process, no launch
+def test_unknown_name_is_a_usage_error_listing_the_valid_names(example_module, capsys):
+    assert example_module.main(["-e", "diagonal"]) == 2
+    out = capsys.readouterr()
+    _names_listed(out.err)
+    assert "===" not in out.out, "nothing may run for an unknown name"
+
+
 def test_without_torchrun_is_a_usage_error(example_module, monkeypatch, capsys):
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)

@@ -1,5 +1,7 @@
 """Migration of ShardedTensor-era checkpoints and the CLI, against real TorchRec models on 2 ranks."""
 
+import contextlib
+import io
 import json
 import pickle
 import re
@@ -14,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import torchrec_dtensor_bridge as tdb
+from torchrec_dtensor_bridge import cli
 
 from .checks import reference_table
 from .harness import make_pool_fixture
@@ -63,8 +66,20 @@ def _load_new(rank, world_size, path):
 
 
 def _cli(*args):
+    """The command line as a user runs it (a new interpreter: its exit status)."""
     return subprocess.run([sys.executable, "-m", "torchrec_dtensor_bridge", *args], capture_output=True, text=True,
                           timeout=240)
+
+
+def _main(*args) -> subprocess.CompletedProcess:
+    """The same command line's ``main`` in this process (no interpreter start-up): its status and output."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as e:  # argparse: usage errors and --help
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["tdb", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.timeout(300)
@@ -76,7 +91,7 @@ def test_migrate_then_load_into_another_plan(pool, tmp_path, kind):
     assert run.returncode == 0, run.stderr
     assert f"migrated {len(TABLES)} keys" in run.stdout, run.stdout
     pool.run(_load_new, dst)
-    report = _cli("inspect", dst)
+    report = _main("inspect", dst)
     assert report.returncode == 0, report.stderr
     migrated_mib = re.search(r"\(([0-9.]+) MiB of tensors\)", run.stdout)
     assert migrated_mib and f"{len(TABLES)} keys, {migrated_mib[1]} MiB of tensors" in report.stdout, (
@@ -85,7 +100,7 @@ def test_migrate_then_load_into_another_plan(pool, tmp_path, kind):
     for name, (rows, dim, _) in TABLES.items():
         line = next(l for l in report.stdout.splitlines() if l.startswith(f"embedding_bags.{name}.weight"))
         assert f"{rows}x{dim}" in line and "float32" in line, line
-    info = json.loads(_cli("inspect", dst, "--json").stdout)
+    info = json.loads(_main("inspect", dst, "--json").stdout)
     assert info["embedding_bags.t_rw.weight"]["shape"] == list(TABLES["t_rw"][:2])
 
 
@@ -96,7 +111,7 @@ def test_migrate_refuses_a_checkpoint_with_missing_rows(pool, tmp_path):
     md = pickle.loads(md_path.read_bytes())
     md.state_dict_metadata["embedding_bags.t_rw.weight"].chunks.pop()
     md_path.write_bytes(pickle.dumps(md))
-    run = _cli("migrate", str(src), str(tmp_path / "new"), "--no-progress")
+    run = _main("migrate", str(src), str(tmp_path / "new"), "--no-progress")
     assert run.returncode != 0
     assert "embedding_bags.t_rw.weight" in run.stderr and "cover" in run.stderr, run.stderr
     assert not (tmp_path / "new").exists()
@@ -105,9 +120,9 @@ def test_migrate_refuses_a_checkpoint_with_missing_rows(pool, tmp_path):
 def test_cli_errors_exit_non_zero(tmp_path):
     run = _cli("migrate", str(tmp_path / "nope"), str(tmp_path / "new"))
     assert run.returncode != 0 and "does not exist" in run.stderr
-    run = _cli("inspect", str(tmp_path / "nope"))
+    run = _main("inspect", str(tmp_path / "nope"))
     assert run.returncode != 0 and "no committed checkpoint" in run.stderr
-    run = _cli("frobnicate")
+    run = _main("frobnicate")
     assert run.returncode != 0
-    run = _cli("migrate", "--help")
+    run = _main("migrate", "--help")
     assert run.returncode == 0 and "per-rank torch.save" in run.stdout
