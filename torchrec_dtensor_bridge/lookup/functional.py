@@ -59,6 +59,9 @@ lookup's group in its rank order:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -225,12 +228,66 @@ def _check_replicated(fn: str, error: RejectedArguments | None, bags: Bags | Non
         raise error.problem.error()
 
 
-def _table_codes(op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
-                 shape: tuple[int, ...], dtype: torch.dtype | None, table: ResolvedTable | None,
-                 binding: Any = None, bags: Bags | None = None) -> TableCodes:
-    return TableCodes.of(op, mode, padding, max_norm, norm_type, shape, dtype,
-                         -1 if table is None else table.digest, optimizer=binding,
-                         psw_grad=bags is not None and psw_grad(bags))
+@dataclass(frozen=True)
+class _Lookup:
+    """One table's lookup, done: this rank's finished output and what shapes it as the caller's result."""
+
+    out: torch.Tensor
+    bags: Bags
+    kind: InputKind
+    mesh: Any
+    placements: list | None = None
+    """A ``Replicate()`` batch answered without communication: the output's placements (else ``None``)."""
+    columns: bool = False
+    """... and whether ``out`` is this rank's columns."""
+    rows: list[int] = dataclasses.field(default_factory=list)
+    """Otherwise: every rank's number of bags (or ids), in rank order."""
+
+
+def _lookup(
+    fn: str, op: int, input: Any, weight: Any, *, mode: str, max_norm: float | None, norm_type: float,
+    skip_padding: bool, process_group: dist.ProcessGroup | None, optimizer: Any,
+    prepare: Callable[[Any, InputKind], tuple[Any, int | None, Bags]],
+) -> _Lookup:
+    """Steps 0-6 of the module docstring for one table, shared by both functions: the API edge, the local
+    checks (``prepare(input, kind)`` -> (local input, padding, bags), raising :class:`RejectedArguments`),
+    then a ``Replicate()`` batch's communication-free path or the agreement and the lookup."""
+    group, kind, mesh, table, error = _edge(fn, weight, input, process_group)
+    bags, padding, bind = None, None, None
+    shape = tuple(weight.shape) if isinstance(weight, DTensor) else ()
+    dtype = weight.dtype if isinstance(weight, DTensor) else None
+    if error is None:
+        try:
+            bind = bind_optimizer(fn, optimizer, weight)
+            _, padding, bags = prepare(input, kind)
+        except RejectedArguments as e:
+            error = e
+    codes = [TableCodes.of(op, mode, padding, max_norm, norm_type, shape, dtype, -1 if table is None else table.digest,
+                           optimizer=bind, psw_grad=bags is not None and psw_grad(bags))]
+    if kind is InputKind.REPLICATE:
+        _check_replicated(fn, error, bags, codes, group)
+        assert bags is not None and table is not None
+        done = _replicated_input(table, bags, mode=mode, padding=padding, skip_padding=skip_padding,
+                                 max_norm=max_norm, norm_type=norm_type, binding=bind)
+        if done is not None:
+            return _Lookup(done[0], bags, kind, mesh, placements=done[1], columns=done[2])
+        assert group.rank is not None
+        bags = _split_bags(bags, group.size, group.rank)  # max on a layout without a Partial("max")
+    opts = [TableOptions(mode, padding, max_norm, norm_type)]
+    tables = [] if table is None else [table]
+    infos, routes = agree_and_route(fn, error, tables, None if bags is None else [bags], opts, codes, group,
+                                    kind=InputKind.PLAIN if kind is InputKind.REPLICATE else kind)
+    assert bags is not None
+    (out,) = run_tables(tables, [bags], infos, opts, routes, skip_padding=skip_padding, bindings=[bind])
+    return _Lookup(finish(out, bags, mode, padding), bags, kind, mesh, rows=[i.num_bags for i in infos[0]])
+
+
+def _replicated_dtensor(res: _Lookup, shape: tuple[int, ...]) -> DTensor:
+    """A communication-free lookup's output as a DTensor of global ``shape``."""
+    assert res.placements is not None
+    gshape = torch.Size(shape)
+    return DTensor.from_local(res.out, res.mesh, res.placements, run_check=False, shape=gshape,
+                              stride=contiguous_strides(gshape))
 
 
 @torch.compiler.disable(recursive=True)  # collectives and data-dependent routing: a graph break
@@ -286,52 +343,27 @@ def sharded_embedding_bag(
         >>> out.sum().backward()  # dt_weight.grad: a DTensor like dt_weight
     """
     fn = "sharded_embedding_bag"
-    group, kind, mesh, table, error = _edge(fn, weight, input, process_group)
-    bags, padding, bind = None, None, None
-    shape = tuple(weight.shape) if isinstance(weight, DTensor) else ()
-    dtype = weight.dtype if isinstance(weight, DTensor) else None
-    if error is None:
-        try:
-            bind = bind_optimizer(fn, optimizer, weight)
-            input, local = _local_inputs(fn, input, offsets=offsets, per_sample_weights=per_sample_weights)
-            offsets, per_sample_weights = local["offsets"], local["per_sample_weights"]
-            padding = check_options(
-                fn, shape, mode=mode, padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
-                scale_grad_by_freq=scale_grad_by_freq, sparse=sparse,
-            )
-            bags = bags_from_input(
-                fn, input, offsets, per_sample_weights, rows=shape[0], mode=mode,
-                include_last_offset=include_last_offset, weight_dtype=dtype or torch.float32,
-            )
-            if kind is not InputKind.PLAIN and psw_grad(bags):
-                raise RejectedArguments(NotImplementedError, f"{fn}: the gradient of per_sample_weights is "
-                                        "computed for plain-tensor inputs only; pass per_sample_weights.detach() "
-                                        "with a DTensor input")
-        except RejectedArguments as e:
-            error = e
-    codes = [_table_codes(0, mode, padding, max_norm, norm_type, shape, dtype, table, bind, bags)]
-    if kind is InputKind.REPLICATE:
-        _check_replicated(fn, error, bags, codes, group)
-        assert bags is not None and table is not None
-        done = _replicated_input(table, bags, mode=mode, padding=padding, skip_padding=True,
-                                 max_norm=max_norm, norm_type=norm_type, binding=bind)
-        if done is not None:
-            out, placements, _ = done
-            gshape = torch.Size((bags.num_bags, shape[1]))
-            return DTensor.from_local(out, mesh, placements, run_check=False, shape=gshape,
-                                      stride=contiguous_strides(gshape))
-        assert group.rank is not None
-        bags = _split_bags(bags, group.size, group.rank)
-    opts = [TableOptions(mode, padding, max_norm, norm_type)]
-    tables = [] if table is None else [table]
-    infos, routes = agree_and_route(fn, error, tables, None if bags is None else [bags], opts, codes, group,
-                                    kind=InputKind.PLAIN if kind is InputKind.REPLICATE else kind)
-    assert bags is not None
-    (out,) = run_tables(tables, [bags], infos, opts, routes, skip_padding=True, bindings=[bind])
-    out = finish(out, bags, mode, padding)
-    if kind is InputKind.PLAIN:
-        return out
-    return _rows_dtensor(out, [i.num_bags for i in infos[0]], mesh)
+
+    def prepare(input: Any, kind: InputKind) -> tuple[Any, int | None, Bags]:
+        local_input, local = _local_inputs(fn, input, offsets=offsets, per_sample_weights=per_sample_weights)
+        shape = tuple(weight.shape)
+        padding = check_options(fn, shape, mode=mode, padding_idx=padding_idx, max_norm=max_norm,
+                                norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+        bags = bags_from_input(fn, local_input, local["offsets"], local["per_sample_weights"], rows=shape[0],
+                               mode=mode, include_last_offset=include_last_offset, weight_dtype=weight.dtype)
+        if kind is not InputKind.PLAIN and psw_grad(bags):
+            raise RejectedArguments(NotImplementedError, f"{fn}: the gradient of per_sample_weights is computed "
+                                    "for plain-tensor inputs only; pass per_sample_weights.detach() with a "
+                                    "DTensor input")
+        return local_input, padding, bags
+
+    res = _lookup(fn, 0, input, weight, mode=mode, max_norm=max_norm, norm_type=norm_type, skip_padding=True,
+                  process_group=process_group, optimizer=optimizer, prepare=prepare)
+    if res.placements is not None:
+        return _replicated_dtensor(res, (res.bags.num_bags, weight.shape[1]))
+    if res.kind is InputKind.PLAIN:
+        return res.out
+    return _rows_dtensor(res.out, res.rows, res.mesh)
 
 
 @torch.compiler.disable(recursive=True)  # collectives and data-dependent routing: a graph break
@@ -362,43 +394,23 @@ def sharded_embedding(
         >>> rows = sharded_embedding(ids, dt_weight)  # (*ids.shape, dim)
     """
     fn = "sharded_embedding"
-    group, kind, mesh, table, error = _edge(fn, weight, input, process_group)
-    bags, padding, bind = None, None, None
-    shape = tuple(weight.shape) if isinstance(weight, DTensor) else ()
-    dtype = weight.dtype if isinstance(weight, DTensor) else None
-    if error is None:
-        try:
-            bind = bind_optimizer(fn, optimizer, weight)
-            input, _ = _local_inputs(fn, input)
-            padding = check_options(
-                fn, shape, mode="sum", padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
-                scale_grad_by_freq=scale_grad_by_freq, sparse=sparse,
-            )
-            bags = bags_for_embedding(fn, input, shape[0])
-        except RejectedArguments as e:
-            error = e
-    codes = [_table_codes(1, "sum", padding, max_norm, norm_type, shape, dtype, table, bind)]
-    if kind is InputKind.REPLICATE:
-        _check_replicated(fn, error, bags, codes, group)
-        assert bags is not None and table is not None and isinstance(input, torch.Tensor)
-        done = _replicated_input(table, bags, mode="sum", padding=padding, skip_padding=False,
-                                 max_norm=max_norm, norm_type=norm_type, binding=bind)
-        assert done is not None  # only max falls back
-        out, placements, columns = done
-        gshape = torch.Size(tuple(input.shape) + (shape[1],))
-        out = out.view(tuple(input.shape) + (out.shape[1],))
-        if columns:
-            placements = [Shard(input.dim())]
-        return DTensor.from_local(out, mesh, placements, run_check=False, shape=gshape,
-                                  stride=contiguous_strides(gshape))
-    opts = [TableOptions("sum", padding, max_norm, norm_type)]
-    tables = [] if table is None else [table]
-    infos, routes = agree_and_route(fn, error, tables, None if bags is None else [bags], opts, codes, group,
-                                    kind=kind)
-    assert bags is not None and isinstance(input, torch.Tensor)
-    (out,) = run_tables(tables, [bags], infos, opts, routes, skip_padding=False, bindings=[bind])
-    out = out.view(tuple(input.shape) + (shape[1],))
-    if kind is InputKind.PLAIN:
+
+    def prepare(input: Any, kind: InputKind) -> tuple[Any, int | None, Bags]:
+        local_input, _ = _local_inputs(fn, input)
+        shape = tuple(weight.shape)
+        padding = check_options(fn, shape, mode="sum", padding_idx=padding_idx, max_norm=max_norm,
+                                norm_type=norm_type, scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+        return local_input, padding, bags_for_embedding(fn, local_input, shape[0])
+
+    res = _lookup(fn, 1, input, weight, mode="sum", max_norm=max_norm, norm_type=norm_type, skip_padding=False,
+                  process_group=process_group, optimizer=optimizer, prepare=prepare)
+    ids = input.to_local() if isinstance(input, DTensor) else input
+    out = res.out.view(tuple(ids.shape) + (res.out.shape[1],))
+    if res.placements is not None:
+        if res.columns:
+            res = dataclasses.replace(res, placements=[Shard(ids.dim())])
+        return _replicated_dtensor(dataclasses.replace(res, out=out), tuple(ids.shape) + (weight.shape[1],))
+    if res.kind is InputKind.PLAIN:
         return out
-    per_row = max(1, int(torch.Size(input.shape[1:]).numel()))
-    return _rows_dtensor(out, [i.num_bags // per_row for i in infos[0]], mesh)
+    per_row = max(1, int(torch.Size(ids.shape[1:]).numel()))
+    return _rows_dtensor(out, [n // per_row for n in res.rows], res.mesh)
