@@ -345,7 +345,7 @@ def check_gather_bags(rank: int, world_size: int) -> None:
     per-bag lengths counting just those; per-sample weights follow their ids."""
     from torchrec_dtensor_bridge.lookup.exchange import gather_bags
     from torchrec_dtensor_bridge.lookup.route import Route, route_for
-    from torchrec_dtensor_bridge.lookup.bags import Bags
+    from torchrec_dtensor_bridge.lookup.plan import Bags
     from torchrec_dtensor_bridge.lookup.validate import RankInfo
 
     g = torch.Generator().manual_seed(rank)

@@ -27,7 +27,7 @@ def _rejected(kind, match, fn):
 def test_count_per_bag_matches_bincount(seed):
     """Per-bag counts of selected ids (the routing's and the block filter's) equal a bincount of the
     selected ids' bags, with empty bags, empty batches and all/none selected."""
-    from torchrec_dtensor_bridge.lookup.bags import Bags
+    from torchrec_dtensor_bridge.lookup.plan import Bags
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 4, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g)

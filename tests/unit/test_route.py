@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchrec_dtensor_bridge.layout import ShardLayout
-from torchrec_dtensor_bridge.lookup.bags import Bags
+from torchrec_dtensor_bridge.lookup.plan import Bags
 from torchrec_dtensor_bridge.lookup.exchange import _pick_all
 from torchrec_dtensor_bridge.lookup.route import route_for
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .route import Route
-from .bags import Bags
+from .plan import Bags
 from .validate import RankInfo
 
 __all__ = [

@@ -3,7 +3,7 @@
 Order of work on every rank (the same on all ranks, so nothing can hang):
 
 1. validate the arguments locally (SPEC §4), recording - not raising - a failure;
-0. resolve the weight once (:mod:`.resolve`: layout, local shards, the call's
+0. resolve the weight once (:mod:`.plan`: layout, local shards, the call's
    group - the weight's mesh, its sharding axis on a 2-D mesh, or
    ``process_group`` - and strategy), collective-free;
 2. one agreement ``all_gather`` on that group: every rank's verdict, batch
@@ -72,9 +72,8 @@ from ..convert.dtensor import dtensor_from_local_shards
 from ..convert.groups import CommGroup, comm_group
 from ..layout import ShardLayout, chunk_sizes, contiguous_strides
 from .algorithms import LookupPlan, Strategy, pooled_lookup
-from .bags import Bags
 from .renorm import renormalize
-from .resolve import ResolvedTable, call_group, resolve_table
+from .plan import Bags, ResolvedTable, call_group, resolve_table
 from .run import TableOptions, agree_and_route, finish, psw_grad, run_tables
 from .validate import (
     InputKind,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import ShardLayout
-from .bags import Bags
+from .plan import Bags
 
 __all__ = ["Route", "route_for"]
 

@@ -5,7 +5,7 @@
 :mod:`.functional` for the order of work): the ids of every table that needs
 them travel in ONE ``all_to_all`` (routed, :mod:`.route`), ``max_norm``
 renormalises, and :func:`.algorithms.pooled_lookup` fuses the tables' output
-exchanges. Both work from :class:`.resolve.ResolvedTable` objects resolved at
+exchanges. Both work from :class:`.plan.ResolvedTable` objects resolved at
 the API edge, on the call's group.
 """
 
@@ -18,10 +18,9 @@ import torch
 
 from ..convert.groups import CommGroup
 from .algorithms import LookupPlan, Strategy, pooled_lookup
-from .bags import Bags
 from .exchange import gather_bags
 from .renorm import renormalize
-from .resolve import ResolvedTable
+from .plan import Bags, ResolvedTable
 from .route import Route, route_for
 from .validate import InputKind, RankInfo, RejectedArguments, TableCodes, agree
 

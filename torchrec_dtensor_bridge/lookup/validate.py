@@ -32,7 +32,7 @@ from ..optim import FusedOptimizer
 from ..optim.kinds import OptimKind
 from ..agreement import RejectedArguments, float_code
 from ..convert.groups import CommGroup
-from .bags import Bags
+from .plan import Bags
 
 __all__ = [
     "InputKind", "RankInfo", "RejectedArguments", "TableCodes", "agree", "bags_from_input", "bind_optimizer",

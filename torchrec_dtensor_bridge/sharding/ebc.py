@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from ..agreement import RejectedArguments
 from ..lookup import sharded_embedding_bags
-from ..lookup.resolve import call_group
+from ..lookup.plan import call_group
 from ..lookup.validate import agree
 from ..torchrec_plan import embedding_bag_collection_type, jagged_types
 from .modules import GATHER_OUTPUT_ATTR, gather_output, group_of
