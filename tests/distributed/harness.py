@@ -22,10 +22,14 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -143,3 +147,29 @@ def make_pool_fixture(world_size: int, name: str = "pool") -> Any:
         pool.close()
 
     return _fixture
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch(script: Path, args: list[str], *, nproc: int | None = 4, timeout: float = 150.0,
+                    ) -> subprocess.CompletedProcess:
+    """Run ``script`` under torchrun with ``nproc`` ranks (plain python for ``None``), as a user launches it."""
+    launcher = [sys.executable]
+    if nproc is not None:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [*launcher, str(script.relative_to(ROOT)), *args]
+    launch_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launch_vars}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    # A session of its own, so a timeout can end torchrun's workers too.
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s\n--- stdout\n{out}\n--- stderr\n{err}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

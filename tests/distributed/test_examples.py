@@ -22,7 +22,8 @@ import torch
 
 import torchrec_dtensor_bridge as tdb
 
-ROOT = Path(__file__).resolve().parents[2]
+from .harness import ROOT, launch
+
 SCRIPT = ROOT / "examples" / "torchrec_sharding_example.py"
 NAMES = ["row-wise-even", "row-wise-uneven", "table-wise", "column-wise", "grid"]  # SPEC §6
 CLI_TIMEOUT = 150  # seconds for one launch; the test marks allow a little more
@@ -31,24 +32,7 @@ CLI_TIMEOUT = 150  # seconds for one launch; the test marks allow a little more
 # ------------------------------------------------------------------ helpers
 def run_cli(args: list[str], *, nproc: int | None = 4, timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
     """Run the example under torchrun with ``nproc`` ranks (plain python for ``None``)."""
-    launcher = [sys.executable]
-    if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [*launcher, str(SCRIPT.relative_to(ROOT)), *args]
-    launch_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launch_vars}
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    # A session of its own, so a timeout can end torchrun's workers too.
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s\n--- stdout\n{out}\n--- stderr\n{err}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return launch(SCRIPT, args, nproc=nproc, timeout=timeout)
 
 
 def sections(stdout: str) -> dict[str, str]:
