@@ -97,3 +97,17 @@ def expect_raises(exc: type[Exception], match: str, fn) -> None:
         raise AssertionError(f"expected {exc.__name__} matching {match!r}, got {type(e).__name__}: {e}") from e
     raise AssertionError(f"expected {exc.__name__} matching {match!r}, nothing raised")
 
+
+def layouts_w2(shape: tuple[int, int] = (12, 8)) -> dict[str, ShardLayout]:
+    """Every layout family on 2 ranks, for one ``(rows, cols)`` table: the distributed tests' shared table
+    (rows and columns of ``(12, 8)`` cut so that every block is non-empty)."""
+    return {
+        "replicated": ShardLayout.replicated(shape, [0, 1]),
+        "row_wise": ShardLayout.row_wise(shape, 2),
+        "row_wise_two_per_rank": ShardLayout.row_wise(shape, [3, 3, 4, 2], ranks=[0, 1, 0, 1]),
+        "grid": ShardLayout.grid(shape, [5, 7], [3, 5], [0, 1, 1, 0]),
+        "column_wise": ShardLayout.column_wise(shape, 2),
+        "column_wise_uneven": ShardLayout.column_wise(shape, [3, 5]),
+        "column_wise_two_per_rank": ShardLayout.column_wise(shape, [2, 2, 3, 1], ranks=[0, 1, 1, 0]),
+        "table_wise": ShardLayout.table_wise(shape, 1),
+    }

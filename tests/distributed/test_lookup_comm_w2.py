@@ -44,6 +44,7 @@ import torch
 
 from torchrec_dtensor_bridge.layout import ShardLayout
 
+from .checks import layouts_w2
 from .harness import make_pool_fixture
 
 pool = make_pool_fixture(2)
@@ -100,15 +101,7 @@ def _weight(layout: ShardLayout, table: torch.Tensor, rank: int):
 
 SHAPE = (12, 8)
 
-LAYOUTS = {
-    "replicated": ShardLayout.replicated(SHAPE, [0, 1]),
-    "row_wise": ShardLayout.row_wise(SHAPE, 2),
-    "row_wise_two_per_rank": ShardLayout.row_wise(SHAPE, [3, 3, 4, 2], ranks=[0, 1, 0, 1]),
-    "grid": ShardLayout.grid(SHAPE, [5, 7], [3, 5], [0, 1, 1, 0]),
-    "column_wise": ShardLayout.column_wise(SHAPE, 2),
-    "column_wise_two_per_rank": ShardLayout.column_wise(SHAPE, [2, 2, 3, 1], ranks=[0, 1, 1, 0]),
-    "table_wise": ShardLayout.table_wise(SHAPE, 1),
-}
+LAYOUTS = layouts_w2(SHAPE)
 
 AGREE = {"all_gather": 1}  # the agreement step of every call
 GATHER_IDS = {"all_to_all": 1}  # all ranks' ids to the computing ranks, for every strategy but LOCAL

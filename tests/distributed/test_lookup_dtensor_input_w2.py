@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from torchrec_dtensor_bridge.layout import ShardLayout
 
+from .checks import layouts_w2
 from .harness import make_pool_fixture
 
 pool = make_pool_fixture(2)
@@ -53,16 +54,7 @@ def debug_detail(on: bool = True):
             os.environ["TORCH_DISTRIBUTED_DEBUG"] = old
         dist.set_debug_level_from_env()
 
-LAYOUTS = {
-    "replicated": ShardLayout.replicated(SHAPE, [0, 1]),
-    "row_wise": ShardLayout.row_wise(SHAPE, 2),
-    "row_wise_two_per_rank": ShardLayout.row_wise(SHAPE, [3, 3, 4, 2], ranks=[0, 1, 0, 1]),
-    "grid": ShardLayout.grid(SHAPE, [5, 7], [3, 5], [0, 1, 1, 0]),
-    "column_wise": ShardLayout.column_wise(SHAPE, 2),
-    "column_wise_uneven": ShardLayout.column_wise(SHAPE, [3, 5]),
-    "column_wise_two_per_rank": ShardLayout.column_wise(SHAPE, [2, 2, 3, 1], ranks=[0, 1, 1, 0]),
-    "table_wise": ShardLayout.table_wise(SHAPE, 1),
-}
+LAYOUTS = layouts_w2(SHAPE)
 
 # the output placement a replicated input gets, per layout (max on Partial layouts falls back to Shard(0))
 REPLICATED_PLACEMENT = {
