@@ -339,6 +339,42 @@ def test_embedding_bags_bad_inputs_raise_on_every_rank(pool):
     assert pool.run(check_bags_bad_inputs) == [7, 7]
 
 
+def check_agreement_failure_on_one_rank(rank: int, world_size: int) -> float:
+    """The last rank fails while preparing its part of the agreement step itself (injected: its kernel
+    choice raises): it still meets the others there, and every rank raises at once (no timeout needed)."""
+    import time
+
+    import torchrec_dtensor_bridge as tdb
+    from torchrec_dtensor_bridge import kernels
+
+    lay = LAYOUTS_W2["row_wise_even"]
+    weight = _weight(lay, _table(lay.global_shape, 0), rank)
+    ids = torch.tensor([[0, 1], [2, 3]])
+    last = rank == world_size - 1
+    real = kernels.choice_code
+
+    def broken(device):
+        raise OSError("injected: the kernel library vanished")
+
+    if last:
+        kernels.choice_code = broken
+    t0 = time.monotonic()
+    try:
+        want = ("this rank could not prepare its part of the agreement step: OSError: injected" if last
+                else f"rank {world_size - 1} rejected its arguments")
+        expect_raises(RuntimeError, want, lambda: tdb.sharded_embedding_bag(ids, weight, mode="sum"))
+    finally:
+        kernels.choice_code = real
+    elapsed = time.monotonic() - t0
+    out = tdb.sharded_embedding_bag(ids, weight, mode="sum")  # the group is still in step
+    assert out.shape == (2, lay.global_shape[1])
+    return elapsed
+
+
+def test_a_rank_failing_inside_the_agreement_makes_every_rank_raise_at_once(pool):
+    assert all(s < 30 for s in pool.run(check_agreement_failure_on_one_rank)), "the pool's group timeout is 120 s"
+
+
 def check_gather_bags(rank: int, world_size: int) -> None:
     """The id exchange: int32 on the wire when ids fit, int64 when a table has 2**31 rows or more; each
     table's batch reaches exactly its readers - a row-cut table only the ids in each reader's rows, with

@@ -408,9 +408,15 @@ def agree(
     per_table = [None] * n if bags is None else list(bags)
     routes = [None] * n if sends is None or bags is None else list(sends)
     nf = _SIZES + len(_CODE_FIELDS) + world
-    fields = [x for b, c, r in zip(per_table, codes, routes) for x in _table_fields(b, c, r, world)]
-    device = per_table[0].ids.device if per_table and per_table[0] is not None else torch.device("cpu")
-    header = [n, kind.value, digest if kind is InputKind.REPLICATE else 0, kernels.choice_code(device)]
+    try:
+        fields = [x for b, c, r in zip(per_table, codes, routes) for x in _table_fields(b, c, r, world)]
+        device = per_table[0].ids.device if per_table and per_table[0] is not None else torch.device("cpu")
+        header = [n, kind.value, digest if kind is InputKind.REPLICATE else 0, kernels.choice_code(device)]
+    except Exception as e:  # noqa: BLE001 - this rank still meets the others in the agreement, failing
+        if error is None:
+            error = RejectedArguments(RuntimeError, f"{fn}: this rank could not prepare its part of the "
+                                      f"agreement step: {type(e).__name__}: {e}")
+        fields, header = [], [n, kind.value, 0, 0]
     width = _HEADER + FIRST_MESSAGE_TABLES * nf
     rows = agreement.agree(fn, None if error is None else error.problem, header + fields, group, width=width)
     counts = [r[0] for r in rows]
