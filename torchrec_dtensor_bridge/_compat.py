@@ -6,7 +6,10 @@ group needs the private ``_init_backend`` flag; the mesh a sub-mesh was sliced
 from has no public accessor (torch 2.13: ``DeviceMesh._get_root_mesh``); DCP's
 ``.metadata`` pickles refer to two private classes of
 ``torch.distributed.checkpoint`` (``_StorageInfo``, ``_MEM_FORMAT_ENCODING``),
-which its restricted unpickler must resolve. Everything else in the package
+which its restricted unpickler must resolve. ShardedTensor's own accessors
+(``.shape``, ``.dtype``: its ``__torch_function__``) warn that it is deprecated,
+about our internal use, on every call: :func:`shape_and_dtype` reads its
+metadata instead. Everything else in the package
 imports these names from here, so an upstream move breaks exactly one module.
 """
 
@@ -51,6 +54,7 @@ __all__ = [
     "root_mesh",
     "shard_placement",
     "sharded_tensor_process_group",
+    "shape_and_dtype",
 ]
 
 
@@ -103,3 +107,12 @@ def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
         True
     """
     return mesh._get_root_mesh()
+
+
+def shape_and_dtype(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    """``t``'s global shape and dtype; a ShardedTensor's from its metadata, without the deprecation warning
+    its accessors give (our own use of a user's ShardedTensor is not the user's to act on)."""
+    if isinstance(t, ShardedTensor):
+        md = t.metadata()
+        return tuple(md.size), md.tensor_properties.dtype
+    return tuple(t.shape), t.dtype

@@ -218,3 +218,30 @@ def _check_torchrec_native_dtensors(rank, world_size):
 
 def test_torchrec_native_dtensor_state_dict(pool):
     pool.run(_check_torchrec_native_dtensors)
+
+
+def _check_no_deprecation_noise(rank, world_size):
+    """The package's own use of TorchRec's ShardedTensors (conversions both ways, gathers, copies between
+    layouts) shows the user no ShardedTensor deprecation warning: that use is not theirs to change."""
+    import warnings
+
+    from torchrec_dtensor_bridge.convert.reshard import copy_into
+
+    sharded, _ = shard_ebc(build_ebc(), world_size)
+    sd = sharded.state_dict()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dts = tdb.state_dict_to_dtensor(sd)
+        back = tdb.state_dict_to_sharded_tensor(dts)
+        for key, st in sd.items():
+            if isinstance(st, ShardedTensor):
+                tdb.layout_of(back[key], name=key)
+                tdb.full_tensor(st)
+                copy_into(tdb.layout_of(dts[key]), tdb.convert.local_shards_of(dts[key]), st, name=key)
+    noise = [f"{w.filename}:{w.lineno}: {w.message}" for w in seen if "ShardedTensor" in str(w.message)]
+    assert not noise, noise
+    return len(seen)
+
+
+def test_no_sharded_tensor_deprecation_warnings(pool):
+    pool.run(_check_no_deprecation_noise)

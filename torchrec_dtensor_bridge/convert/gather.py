@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from .._compat import ShardedTensor
+from .._compat import ShardedTensor, shape_and_dtype
 from .. import agreement  # a module import: agreement itself imports convert.groups
 from ..layout import LayoutKind, ShardLayout
 from .dtensor import gather_layout, layout_of, local_shards_of, needs_layout_gather
@@ -165,7 +165,7 @@ def full_tensor(
             "(a DTensor on a sub-mesh); call it on the mesh's ranks, or pass process_group"
         )
     rank = group.members.index(me)
-    dtype = t.dtype
+    _, dtype = shape_and_dtype(t)
     problem: agreement.Problem | None = None
     plan: _Plan | None = None
     locals_: list[torch.Tensor] = []

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .._compat import ShardedTensor
+from .._compat import ShardedTensor, shape_and_dtype
 from ..layout import ShardLayout, ShardSpec, box_intersection
 from .dtensor import layout_of, local_shards_of
 
@@ -45,10 +45,11 @@ def copy_into(
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = dst_layout.shards_on(rank)
-    if tuple(src.shape) != dst_layout.global_shape:
-        raise ValueError(f"{name}: source shape {list(src.shape)} != destination shape {list(dst_layout.global_shape)}")
-    if dst_shards and src.dtype != dst_shards[0].dtype:
-        raise ValueError(f"{name}: source dtype {src.dtype} != destination dtype {dst_shards[0].dtype}")
+    shape, dtype = shape_and_dtype(src)
+    if shape != dst_layout.global_shape:
+        raise ValueError(f"{name}: source shape {list(shape)} != destination shape {list(dst_layout.global_shape)}")
+    if dst_shards and dtype != dst_shards[0].dtype:
+        raise ValueError(f"{name}: source dtype {dtype} != destination dtype {dst_shards[0].dtype}")
     if not isinstance(src, (DTensor, ShardedTensor)):
         for spec, t in zip(mine, dst_shards):
             t.copy_(src[spec.slices()])
@@ -69,7 +70,7 @@ def copy_into(
             elif s.rank == rank:
                 pending.append(dist.isend(_view(src_local[s], s, box).contiguous(), dst=d.rank))
             elif d.rank == rank:
-                buf = torch.empty(box[1], dtype=src.dtype, device=dst_local[d].device)
+                buf = torch.empty(box[1], dtype=dtype, device=dst_local[d].device)
                 pending.append(dist.irecv(buf, src=s.rank))
                 received.append((_view(dst_local[d], d, box), buf))
     for work in pending:
