@@ -33,6 +33,8 @@ API, in the order a caller uses it:
      rank (the checkpoint's form: many problems per rank, strings are fine
      off the hot path); :func:`raise_gathered` - the same on problems already
      gathered with other values (no collective of its own).
+   - :func:`timeouts_named` - around a call's later collectives: a backend's
+     bare timeout becomes an error naming the call, the step and the group.
 4. Helpers for the values: :func:`check_same` (a column of the agreed table
    must hold one value: else a ``DISAGREEMENT`` on every rank),
    :func:`float_code` (a float as exact int64 bits) and
@@ -55,9 +57,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +81,7 @@ __all__ = [
     "gather_objects",
     "raise_gathered",
     "raise_if_any",
+    "timeouts_named",
 ]
 
 
@@ -195,6 +199,20 @@ def _objects(obj: Any, group: CommGroup) -> list[Any]:
     return out
 
 
+@contextlib.contextmanager
+def timeouts_named(what: str, group: CommGroup, where: str, why: str) -> Iterator[None]:
+    """A backend's timeout inside the block (gloo's and NCCL's name no call of ours) re-raised as a
+    ``RuntimeError`` that says which call timed out, where, on which group, and why that happens."""
+    try:
+        yield
+    except RuntimeError as e:
+        said = str(e).strip()
+        if "timed out" not in said.lower() or said.startswith(f"{what}:"):
+            raise
+        raise RuntimeError(f"{what}: timed out in {where} on the group of ranks {list(group.members)}: {why}. "
+                           f"The backend said: {said.splitlines()[0][:300]}") from e
+
+
 _PAD = -(2**63)
 
 
@@ -232,17 +250,10 @@ def agree(
     n = len(values) if width is None else width
     mine = list(values)[:n]
     message = [0 if problem is None else problem.kind.value, len(mine)] + mine + [_PAD] * (n - len(mine))
-    try:
+    with timeouts_named(what, g, "its first collective (the agreement step)",
+                        "the other ranks of the group did not make this call. It is collective: every rank of the "
+                        "group must call it, in the same order (not under an `if rank == ...`)"):
         rows = _all_rows(message, g)
-    except RuntimeError as e:  # gloo's and NCCL's timeouts name no call of ours: say which and why
-        if "timed out" not in str(e).lower():
-            raise
-        raise RuntimeError(
-            f"{what}: timed out in its first collective (the agreement step) on the group of ranks "
-            f"{list(g.members)}: the other ranks of the group did not make this call. It is collective: every "
-            f"rank of the group must call it, in the same order (not under an `if rank == ...`). "
-            f"The backend said: {str(e).strip().splitlines()[0][:300]}"
-        ) from e
     failed = [r for r, row in enumerate(rows) if row[0]]
     if failed:
         problems = _objects(problem, g)

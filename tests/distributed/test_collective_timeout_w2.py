@@ -34,3 +34,55 @@ def test_a_lookup_on_one_rank_says_which_call_and_group(pool):
     assert other == "skipped the call"
     assert msg.startswith("sharded_embedding_bag: timed out in its first collective"), msg
     assert "group of ranks [0, 1]" in msg and "every rank of the group must call it" in msg, msg
+
+
+def stall_after_agreement(rank: int, world: int) -> str:
+    """Both ranks pass the agreement step; the last then stalls (injected) before the id exchange."""
+    import time
+
+    from torchrec_dtensor_bridge.lookup import run
+
+    group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=3))
+    weight = distribute_tensor(torch.randn(10, 4), world_mesh("cpu"), [Shard(0)])
+    real = run.gather_bags
+
+    def stalled(*args, **kwargs):
+        time.sleep(5)
+        return real(*args, **kwargs)
+
+    if rank == world - 1:
+        run.gather_bags = stalled
+    try:
+        tdb.sharded_embedding_bag(torch.tensor([1, 2]), weight, torch.tensor([0]), process_group=group)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        run.gather_bags = real
+    return "no error"
+
+
+def test_a_rank_stalling_after_the_agreement_is_named(pool):
+    msg = pool.run(stall_after_agreement)[0]
+    assert msg.startswith("sharded_embedding_bag: timed out in its exchanges on the group of ranks [0, 1]"), msg
+    assert "every rank passed the agreement step" in msg and "The backend said" in msg, msg
+
+
+def backward_on_rank_0_only(rank: int, world: int) -> str:
+    group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=3))
+    weight = distribute_tensor(torch.randn(10, 4), world_mesh("cpu"), [Shard(0)]).requires_grad_()
+    out = tdb.sharded_embedding_bags([torch.tensor([[1, 2]])], [weight], mode="sum", process_group=group)[0]
+    if rank != 0:
+        return "skipped backward"
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_backward_on_one_rank_is_named(pool):
+    msg, other = pool.run(backward_on_rank_0_only)
+    assert other == "skipped backward"
+    assert msg.startswith("sharded_embedding_bags (backward): timed out in its backward's exchanges on the group "
+                          "of ranks [0, 1]"), msg
+    assert "did not run this backward" in msg, msg

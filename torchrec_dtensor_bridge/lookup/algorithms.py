@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..agreement import timeouts_named
+from ..convert.groups import of_group
 from ..wrapper import LocalShardsWrapper
 from .columns import columns_backward, exchange_columns
 from .local import Pooling, pool, weight_grad
@@ -109,6 +111,12 @@ def _has_win(plan: LookupPlan, blocks: list[Block]) -> list[torch.Tensor] | None
     return [b.counts.unsqueeze(1) > 0 for b in blocks] if plan.max_mode else None
 
 
+AFTER_AGREEMENT = ("every rank passed the agreement step, then another rank of the group stopped or died during "
+                   "the call (see that rank's own error)")
+IN_BACKWARD = ("another rank of the group did not run this backward (every rank must backpropagate through "
+               "the lookups it made, in the same order), or it stopped or died during it")
+
+
 class _PooledLookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plans: list[LookupPlan], *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -148,34 +156,40 @@ class _PooledLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        plans: list[LookupPlan] = ctx.plans
-        blocks: list[list[Block]] = ctx.blocks
-        grad_outs = tuple(g.contiguous() for g in grad_outs)
-        pieces: list[list[torch.Tensor]] = [[] for _ in plans]
-        columns, reduce = [], []
-        for t, (p, bl, g) in enumerate(zip(plans, blocks, grad_outs)):
-            if p.strategy is Strategy.LOCAL:
-                pieces[t] = [g]
-            elif p.local_only and p.strategy is Strategy.COLUMNS:
-                pieces[t] = list(g.split([b.cols[1] for b in bl], dim=1))
-            elif p.local_only:
-                pieces[t] = [g[:, b.cols[0] : b.cols[0] + b.cols[1]] for b in bl]
-            elif p.strategy is Strategy.COLUMNS:
-                columns.append(t)
-            else:
-                reduce.append(t)
-        for t, got in zip(columns, columns_backward(plans, blocks, grad_outs, columns)):
-            pieces[t] = got
-        for t, full in zip(reduce, gather_grads(plans, grad_outs, reduce)):
-            pieces[t] = [full[:, b.cols[0] : b.cols[0] + b.cols[1]] for b in blocks[t]]
-        psw_grads = psw_backward(plans, blocks, pieces)  # before any update: the rows as forward saw them
-        fused = [t for t, p in enumerate(plans) if p.optimizer is not None]
-        if fused:  # updated in place; no weight gradient
-            apply_optimizers(plans, blocks, pieces, ctx.wins, fused)
-        grads = [None if p.optimizer is not None else _table_grads(p, bl, pc, win)
-                 for p, bl, pc, win in zip(plans, blocks, pieces, ctx.wins)]
-        return (None, *(None if g is None else _grad_dtensor(m, p, g)
-                        for m, p, g in zip(ctx.weight_meta, plans, grads)), *psw_grads)
+        p0: LookupPlan = ctx.plans[0]
+        with timeouts_named(f"{p0.call} (backward)", of_group(p0.group), "its backward's exchanges", IN_BACKWARD):
+            return _backward(ctx, grad_outs)
+
+
+def _backward(ctx: Any, grad_outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor | None, ...]:
+    plans: list[LookupPlan] = ctx.plans
+    blocks: list[list[Block]] = ctx.blocks
+    grad_outs = tuple(g.contiguous() for g in grad_outs)
+    pieces: list[list[torch.Tensor]] = [[] for _ in plans]
+    columns, reduce = [], []
+    for t, (p, bl, g) in enumerate(zip(plans, blocks, grad_outs)):
+        if p.strategy is Strategy.LOCAL:
+            pieces[t] = [g]
+        elif p.local_only and p.strategy is Strategy.COLUMNS:
+            pieces[t] = list(g.split([b.cols[1] for b in bl], dim=1))
+        elif p.local_only:
+            pieces[t] = [g[:, b.cols[0] : b.cols[0] + b.cols[1]] for b in bl]
+        elif p.strategy is Strategy.COLUMNS:
+            columns.append(t)
+        else:
+            reduce.append(t)
+    for t, got in zip(columns, columns_backward(plans, blocks, grad_outs, columns)):
+        pieces[t] = got
+    for t, full in zip(reduce, gather_grads(plans, grad_outs, reduce)):
+        pieces[t] = [full[:, b.cols[0] : b.cols[0] + b.cols[1]] for b in blocks[t]]
+    psw_grads = psw_backward(plans, blocks, pieces)  # before any update: the rows as forward saw them
+    fused = [t for t, p in enumerate(plans) if p.optimizer is not None]
+    if fused:  # updated in place; no weight gradient
+        apply_optimizers(plans, blocks, pieces, ctx.wins, fused)
+    grads = [None if p.optimizer is not None else _table_grads(p, bl, pc, win)
+             for p, bl, pc, win in zip(plans, blocks, pieces, ctx.wins)]
+    return (None, *(None if g is None else _grad_dtensor(m, p, g)
+                    for m, p, g in zip(ctx.weight_meta, plans, grads)), *psw_grads)
 
 
 def _table_grads(

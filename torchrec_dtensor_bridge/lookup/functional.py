@@ -277,7 +277,7 @@ def _lookup(
     infos, routes = agree_and_route(fn, error, tables, None if bags is None else [bags], opts, codes, group,
                                     kind=InputKind.PLAIN if kind is InputKind.REPLICATE else kind)
     assert bags is not None
-    (out,) = run_tables(tables, [bags], infos, opts, routes, skip_padding=skip_padding, bindings=[bind])
+    (out,) = run_tables(tables, [bags], infos, opts, routes, skip_padding=skip_padding, bindings=[bind], fn=fn)
     return _Lookup(finish(out, bags, mode, padding), bags, kind, mesh, rows=[i.num_bags for i in infos[0]])
 
 

@@ -134,6 +134,7 @@ class LookupPlan:
         psw_grad: backward computes the gradient of this rank's per-sample weights.
         route: where this rank's ids went (:class:`.route.Route`), ``None`` when not routed.
         received: how many of ``batch``'s ids came from each rank (routed tables).
+        call: the public call, for messages (a timeout in backward names it).
 
     Ranks (``rank``, ``layout``'s, ``num_bags``' order) are ranks of ``group``.
     """
@@ -155,6 +156,7 @@ class LookupPlan:
     psw_grad: bool = False
     route: Any = None
     received: tuple[int, ...] = ()
+    call: str = "lookup"
     rank: int = field(init=False)
     world: int = field(init=False)
     mine: tuple[ShardSpec, ...] = field(init=False)

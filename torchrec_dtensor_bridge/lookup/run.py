@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from ..agreement import timeouts_named
 from ..convert.groups import CommGroup
-from .algorithms import LookupPlan, Strategy, pooled_lookup
+from .algorithms import AFTER_AGREEMENT, LookupPlan, Strategy, pooled_lookup
 from .exchange import gather_bags
 from .renorm import renormalize
 from .plan import Bags, ResolvedTable
@@ -80,7 +81,7 @@ def agree_and_route(
 
 def run_tables(
     tables: list[ResolvedTable], bags: list[Bags], infos: list[list[RankInfo]], options: list[TableOptions],
-    routes: list[Route | None], *, skip_padding: bool, bindings: list[Any] | None = None,
+    routes: list[Route | None], *, skip_padding: bool, bindings: list[Any] | None = None, fn: str = "lookup",
 ) -> list[torch.Tensor]:
     """Steps 3-5 for validated arguments, all tables at once; per table the pooled (sum or raw max) output of
     this rank's bags. Ids of every table that needs them travel in one exchange (``routes``, agreed in
@@ -88,6 +89,15 @@ def run_tables(
     group = tables[0].group
     rank = group.rank
     assert rank is not None, "the call group holds this rank"
+    with timeouts_named(fn, group, "its exchanges", AFTER_AGREEMENT):
+        return _run(tables, bags, infos, options, routes, skip_padding, bindings, fn, group, rank)
+
+
+def _run(
+    tables: list[ResolvedTable], bags: list[Bags], infos: list[list[RankInfo]], options: list[TableOptions],
+    routes: list[Route | None], skip_padding: bool, bindings: list[Any] | None, fn: str, group: CommGroup,
+    rank: int,
+) -> list[torch.Tensor]:
     need = [t for t, r in enumerate(routes) if r is not None]
     dtypes = {tables[t].weight.dtype for t in need}
     float_dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
@@ -123,6 +133,7 @@ def run_tables(
             psw_grad=psw_grad(bags[t]) and track,
             route=routes[t],
             received=tuple(0 if i.sends is None else i.sends[rank] for i in infos[t]),
+            call=fn,
         )
         for t, o in enumerate(options)
     ]

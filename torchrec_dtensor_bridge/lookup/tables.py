@@ -177,5 +177,5 @@ def sharded_embedding_bags(
             error = e
     infos, routes = agree_and_route(_FN, error, tables, bags, options, codes, group)
     assert bags is not None
-    outs = run_tables(tables, bags, infos, options, routes, skip_padding=True, bindings=binds)
+    outs = run_tables(tables, bags, infos, options, routes, skip_padding=True, bindings=binds, fn=_FN)
     return [finish(out, b, o.mode, o.padding) for out, b, o in zip(outs, bags, options)]
