@@ -153,17 +153,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch(script: Path, args: list[str], *, nproc: int | None = 4, timeout: float = 150.0,
-                    ) -> subprocess.CompletedProcess:
+           ) -> subprocess.CompletedProcess:
     """Run ``script`` under torchrun with ``nproc`` ranks (plain python for ``None``), as a user launches it."""
-    launcher = [sys.executable]
-    if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [*launcher, str(script.relative_to(ROOT)), *args]
-    launch_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    return run_python([*torchrun, str(script.relative_to(ROOT)), *args], timeout=timeout)
+
+
+def run_python(argv: list[str], *, timeout: float = 150.0) -> subprocess.CompletedProcess:
+    """``python *argv`` (this interpreter, the checkout's root, one thread per rank) without the launch
+    variables of any enclosing torchrun; on timeout its whole session (torchrun's workers too) is killed and
+    the test fails."""
+    cmd = [sys.executable, *argv]
+    launch_vars = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     env = {k: v for k, v in os.environ.items() if k not in launch_vars}
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    # A session of its own, so a timeout can end torchrun's workers too.
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -171,5 +175,5 @@ def launch(script: Path, args: list[str], *, nproc: int | None = 4, timeout: flo
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s\n--- stdout\n{out}\n--- stderr\n{err}")
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s\n--- stdout\n{out}\n--- stderr\n{err[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
