@@ -38,3 +38,39 @@ def _check_dcp(rank, world_size, path):
 
 def test_single_rank_dcp(pool, tmp_path):
     pool.run(_check_dcp, str(tmp_path / "c"))
+
+
+def _check_one_rank_training(rank, world_size, kind):
+    """On a one-rank group a whole (replicated) table's fused update needs nothing from other ranks: the
+    kernel op updates it in one pass (not the exchange path's torch math), with the same result."""
+    import os
+
+    from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
+    from torchrec_dtensor_bridge.convert.placements import world_mesh
+
+    layout = ShardLayout.replicated((50, 8), [0])
+    ids = [torch.randint(0, 50, (6, 3), generator=torch.Generator().manual_seed(t)) for t in range(2)]
+    results = {}
+    for impl in ("native", "torch"):
+        os.environ["TDB_KERNELS"] = impl
+        try:
+            weights = [dtensor_from_local_shards(layout.with_name(f"t{t}"), [reference_table((50, 8), seed=t)],
+                                                 device_mesh=world_mesh("cpu")).requires_grad_() for t in range(2)]
+            opt = tdb.FusedOptimizer({f"t{t}": w for t, w in enumerate(weights)}, kind, lr=0.1, eps=1e-8)
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                outs = tdb.sharded_embedding_bags(ids, weights, mode="sum", optimizer=opt)
+                sum(o.square().sum() for o in outs).backward()
+            calls = sum(e.name == "tdb::sparse_update" for e in prof.events())
+            results[impl] = ([tdb.full_tensor(w) for w in weights], calls)
+        finally:
+            os.environ.pop("TDB_KERNELS", None)
+    (native, calls), (reference, _) = results["native"], results["torch"]
+    assert calls == 2, f"one kernel op call per table's storage, got {calls}"
+    for t, (got, want) in enumerate(zip(native, reference)):
+        torch.testing.assert_close(got, want)
+        assert not torch.equal(got, reference_table((50, 8), seed=t)), "the step updated the table"
+
+
+@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad"])
+def test_single_rank_replicated_table_trains_through_the_kernel(pool, kind):
+    pool.run(_check_one_rank_training, kind)

@@ -105,7 +105,7 @@ def _prepare(plan: LookupPlan, t: int, blocks: list[Block], pieces: list[torch.T
     keys = {s.box: k for k, s in enumerate(unique) if s.numel}
     copies = Counter(s.box for s in plan.layout.shards if s.numel)
     dim = plan.layout.global_shape[1]
-    everyone = plan.strategy is Strategy.LOCAL and not plan.local_only
+    everyone = plan.strategy is Strategy.LOCAL and not plan.local_only and plan.world > 1  # one rank: alone
     column_cut = bind.hyper.kind is OptimKind.ROWWISE_ADAGRAD and any(s.sizes[1] != dim for s in unique if s.numel)
     table = _Table(t, plan, bind, {}, everyone, copies, keys, column_cut)
     segments = []
