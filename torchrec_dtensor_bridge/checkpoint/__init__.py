@@ -4,6 +4,9 @@
     tdb.checkpoint.save(state_dict, "/ckpt/step100")   # collective, atomic
     tdb.checkpoint.load(state_dict, "/ckpt/step100")   # collective, validated, reshards
     tdb.checkpoint.inspect("/ckpt/step100")            # no process group needed
+
+Values may be DCP ``Stateful`` objects (a TorchRec DMP, its ``fused_optimizer``,
+a ``torch.optim`` optimizer, a ``FusedOptimizer``): see :mod:`.stateful`.
 """
 
 from .api import load, save

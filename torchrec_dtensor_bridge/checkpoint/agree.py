@@ -57,6 +57,7 @@ class Kind(enum.Enum):
     """A checkpoint problem's kind: the agreement's kind and the exception every rank raises."""
 
     VALUE = (ProblemKind.BAD_VALUE, ValueError)  # the caller's arguments or state_dict
+    TYPE = (ProblemKind.BAD_TYPE, TypeError)  # a state_dict value of a kind that cannot be saved or loaded
     INCOMPLETE = (ProblemKind.INCOMPLETE, IncompleteCheckpointError)  # no committed checkpoint
     NOT_A_CHECKPOINT = (ProblemKind.FAILURE, NotACheckpointError)  # a file, or a directory of other things
     NOT_A_DIRECTORY = (ProblemKind.BAD_VALUE, NotADirectoryError)  # a path under a regular file

@@ -43,6 +43,10 @@ Load, on every rank (*collective*):
 3. ``dcp.load`` through :class:`.reader.VerifiedReader`: each rank reads only
    the rows of the saved chunks that overlap its shards, verifies their
    checksum blocks, agrees with every rank, and only then copies into place.
+
+Both first replace every DCP ``Stateful`` value of the state_dict by its state
+(:mod:`.stateful`), so steps 1-3 see tensors only; after a load each Stateful's
+``load_state_dict()`` gets its loaded state.
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from .errors import CheckpointError
 from .loading import SafeObjectPlanner, open_agreed
 from .manifest import Checksums, write_manifest
 from .reader import ReadStats, VerifiedReader
+from .stateful import Expanded, expand
 from .validate import parse_metadata
 from .writer import ChecksummingWriter
 
@@ -80,13 +85,19 @@ _fault_hook: Callable[[str], None] | None = None
 
 
 def _call(verb: str, state_dict: object, path: str | Path, process_group: dist.ProcessGroup | None,
-          ) -> tuple[dist.ProcessGroup | None, Path, str]:
-    """What ``save`` and ``load`` start from: the group, the absolute path, and how messages name the call."""
+          ) -> tuple[Expanded, dist.ProcessGroup | None, Path, str]:
+    """What ``save`` and ``load`` start from: the state_dict with its Statefuls expanded (:mod:`.stateful`),
+    the group, the absolute path, and how messages name the call."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-    group = process_group if process_group is not None else default_process_group(state_dict)
+    expanded = expand(state_dict, for_load=verb == "load")
+    try:
+        group = process_group if process_group is not None else default_process_group(expanded.view)
+    except BaseException:
+        expanded.rollback()
+        raise
     path = Path(path).absolute()
-    return group, path, f"checkpoint.{verb}({path})"
+    return expanded, group, path, f"checkpoint.{verb}({path})"
 
 
 def _stage(name: str) -> None:
@@ -123,6 +134,11 @@ def save(
 ) -> str:
     """Save ``state_dict`` (DTensors, ShardedTensors, tensors, objects) to ``path``; *collective*.
 
+    Values may be DCP ``Stateful`` objects (with ``state_dict()`` / ``load_state_dict()``): a
+    TorchRec ``DistributedModelParallel``, its ``fused_optimizer``, a ``torch.optim`` optimizer
+    (keyed by its parameters' names in a module of the same state_dict), a ``FusedOptimizer``;
+    each is saved as its ``state_dict()`` (see :mod:`.stateful`).
+
     Atomic: until the final rename, a load of ``path`` returns the previous
     checkpoint; a save interrupted at any point (a rank killed) never damages
     it. Every rank must hold the same shape and dtype for each key (checked
@@ -131,7 +147,7 @@ def save(
     Returns the save id.
 
     Args:
-        state_dict: what to save (nested dicts allowed).
+        state_dict: what to save (nested dicts allowed, Stateful values expanded).
         path: the checkpoint path (a symlink to its committed generation).
         keep_spare: keep the superseded generation so the next save rewrites its
             files in place (2-3x faster on the disks measured) instead of
@@ -142,6 +158,7 @@ def save(
 
     Raises:
         NotADirectoryError: an existing parent of ``path`` is a file (on every rank, nothing written).
+        TypeError: a Stateful's ``state_dict()`` is not a mapping (on every rank, nothing written).
         CheckpointBusyError: another save to ``path`` is in progress.
         ValueError: ranks disagree on a key's shape or dtype (on every rank, nothing written).
         CheckpointError: ``path`` exists and is not a checkpoint of ours, or writing or committing failed (the
@@ -150,11 +167,14 @@ def save(
     Example::
 
         >>> tdb.checkpoint.save(tdb.state_dict_to_dtensor(model.state_dict()), "/ckpt/step100")
+        >>> state = {"model": dmp, "fused": dmp.fused_optimizer, "dense": adam, "step": 100}
+        >>> tdb.checkpoint.save(state, "/ckpt/latest")  # Statefuls: each object's state_dict()
     """
-    group, path, what = _call("save", state_dict, path, process_group)
+    expanded, group, path, what = _call("save", state_dict, path, process_group)
+    state_dict = expanded.view
     g = member_group(group, what)
     rank, world = g.rank, g.size
-    problems: list[Problem] = []
+    problems: list[Problem] = list(expanded.problems)
     lock: SaveLock | None = None
     gen_lock: DirLock | None = None
     save_id = uuid.uuid4().hex
@@ -272,16 +292,22 @@ def load(
 
     Destinations may be DTensors, ShardedTensors, bare ``LocalShardsWrapper``\\ s
     or plain tensors of any layout and world size: each rank reads only the rows
-    of the saved chunks that overlap its shards. The state_dict decides what is
-    loaded: every key it holds must be in the checkpoint; keys only in the
-    checkpoint are ignored unless ``strict``. Every rank reads the same committed
-    save, even while other jobs save to ``path``. Every key, shape and dtype is
-    checked first, then every checksum block a rank reads; on any problem every
-    rank raises the same error and nothing is written. Verification covers
-    exactly the bytes read: a corrupt block that no rank needs does not stop a load.
+    of the saved chunks that overlap its shards. Stateful values (a TorchRec DMP,
+    its ``fused_optimizer``, a ``torch.optim`` optimizer, a ``FusedOptimizer``)
+    load in the same all-or-nothing step: every object's state is checked with
+    the rest, loaded in place, then handed to its ``load_state_dict()``; an
+    optimizer without state yet (before its first step) takes the checkpoint's
+    (see :mod:`.stateful`). Plain values the load replaces are written back into
+    ``state_dict``. The state_dict decides what is loaded: every key it holds must
+    be in the checkpoint; keys only in the checkpoint are ignored unless
+    ``strict``. Every rank reads the same committed save, even while other jobs
+    save to ``path``. Every key, shape and dtype is checked first, then every
+    checksum block a rank reads; on any problem every rank raises the same error
+    and nothing is written. Verification covers exactly the bytes read: a corrupt
+    block that no rank needs does not stop a load.
 
     Args:
-        state_dict: the destination, as returned by ``state_dict()`` (nested dicts allowed).
+        state_dict: the destination, as returned by ``state_dict()`` (nested dicts allowed, Stateful values).
         path: a checkpoint written by :func:`save` (or, with ``verify=False``, any DCP directory).
         strict: refuse a checkpoint holding keys absent from ``state_dict``.
         verify: check checksums (requires a checkpoint written by :func:`save` or
@@ -310,24 +336,35 @@ def load(
         CorruptCheckpointError: the checkpoint's files are damaged, inconsistent or hostile (or, with
             ``verify``, it has no manifest to verify against).
         ValueError: a key, shape or dtype of ``state_dict`` does not match the checkpoint.
+        TypeError: a Stateful's ``state_dict()`` is not a mapping.
 
         Every rank raises the same exception, and nothing was modified (see :mod:`.errors`).
 
     Example::
 
         >>> tdb.checkpoint.load(tdb.state_dict_to_dtensor(model.state_dict()), "/ckpt/step100")
+        >>> state = {"model": dmp, "fused": dmp.fused_optimizer, "dense": adam, "step": 0}
+        >>> tdb.checkpoint.load(state, "/ckpt/latest")  # another plan or world size; state["step"] == 100
     """
-    group, path, what = _call("load", state_dict, path, process_group)
-    extra: list[Problem] = []
+    expanded, group, path, what = _call("load", state_dict, path, process_group)
+    extra: list[Problem] = list(expanded.problems)
     if staging_bytes is not None and (not isinstance(staging_bytes, int) or staging_bytes < 0):
         extra.append(Problem(Kind.VALUE, f"staging_bytes must be a non-negative int or None, got {staging_bytes!r}"))
-    opened = open_agreed(path, state_dict, strict, verify, member_group(group, what), what, extra)
     try:
-        checksums = Checksums(opened.manifest) if verify and opened.manifest is not None else None
-        reader = VerifiedReader(opened.root, checksums=checksums, process_group=group, staging_bytes=staging_bytes,
-                                what=what, metadata=opened.metadata, trusted_pickles=trusted_pickles)
-        run_dcp(dcp.load, state_dict, storage_reader=reader, planner=SafeObjectPlanner(trusted_pickles),
-                process_group=group)
-    finally:
-        opened.lock.release()
+        opened = open_agreed(path, expanded.view, strict, verify, member_group(group, what), what, extra,
+                             optional=expanded.optional, hints=expanded.hints)
+        try:
+            expanded.drop(opened.absent)
+            checksums = Checksums(opened.manifest) if verify and opened.manifest is not None else None
+            reader = VerifiedReader(opened.root, checksums=checksums, process_group=group,
+                                    staging_bytes=staging_bytes, what=what, metadata=opened.metadata,
+                                    trusted_pickles=trusted_pickles)
+            run_dcp(dcp.load, expanded.view, storage_reader=reader, planner=SafeObjectPlanner(trusted_pickles),
+                    process_group=group)
+        finally:
+            opened.lock.release()
+    except BaseException:
+        expanded.rollback()
+        raise
+    expanded.restore()
     return reader.stats

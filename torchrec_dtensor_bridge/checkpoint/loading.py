@@ -8,8 +8,9 @@ checks everything short of the data (*collective*):
    a save never rewrites nor removes a generation being read), reads its
    manifest (:func:`~.manifest.read_manifest`) and ``.metadata``
    (:func:`~.validate.read_metadata`), checks every key, shape and dtype of the
-   destination, and that the manifest describes exactly the items this rank
-   will read (no data is read);
+   destination (an optional key, state an optimizer created for the load, may be
+   absent from the checkpoint: then it is not loaded), and that the manifest
+   describes exactly the items this rank will read (no data is read);
 3. every rank gathers every rank's save id and problems: if the generation was
    renamed or reused under a rank before it was locked, every rank resolves
    again (step 1); if any rank found a problem, or ranks read different saves,
@@ -47,6 +48,7 @@ from .common import global_shape, leaves
 from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import MANIFEST, item_key, item_record, read_manifest
 from .plan import needed_chunks
+from .stateful import Hint
 from .validate import read_metadata
 
 __all__ = ["Opened", "SafeObjectPlanner", "open_agreed"]
@@ -66,9 +68,25 @@ def _local_boxes(value: torch.Tensor, rank: int) -> list[tuple[tuple[int, ...], 
     return [((0,) * value.dim(), tuple(value.shape))]
 
 
-def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool) -> tuple[list[Problem], list[tuple[str, Any]]]:
+def _absent(md: Metadata, optional: tuple[str, ...]) -> frozenset[str]:
+    """The keys of ``optional`` under which the checkpoint holds nothing (a key counts with everything below it)."""
+    if not optional:
+        return frozenset()
+    held: set[str] = set()
+    for key in md.state_dict_metadata:
+        parts = key.split(".")
+        held.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return frozenset(k for k in optional if k not in held)
+
+
+def _under(fqn: str, keys: frozenset[str]) -> bool:
+    return any(fqn == k or fqn.startswith(k + ".") for k in keys)
+
+
+def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mapping[str, Hint] | None = None,
+                absent: frozenset[str] = frozenset()) -> tuple[list[Problem], list[tuple[str, Any]]]:
     problems: list[Problem] = []
-    flat = list(leaves(sd))
+    flat = [(fqn, v) for fqn, v in leaves(sd) if not (absent and _under(fqn, absent))]
     saved = md.state_dict_metadata
     for fqn, value in flat:
         m = saved.get(fqn)
@@ -80,8 +98,10 @@ def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool) -> tuple[list
                 problems.append(Problem(Kind.VALUE, f"key {fqn!r} was saved as an object, the destination is a tensor"))
                 continue
             if tuple(m.size) != global_shape(value):
+                why = hints[fqn](tuple(m.size), global_shape(value)) if hints and fqn in hints else ""
                 problems.append(Problem(
-                    Kind.VALUE, f"key {fqn!r}: saved shape {list(m.size)}, destination shape {list(global_shape(value))}"))
+                    Kind.VALUE,
+                    f"key {fqn!r}: saved shape {list(m.size)}, destination shape {list(global_shape(value))}{why}"))
             if m.properties.dtype != value.dtype:
                 problems.append(Problem(
                     Kind.VALUE, f"key {fqn!r}: saved dtype {m.properties.dtype}, destination dtype {value.dtype}"))
@@ -162,9 +182,11 @@ class Opened:
     lock: DirLock
     manifest: dict[str, Any] | None
     metadata: Metadata
+    absent: frozenset[str] = frozenset()  # the optional keys the checkpoint holds nothing under
 
 
 def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool, verify: bool, rank: int,
+             optional: tuple[str, ...], hints: Mapping[str, Hint] | None,
              ) -> tuple[DirLock | None, dict[str, Any] | None, Metadata | None, list[Problem], str | None]:
     """One rank's look at generation ``name``: lock it, read and check everything short of the data."""
     try:
@@ -183,7 +205,7 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
             raise CorruptCheckpointError(f"manifest {root / 'tdb_manifest.json'} is from save {manifest['save_id']}, "
                                          f"not from the generation {name}")
         md = read_metadata(root, manifest)
-        key_problems, flat = _check_keys(state_dict, md, strict)
+        key_problems, flat = _check_keys(state_dict, md, strict, hints, _absent(md, optional))
         problems += key_problems
         if verify and not key_problems:
             if manifest is None:
@@ -201,7 +223,8 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
 
 
 def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify: bool,
-                g: CommGroup, what: str, extra: list[Problem]) -> Opened:
+                g: CommGroup, what: str, extra: list[Problem], *, optional: tuple[str, ...] = (),
+                hints: Mapping[str, Hint] | None = None) -> Opened:
     """Resolve ``path`` once (rank 0), lock and examine that generation on every rank, agree; *collective*.
 
     Steps 1-3 of the module docstring. On success every rank holds a shared lock on the same generation
@@ -215,9 +238,12 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
         g: the group the load runs on (see :func:`~.agree.member_group`).
         what: how error messages name the load.
         extra: problems the caller found (e.g. in its arguments), raised with the rest after the agreement.
+        optional: keys of ``state_dict`` (with everything below them) that the checkpoint need not hold:
+            those it holds nothing under are not checked, and are listed in ``Opened.absent``.
+        hints: per key, why a shape mismatch cannot convert (appended to its refusal).
 
     Returns:
-        The generation every rank agreed to read, its lock, manifest and metadata.
+        The generation every rank agreed to read, its lock, manifest and metadata, and the absent optional keys.
     """
     rank = g.rank
     assert rank is not None, "member_group checked it"
@@ -233,7 +259,7 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
         if first is not None:
             raise first.error(f"{what} refused, nothing was modified:\n  {first.message} (rank {g.members[0]})")
         assert name is not None
-        lock, manifest, md, problems, ident = _examine(path, name, state_dict, strict, verify, rank)
+        lock, manifest, md, problems, ident = _examine(path, name, state_dict, strict, verify, rank, optional, hints)
         everyone = gather_objects((lock is None and not problems, problems + extra, ident), g)
         if any(moved for moved, _, _ in everyone):
             if lock is not None:
@@ -248,7 +274,7 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
                 lock.release()
             raise_gathered(what + " refused, nothing was modified", [p for _, p, _ in everyone], g, mixed)
         assert lock is not None and md is not None
-        return Opened(path.parent / name if name else path, lock, manifest, md)
+        return Opened(path.parent / name if name else path, lock, manifest, md, _absent(md, optional))
     raise CheckpointError(f"{what}: {path} changed under the load {_RESOLVE_ATTEMPTS} times in a row")
 
 

@@ -11,18 +11,19 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._compat import ShardedTensor
+from ..agreement import Rejected
 from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards_of
 from ..convert.reshard import copy_into
 from .kinds import STATES, Hyper, OptimKind, StateKind, WeightDecayMode
 from .state import Binding, TableState, share_storage
-from .torchrec_state import export_torchrec, import_torchrec
+from .torchrec_state import MAPPED, export_torchrec, import_torchrec
 
 __all__ = ["FusedOptimizer"]
 
 _DECAY_MODES = {"l2": WeightDecayMode.L2, "decoupled": WeightDecayMode.DECOUPLED}
 
 
-def _named(weights: object) -> dict[str, DTensor]:
+def _named(weights: object, *, training: bool) -> dict[str, DTensor]:
     if isinstance(weights, Mapping):
         items = [(str(k), v) for k, v in weights.items()]
     elif isinstance(weights, Sequence) and not isinstance(weights, (str, torch.Tensor)):
@@ -39,7 +40,7 @@ def _named(weights: object) -> dict[str, DTensor]:
         if w.dim() != 2 or not w.dtype.is_floating_point:
             raise ValueError(f"FusedOptimizer: weight {name!r} must be a 2-D floating table, got "
                              f"{list(w.shape)} {w.dtype}")
-        if not w.requires_grad:
+        if training and not w.requires_grad:
             raise ValueError(f"FusedOptimizer: weight {name!r} does not require grad: its lookups would run no "
                              "backward, so no update; call weight.requires_grad_()")
         if id(w) in seen:
@@ -62,7 +63,7 @@ class FusedOptimizer:
 
     Args:
         weights: ``name -> DTensor`` (or a sequence, named ``"0"``, ``"1"``, ...);
-            every weight requires grad.
+            every weight requires grad (to convert state only, see :meth:`for_conversion`).
         kind: ``"sgd"``, ``"rowwise_adagrad"`` (fbgemm's EXACT_ROWWISE_ADAGRAD),
             ``"adagrad"`` or ``"adam"``.
         lr: learning rate.
@@ -93,7 +94,7 @@ class FusedOptimizer:
         beta2: float = 0.999,
     ) -> None:
         okind = OptimKind.parse(kind)
-        named = _named(weights)
+        named = _named(weights, training=True)
         if weight_decay_mode not in _DECAY_MODES:
             raise ValueError(f"FusedOptimizer: weight_decay_mode must be one of {list(_DECAY_MODES)}, "
                              f"got {weight_decay_mode!r}")
@@ -108,30 +109,91 @@ class FusedOptimizer:
         for what, v in (("beta1", beta1), ("beta2", beta2)):
             if not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise ValueError(f"FusedOptimizer: {what} must be in [0, 1), got {v!r}")
-        self.hyper = Hyper(okind, float(lr), float(eps), float(weight_decay), mode, float(beta1), float(beta2))
+        self._build(named, okind, Hyper(okind, float(lr), float(eps), float(weight_decay), mode, float(beta1),
+                                        float(beta2)))
+
+    @classmethod
+    def for_conversion(cls, weights: Mapping[str, DTensor] | Sequence[DTensor], kind: str) -> FusedOptimizer:
+        """An optimizer that holds and converts state only; *collective* to build.
+
+        For moving optimizer state between TorchRec and this package's format: the
+        weights may be any model's tables as DTensors (those of a TorchRec model's
+        ``state_dict()`` require no grad) and no hyper-parameter is asked for, as none
+        enters a conversion. :meth:`state_dict`, :meth:`load_state_dict`,
+        :meth:`load_torchrec_state_dict` and :meth:`copy_to_torchrec_state_dict` work
+        as on any FusedOptimizer; a lookup given it refuses it (on every rank): it has
+        no update to apply. A kind whose TorchRec state is not mapped (Adam) is refused.
+
+        Args:
+            weights: ``name -> DTensor`` (or a sequence, named ``"0"``, ``"1"``, ...); names as
+                TorchRec's tables or parameters (``"t0"`` or ``"ebc.embedding_bags.t0.weight"``).
+            kind: ``"sgd"``, ``"rowwise_adagrad"`` or ``"adagrad"``.
+
+        Example::
+
+            >>> tables = tdb.state_dict_to_dtensor(dmp.state_dict())   # no grad required
+            >>> opt = tdb.FusedOptimizer.for_conversion({k: tables[k] for k in fused_keys}, "rowwise_adagrad")
+            >>> opt.load_torchrec_state_dict(dmp.fused_optimizer.state_dict())
+            >>> tdb.checkpoint.save({"tables": tables, "opt": opt}, "/ckpt/ours")
+        """
+        okind = OptimKind.parse(kind)
+        if okind not in MAPPED:
+            raise NotImplementedError(f"FusedOptimizer.for_conversion: TorchRec state for kind {kind!r} is not "
+                                      f"mapped; kinds {[k.value for k in MAPPED]}")
+        opt = cls.__new__(cls)
+        opt._build(_named(weights, training=False), okind, None)
+        return opt
+
+    def _build(self, named: dict[str, DTensor], kind: OptimKind, hyper: Hyper | None) -> None:
+        self._kind = kind
+        self._hyper = hyper
         self._tables: dict[str, TableState] = {}
         self._by_id: dict[int, str] = {}
         for name, w in named.items():
             layout = layout_of(w, name=name)
             if layout.dtype is None:
                 layout = dataclasses.replace(layout, dtype=w.dtype)
-            self._tables[name] = TableState(name, w, layout, dist.get_rank(), local_shards_of(w), okind)
+            self._tables[name] = TableState(name, w, layout, dist.get_rank(), local_shards_of(w), kind)
             self._by_id[id(w)] = name
         share_storage(list(self._tables.values()))
 
     @property
+    def hyper(self) -> Hyper:
+        """The hyper-parameters backward applies (an optimizer built by :meth:`for_conversion` has none).
+
+        Raises:
+            ValueError: for an optimizer built by :meth:`for_conversion`.
+        """
+        if self._hyper is None:
+            raise ValueError(self._no_update())
+        return self._hyper
+
+    def _no_update(self) -> str:
+        return (f"FusedOptimizer.for_conversion({self.names()}, {self.kind!r}) converts state and applies no "
+                "update; to train, build FusedOptimizer(weights, kind, lr=...) over weights that require grad")
+
+    @property
     def kind(self) -> str:
         """The optimizer's kind, as given (``"sgd"``, ...)."""
-        return self.hyper.kind.value
+        return self._kind.value
 
     def names(self) -> list[str]:
         """The tables' names, in the order given."""
         return list(self._tables)
 
     def bind(self, weight: object) -> Binding | None:
-        """What backward needs to update ``weight`` (the same DTensor object as given), or ``None``."""
+        """What backward needs to update ``weight`` (the same DTensor object as given), or ``None``.
+
+        Raises:
+            Rejected: (a ValueError every rank of the lookup raises) for an optimizer built by
+                :meth:`for_conversion`.
+        """
         name = self._by_id.get(id(weight))
-        return None if name is None else Binding(self.hyper, self._tables[name])
+        if name is None:
+            return None
+        if self._hyper is None:
+            raise Rejected(ValueError, self._no_update())
+        return Binding(self._hyper, self._tables[name])
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

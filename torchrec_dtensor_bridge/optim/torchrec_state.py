@@ -37,9 +37,12 @@ from ..convert.dtensor import layout_of, local_shards_of
 from ..convert.reshard import copy_into
 from .kinds import OptimKind
 
-__all__ = ["export_torchrec", "import_torchrec"]
+__all__ = ["MAPPED", "export_torchrec", "import_torchrec"]
 
 _STATES = {OptimKind.SGD: (), OptimKind.ROWWISE_ADAGRAD: ("momentum1",), OptimKind.ADAGRAD: ("momentum1",)}
+
+MAPPED = tuple(_STATES)
+"""The kinds whose TorchRec state converts."""
 
 
 def _theirs(osd: Mapping[str, Any], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
@@ -76,7 +79,7 @@ def _no_state(table: str, state: str, theirs: list[str]) -> str:
 
 def _pairs(opt: Any, osd: Mapping[str, Any]) -> list[tuple[str, str, Any, torch.Tensor | None]]:
     """(table, state, our DTensor, TorchRec's tensor or None on a rank without it), checked on every rank."""
-    kind = opt.hyper.kind
+    kind = OptimKind.parse(opt.kind)
     if kind not in _STATES:
         raise NotImplementedError(f"FusedOptimizer: TorchRec state for kind {kind.value!r} is not mapped")
     names = opt.names()

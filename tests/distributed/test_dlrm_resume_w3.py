@@ -1,0 +1,235 @@
+"""A TorchRec DLRM job checkpointed in one call and resumed on another plan and world size (gloo).
+
+TorchRec's ``DLRM`` in a ``DistributedModelParallel`` whose tables train with
+TorchRec's fused row-wise Adagrad (the ``fused`` kernel), its dense part with
+Adam, trains on ranks 0-1 (a 2-rank group, plan ``BEFORE``) and is saved with
+ONE ``tdb.checkpoint.save({"model": dmp, "fused": dmp.fused_optimizer,
+"dense": adam, "step": step})``, then keeps training (the uninterrupted run).
+On all 3 ranks a fresh DMP under plan ``AFTER`` (every table moves) resumes with
+ONE ``tdb.checkpoint.load`` of the same dict (its dense optimizer a TorchRec
+``KeyedOptimizerWrapper`` over Adam, before its first step): every tensor equals
+the saved one exactly and the losses continue the uninterrupted run's. (Ranks 0-1
+form their own group for the first run, so one pool of 3 processes serves both.) A target
+whose row-wise Adagrad table is column-wise is refused on every rank, nothing
+modified. Every step sees the same global batch of 6 samples, split over the
+ranks, so the runs differ only in summation order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+import torchrec_dtensor_bridge as tdb
+from torchrec_dtensor_bridge.checkpoint.common import leaves
+from torchrec_dtensor_bridge.checkpoint.stateful import expand
+
+from .harness import make_pool_fixture
+
+pool = make_pool_fixture(3)
+
+TABLES = {"t0": 11, "t1": 7, "t2": 9}  # name -> rows
+DIM, DENSE_IN, GLOBAL_BATCH = 8, 3, 6
+SAVE_AT, STEPS = 2, 4  # train steps 0-1, save, then steps 2-3 (uninterrupted, and resumed)
+DENSE_LR = 0.05
+BEFORE = {"t0": ("row_wise",), "t1": ("table_wise", 1), "t2": ("table_wise", 0)}  # on 2 ranks
+AFTER = {"t0": ("table_wise", 2), "t1": ("row_wise",), "t2": ("table_wise", 1)}  # on 3 ranks (t1: 3+3+1 rows)
+COLUMN_WISE = dict(AFTER, t2=("column_wise", [0, 1]))
+
+
+def _key(table: str) -> str:
+    return f"sparse_arch.embedding_bag_collection.embedding_bags.{table}.weight"
+
+
+def _dmp(plan: dict[str, tuple], group: dist.ProcessGroup):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.models.dlrm import DLRM
+
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f"f_{n}"])
+                for n, r in TABLES.items()],
+        device=torch.device("meta"),
+    )
+    model = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[5, DIM],
+                 over_arch_layer_sizes=[4, 1])
+    sharder = EmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3})
+    make = {"row_wise": lambda: sp.row_wise(compute_kernel="fused"),
+            "table_wise": lambda rank: sp.table_wise(rank=rank, compute_kernel="fused"),
+            "column_wise": lambda ranks: sp.column_wise(ranks=ranks, compute_kernel="fused")}
+    world = group.size()
+    per_param = {n: make[kind](*args) for n, (kind, *args) in plan.items()}
+    module_plan = sp.construct_module_sharding_plan(ebc, per_param_sharding=per_param, sharder=sharder,
+                                                    local_size=world, world_size=world, device_type="cpu")
+    return DistributedModelParallel(
+        model, env=ShardingEnv.from_process_group(group), device=torch.device("cpu"),
+        plan=ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan}), sharders=[sharder])
+
+
+def _dense_params(dmp) -> dict[str, torch.nn.Parameter]:
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    return dict(in_backward_optimizer_filter(dmp.named_parameters()))
+
+
+def _batch(step: int, rank: int, world: int):
+    """This rank's share of step ``step``'s global batch: dense features, ids, labels."""
+    from torchrec import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(1000 + step)
+    dense = torch.rand(GLOBAL_BATCH, DENSE_IN, generator=g)
+    lengths = torch.randint(0, 3, (len(TABLES), GLOBAL_BATCH), generator=g)
+    ids = [torch.randint(0, rows, (int(lengths[t].sum()),), generator=g) for t, rows in enumerate(TABLES.values())]
+    labels = torch.randint(0, 2, (GLOBAL_BATCH,), generator=g).float()
+    per = GLOBAL_BATCH // world
+    lo, hi = rank * per, (rank + 1) * per
+    values = []
+    for t in range(len(TABLES)):
+        ends = torch.cumsum(lengths[t], 0).tolist()
+        start = ends[lo - 1] if lo else 0
+        values.append(ids[t][start : ends[hi - 1]])
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{n}" for n in TABLES], values=torch.cat(values),
+                                              lengths=lengths[:, lo:hi].reshape(-1))
+    return dense[lo:hi], kjt, labels[lo:hi]
+
+
+def _step(dmp, dense_opt, step: int, group: dist.ProcessGroup) -> float:
+    """One training step; the global batch's mean loss."""
+    dense, kjt, labels = _batch(step, group.rank(), group.size())
+    loss = F.binary_cross_entropy_with_logits(dmp(dense, kjt).squeeze(1), labels)
+    loss.backward()  # the fused tables are updated here
+    dense_opt.step()
+    dense_opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total.item() / group.size()
+
+
+def _snapshot(state: dict[str, Any], group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Every tensor of ``state`` (Statefuls expanded, as the checkpoint sees them) as a whole tensor; collective."""
+    mine: dict[str, tuple[tuple[int, ...], list[tuple[list[int], torch.Tensor]]]] = {}
+    for key, v in leaves(expand(state, for_load=False).view):
+        if isinstance(v, ShardedTensor):
+            mine[key] = (tuple(v.size()), [(list(s.metadata.shard_offsets), s.tensor.clone())
+                                            for s in v.local_shards()])
+        elif isinstance(v, torch.Tensor):
+            mine[key] = (tuple(v.shape), [([0] * v.dim(), v.detach().clone())])
+    everyone: list[Any] = [None] * group.size()
+    dist.all_gather_object(everyone, mine, group=group)
+    out: dict[str, torch.Tensor] = {}
+    for part in everyone:
+        for key, (shape, pieces) in part.items():
+            full = out.setdefault(key, torch.zeros(shape, dtype=pieces[0][1].dtype if pieces else torch.float32))
+            for offsets, t in pieces:
+                full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+    return out
+
+
+def _train_and_save(rank: int, world: int, path: str) -> tuple[dict[str, torch.Tensor], list[float]] | None:
+    group = dist.new_group([0, 1])
+    if rank not in (0, 1):
+        return None
+    dmp = _dmp(BEFORE, group)
+    adam = torch.optim.Adam(_dense_params(dmp).values(), lr=DENSE_LR)
+    for step in range(SAVE_AT):
+        _step(dmp, adam, step, group)
+    state = {"model": dmp, "fused": dmp.fused_optimizer, "dense": adam, "step": SAVE_AT}
+    tdb.checkpoint.save(state, path, process_group=group)  # one call: model, both optimizers, the step
+    saved = _snapshot(state, group)
+    losses = [_step(dmp, adam, step, group) for step in range(SAVE_AT, STEPS)]
+    return (saved, losses) if rank == 0 else None
+
+
+def _resume(rank: int, world: int, path: str, saved: dict[str, torch.Tensor], losses: list[float]) -> None:
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+
+    group = dist.group.WORLD
+    dmp = _dmp(AFTER, group)
+    dense = KeyedOptimizerWrapper(_dense_params(dmp), lambda params: torch.optim.Adam(params, lr=DENSE_LR))
+    state = {"model": dmp, "fused": dmp.fused_optimizer, "dense": dense, "step": 0}
+    tdb.checkpoint.load(state, path)  # one call: resharded to 3 ranks and another plan
+    assert state["step"] == SAVE_AT
+    got = _snapshot(state, group)
+    assert sorted(got) == sorted(saved), sorted(set(got) ^ set(saved))
+    assert any(".t1.momentum1" in k for k in got) and any(".exp_avg_sq" in k for k in got), sorted(got)
+    for key, want in saved.items():
+        assert torch.equal(got[key], want), f"{key} differs after the load on rank {rank}"
+    # TorchRec's state converts into a FusedOptimizer over the DMP's own tables (which require no grad)
+    tables = tdb.state_dict_to_dtensor(dmp.state_dict())
+    opt = tdb.FusedOptimizer.for_conversion({n: tables[_key(n)] for n in TABLES}, "rowwise_adagrad")
+    opt.load_torchrec_state_dict(dmp.fused_optimizer.state_dict())
+    for n in TABLES:
+        want = saved[f"fused.state.{_key(n)}.{n}.momentum1"]
+        assert torch.equal(tdb.full_tensor(opt.state_dict()[f"{n}.momentum1"]), want), n
+    with pytest.raises(ValueError, match="converts state and applies no update"):
+        tdb.sharded_embedding_bag(torch.tensor([0, 1]), tables[_key("t1")], torch.tensor([0]), optimizer=opt)
+    tdb.checkpoint.save({"fused": opt}, f"{path}-ours")  # a FusedOptimizer is a Stateful too
+    with torch.no_grad():
+        for v in opt.state_dict().values():
+            for t in tdb.convert.local_shards_of(v):
+                t.fill_(-1.0)
+    tdb.checkpoint.load({"fused": opt}, f"{path}-ours")
+    for n in TABLES:
+        want = saved[f"fused.state.{_key(n)}.{n}.momentum1"]
+        assert torch.equal(tdb.full_tensor(opt.state_dict()[f"{n}.momentum1"]), want), n
+    resumed = [_step(dmp, dense, step, group) for step in range(SAVE_AT, STEPS)]
+    torch.testing.assert_close(resumed, losses, rtol=1e-6, atol=1e-7)  # the plans sum in different orders
+    # TorchRec's fused optimizer state passed as it is, into a dense optimizer that has state: back to the
+    # checkpoint, and the same steps again give the same losses bit for bit
+    state = {"model": dmp, "fused": dmp.fused_optimizer.state_dict(), "dense": dense, "step": 0}
+    tdb.checkpoint.load(state, path)
+    assert state["step"] == SAVE_AT
+    assert [_step(dmp, dense, step, group) for step in range(SAVE_AT, STEPS)] == resumed
+
+
+def _column_wise_target(rank: int, world: int, path: str) -> list[str]:
+    group = dist.group.WORLD
+    dmp = _dmp(COLUMN_WISE, group)
+    adam = torch.optim.Adam(_dense_params(dmp).values(), lr=DENSE_LR)
+    state = {"model": dmp, "fused": dmp.fused_optimizer, "dense": adam, "step": 0}
+    before = _snapshot(state, group)
+    with pytest.raises(ValueError) as refused:
+        tdb.checkpoint.load(state, path)
+    assert not adam.state and state["step"] == 0, "a refused load left optimizer state or the step behind"
+    after = _snapshot(state, group)
+    assert sorted(after) == sorted(before)
+    for key, was in before.items():
+        assert torch.equal(after[key], was), f"{key} modified by a refused load on rank {rank}"
+    # converting TorchRec's state of that table is refused alike, before anything is copied
+    tables = tdb.state_dict_to_dtensor(dmp.state_dict())
+    opt = tdb.FusedOptimizer.for_conversion({n: tables[_key(n)] for n in TABLES}, "rowwise_adagrad")
+    with pytest.raises(ValueError, match=r"t2.momentum1: TorchRec's has shape \[18\], ours \[9\].*column shard"):
+        opt.load_torchrec_state_dict(dmp.fused_optimizer.state_dict())
+    return [str(refused.value)]
+
+
+@pytest.fixture(scope="module")
+def saved(pool, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("dlrm") / "latest")
+    saved, losses = pool.run(_train_and_save, path)[0]
+    return path, saved, losses
+
+
+def test_dlrm_resumes_on_three_ranks_under_another_plan_in_one_call(pool, saved):
+    path, tensors, losses = saved
+    pool.run(_resume, path, tensors, losses)
+
+
+def test_a_column_wise_rowwise_adagrad_target_is_refused_on_every_rank_with_nothing_modified(pool, saved):
+    messages = pool.run(_column_wise_target, saved[0])
+    assert messages[0] == messages[1] == messages[2], messages
+    message = messages[0][0]
+    key = f"fused.state.{_key('t2')}.t2.momentum1"
+    assert f"key {key!r}: saved shape [9], destination shape [18]" in message, message
+    assert "one value per row for each of 2 column shards" in message, message

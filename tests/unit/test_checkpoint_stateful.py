@@ -1,0 +1,124 @@
+"""DCP ``Stateful`` values in ``checkpoint.save`` / ``load``, in one process: a module and a ``torch.optim``
+optimizer saved and resumed in one call, an optimizer before its first step, refusals that modify nothing."""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import torchrec_dtensor_bridge as tdb
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 1))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _saved_keys(path) -> list[str]:
+    return sorted(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_model_and_optimizer_resume_in_one_call(tmp_path):
+    model, opt = _model(0), None
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    _train(model, opt, range(2))
+    tdb.checkpoint.save({"model": model, "optim": opt, "meta": {"step": 2}}, tmp_path / "ck")
+    want = _train(model, opt, range(2, 4))  # the uninterrupted run
+
+    fresh = _model(1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.05, weight_decay=0.1)
+    assert not fresh_opt.state  # before its first step: no state to load into
+    state = {"model": fresh, "optim": fresh_opt, "meta": {"step": 0}}
+    tdb.checkpoint.load(state, tmp_path / "ck")
+    assert state["meta"]["step"] == 2  # plain values are written back
+    assert len(fresh_opt.state) == 4 and all(s["step"] == 2 for s in fresh_opt.state.values())
+    assert _train(fresh, fresh_opt, range(2, 4)) == want
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_optimizer_state_is_keyed_by_parameter_names(tmp_path):
+    model = _model(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train(model, opt, range(1))
+    tdb.checkpoint.save({"model": model, "optim": opt}, tmp_path / "named")
+    keys = _saved_keys(tmp_path / "named")
+    assert "optim.state.0.weight.exp_avg" in keys and "optim.state.2.bias.exp_avg_sq" in keys, keys
+    assert "optim.param_groups.0.lr" in keys and "optim.param_groups.0.params" in keys, keys
+    # without the module, by position (as Optimizer.state_dict numbers them)
+    tdb.checkpoint.save({"optim": opt}, tmp_path / "numbered")
+    assert "optim.state.3.exp_avg" in _saved_keys(tmp_path / "numbered")
+
+
+def test_a_checkpoint_saved_before_the_first_step_leaves_a_fresh_optimizer_fresh(tmp_path):
+    model = _model(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    tdb.checkpoint.save({"model": model, "optim": opt}, tmp_path / "ck")
+    assert not opt.state, "saving created optimizer state"
+    fresh = _model(1)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.3)
+    tdb.checkpoint.load({"model": fresh, "optim": fresh_opt}, tmp_path / "ck")
+    assert not fresh_opt.state
+    assert fresh_opt.param_groups[0]["lr"] == 0.1  # hyper-parameters come from the checkpoint
+    assert _train(fresh, fresh_opt, range(2)) == _train(model, opt, range(2))
+
+
+def test_a_refused_load_modifies_nothing(tmp_path):
+    model = _model(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train(model, opt, range(1))
+    tdb.checkpoint.save({"model": model, "optim": opt}, tmp_path / "ck")
+    wider = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 1))
+    wider_opt = torch.optim.Adam(wider.parameters(), lr=0.1)
+    before = _params(wider)
+    with pytest.raises(ValueError, match=r"key 'model.0.weight': saved shape \[3, 4\], destination shape \[5, 4\]"):
+        tdb.checkpoint.load({"model": wider, "optim": wider_opt}, tmp_path / "ck")
+    assert not wider_opt.state, "the state created for the load was left behind"
+    for k, v in before.items():
+        assert torch.equal(wider.state_dict()[k], v), k
+    assert all(p.grad is None for p in wider.parameters())
+
+
+class _NotAMapping:
+    def state_dict(self) -> list[int]:
+        return [1, 2]
+
+    def load_state_dict(self, state_dict) -> None:
+        raise AssertionError("never called")
+
+
+def test_a_state_dict_that_is_not_a_mapping_is_a_type_error_naming_the_key(tmp_path):
+    with pytest.raises(TypeError, match=r"key 'extra.bad': _NotAMapping.state_dict\(\) returned a list, not a mapping"):
+        tdb.checkpoint.save({"w": torch.ones(2), "extra": {"bad": _NotAMapping()}}, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+    model = _model(0)
+    opt = torch.optim.Adam(model.parameters())
+    _train(model, opt, range(1))
+    tdb.checkpoint.save({"w": torch.ones(2), "optim": opt}, tmp_path / "ck")
+    fresh = torch.optim.Adam(model.parameters())
+    w = torch.zeros(2)
+    with pytest.raises(TypeError, match="key 'extra.bad'"):
+        tdb.checkpoint.load({"w": w, "optim": fresh, "extra": {"bad": _NotAMapping()}}, tmp_path / "ck")
+    assert torch.equal(w, torch.zeros(2)) and not fresh.state
+
+
+def test_a_stateful_inside_a_list_is_refused(tmp_path):
+    opt = torch.optim.SGD(_model(0).parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"key 'opts': a list holding objects with state_dict\(\)"):
+        tdb.checkpoint.save({"opts": [opt]}, tmp_path / "ck")

@@ -1,0 +1,309 @@
+"""DCP ``Stateful`` values of a state_dict: expanded before a save or load, restored after a load.
+
+``save`` and ``load`` take, anywhere in a (nested) state_dict, objects with
+``state_dict()`` and ``load_state_dict()``
+(:class:`torch.distributed.checkpoint.stateful.Stateful`): a module (a TorchRec
+``DistributedModelParallel``), a ``torch.optim`` optimizer, TorchRec's keyed
+optimizers (``dmp.fused_optimizer``, ``KeyedOptimizerWrapper``), a
+:class:`~..optim.FusedOptimizer`. :func:`expand` replaces each by its state
+(the *view*: its live tensors, in place), so the agreement, the validation and
+DCP see tensors only. A load runs, on every rank:
+
+1. :func:`expand`; an optimizer that has no state yet for some parameters (before
+   its first step) creates it first (a step on zero gradients, the parameters
+   then restored bit for bit), so the view names every tensor the checkpoint may
+   hold for it, with its shape and dtype;
+2. the load validates the view against the checkpoint and agrees (nothing is
+   modified); state created in step 1 that the checkpoint does not hold (a save
+   made before that optimizer's first step) is removed again (:meth:`Expanded.drop`);
+3. DCP loads in place into the view;
+4. :meth:`Expanded.restore`: each object's ``load_state_dict()`` with its loaded
+   view; plain values the load replaced are written back into the caller's dicts.
+
+A refused load calls :meth:`Expanded.rollback`: the state step 1 created is removed.
+
+A ``torch.optim`` optimizer's state is keyed by its parameters' names in the
+first module of the same state_dict that holds them all (TorchRec's keyed
+optimizers use the same names), else by their positions as
+``Optimizer.state_dict()`` numbers them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .agree import Kind, Problem
+
+__all__ = ["Expanded", "expand"]
+
+Hint = Callable[[tuple[int, ...], tuple[int, ...]], str]
+"""Why a key whose saved and destination shapes differ (given in that order) cannot convert."""
+
+
+def _is_stateful(v: object) -> bool:
+    return isinstance(v, Stateful) and not isinstance(v, (torch.Tensor, Mapping))
+
+
+def _holds_stateful(v: object) -> bool:
+    if _is_stateful(v):
+        return True
+    if isinstance(v, Mapping):
+        return any(_holds_stateful(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_holds_stateful(x) for x in v)
+    return False
+
+
+def _is_keyed(opt: object) -> bool:
+    """TorchRec's ``KeyedOptimizer`` family: a ``torch.optim.Optimizer`` keyed by a mapping ``params``."""
+    return isinstance(opt, torch.optim.Optimizer) and isinstance(getattr(opt, "params", None), Mapping)
+
+
+def _parts(opt: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers holding ``opt``'s state: itself, or each part of a TorchRec ``CombinedOptimizer``."""
+    parts = getattr(opt, "optimizers", None)
+    if _is_keyed(opt) and isinstance(parts, list) and all(isinstance(p, tuple) and len(p) == 2 for p in parts):
+        return [leaf for _, part in parts for leaf in _parts(part)]
+    return [opt]
+
+
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _create_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Create ``opt``'s state for its parameters that have none; return those parameters.
+
+    One ``step()`` with a zero gradient on exactly those parameters (the others get
+    none, so their state is untouched); every parameter's value and gradient is
+    restored afterwards, so only the optimizer's state changes. An optimizer over
+    anything but plain tensors (TorchRec's fused optimizers, whose state exists from
+    the start and whose ``step()`` reconfigures their kernel) is left alone.
+    """
+    params = _params(opt)
+    lacking = [p for p in params if p.requires_grad and p not in opt.state]
+    if not lacking or any(type(p) not in (torch.Tensor, nn.Parameter) for p in params):
+        return []
+    wanted = {id(p) for p in lacking}
+    grads = [p.grad for p in params]
+    values = [p.detach().clone() for p in params]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p) if id(p) in wanted else None
+        opt.step()
+    finally:
+        with torch.no_grad():
+            for p, g, v in zip(params, grads, values):
+                p.copy_(v)
+                p.grad = g
+    return [p for p in lacking if p in opt.state]
+
+
+@dataclass
+class _Created:
+    """State an optimizer created for the load: kept only if the checkpoint holds it."""
+
+    key: str  # the flattened key of its subtree in the view
+    part: torch.optim.Optimizer  # the optimizer whose ``state`` holds it
+    param: torch.Tensor
+    states: MutableMapping[Any, Any]  # the view's ``state`` mapping
+    name: Any  # its key there
+
+
+@dataclass
+class Expanded:
+    """A state_dict with every Stateful replaced by its state (see the module docstring).
+
+    Attributes:
+        view: what DCP saves or loads: the caller's mappings, those holding a Stateful copied.
+        problems: this rank's refusals (a ``state_dict()`` that is not a mapping, ...), to agree on.
+        created: state created for a load (:meth:`drop` removes what the checkpoint lacks).
+        hints: per flattened key, why a shape mismatch cannot convert (appended to the refusal).
+        loads: each Stateful's ``load_state_dict()`` with its view, in the state_dict's order.
+        writeback: (the caller's mapping, its copy in the view, the keys of plain values in it).
+    """
+
+    view: dict[str, Any]
+    problems: list[Problem] = field(default_factory=list)
+    created: list[_Created] = field(default_factory=list)
+    hints: dict[str, Hint] = field(default_factory=dict)
+    loads: list[Callable[[], None]] = field(default_factory=list)
+    writeback: list[tuple[Mapping[str, Any], dict[str, Any], list[str]]] = field(default_factory=list)
+
+    @property
+    def optional(self) -> tuple[str, ...]:
+        """The flattened keys of :attr:`created`: loaded where the checkpoint holds them, else dropped."""
+        return tuple(c.key for c in self.created)
+
+    def drop(self, absent: frozenset[str]) -> None:
+        """Remove the created state the checkpoint does not hold (keys ``absent``) from the view and the optimizers."""
+        keep = []
+        for c in self.created:
+            if c.key in absent:
+                c.states.pop(c.name, None)
+                c.part.state.pop(c.param, None)
+            else:
+                keep.append(c)
+        self.created = keep
+
+    def rollback(self) -> None:
+        """Undo :func:`expand`: remove every state it created (a refused or failed load)."""
+        self.drop(frozenset(self.optional))
+
+    def restore(self) -> None:
+        """After the load: each Stateful's ``load_state_dict()`` with its view; plain values written back."""
+        for load in self.loads:
+            load()
+        for original, view, keys in self.writeback:
+            if isinstance(original, MutableMapping):
+                for k in keys:
+                    original[k] = view[k]
+
+
+def expand(state_dict: Mapping[str, Any], *, for_load: bool) -> Expanded:
+    """``state_dict`` with every Stateful replaced by its state; no collective of its own.
+
+    With ``for_load``, optimizers create the state they lack (see the module docstring).
+    Problems are recorded, not raised, for the caller's agreement.
+
+    Example::
+
+        >>> ex = expand({"model": dmp, "dense": adam, "step": 3}, for_load=True)
+        >>> sorted(ex.view)      # {"model": {...tensors}, "dense": {"state": ..., "param_groups": ...}, "step": 3}
+        ['dense', 'model', 'step']
+    """
+    modules = [v for v in _stateful_values(state_dict) if isinstance(v, nn.Module)]
+    out = Expanded({})
+    out.view = _Expander(out, modules, for_load).mapping(state_dict, "")
+    return out
+
+
+def _stateful_values(v: object) -> list[Any]:
+    if _is_stateful(v):
+        return [v]
+    if isinstance(v, Mapping):
+        return [s for x in v.values() for s in _stateful_values(x)]
+    return []
+
+
+class _Expander:
+    def __init__(self, out: Expanded, modules: list[nn.Module], for_load: bool) -> None:
+        self.out = out
+        self.modules = modules
+        self.for_load = for_load
+
+    def mapping(self, sd: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+        view: dict[str, Any] = {}
+        plain: list[str] = []
+        for k, v in sd.items():
+            key = f"{prefix}{k}"
+            if _is_stateful(v):
+                state = self.stateful(key, v)
+                if state is not None:
+                    view[k] = state
+            elif isinstance(v, Mapping) and _holds_stateful(v):
+                view[k] = self.mapping(v, key + ".")
+            elif isinstance(v, (list, tuple)) and _holds_stateful(v):
+                self.out.problems.append(Problem(
+                    Kind.TYPE, f"key {key!r}: a {type(v).__name__} holding objects with state_dict() / "
+                               "load_state_dict(); put them in a dict (DCP expands Stateful values of dicts only)"))
+            else:
+                view[k] = v
+                plain.append(k)
+        self.out.writeback.append((sd, view, plain))
+        return view
+
+    def stateful(self, key: str, obj: Any) -> Mapping[str, Any] | None:
+        if isinstance(obj, torch.optim.Optimizer) and not _is_keyed(obj):
+            return self.torch_optimizer(key, obj)
+        created = self.create(obj) if self.for_load and _is_keyed(obj) else []
+        view = obj.state_dict()
+        if not isinstance(view, Mapping):
+            self.out.problems.append(Problem(
+                Kind.TYPE, f"key {key!r}: {type(obj).__name__}.state_dict() returned a {type(view).__name__}, "
+                           "not a mapping (a DCP Stateful's state_dict() returns a dict)"))
+            for part, p in created:
+                part.state.pop(p, None)
+            return None
+        if _is_keyed(obj):
+            self.keyed_optimizer(key, obj, view, created)
+        self.out.loads.append(lambda: obj.load_state_dict(view))
+        return view
+
+    def create(self, opt: torch.optim.Optimizer) -> list[tuple[torch.optim.Optimizer, torch.Tensor]]:
+        return [(part, p) for part in _parts(opt) for p in _create_state(part)]
+
+    def torch_optimizer(self, key: str, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        """A ``torch.optim`` optimizer's state, keyed by its parameters' names (``Optimizer.state_dict()``
+        numbers them); its ``load_state_dict()`` gets them numbered again, with its own parameter groups'
+        parameters and the loaded hyper-parameters."""
+        created = self.create(opt) if self.for_load else []
+        names = self.param_names(opt)
+        own = opt.state_dict()
+        states: dict[str, Any] = {names[i]: dict(v) for i, v in own["state"].items()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+                  for g in own["param_groups"]]
+        view: dict[str, Any] = {"state": states, "param_groups": groups}
+        position = {id(p): i for i, p in enumerate(_params(opt))}
+        for part, p in created:
+            name = names[position[id(p)]]
+            self.out.created.append(_Created(f"{key}.state.{name}", part, p, states, name))
+
+        def load() -> None:
+            number = {n: i for i, n in enumerate(names)}
+            loaded = [{**g, "params": mine["params"]} for g, mine in zip(view["param_groups"], own["param_groups"])]
+            opt.load_state_dict({"state": {number[n]: s for n, s in states.items()}, "param_groups": loaded})
+
+        self.out.loads.append(load)
+        return view
+
+    def param_names(self, opt: torch.optim.Optimizer) -> list[str]:
+        params = _params(opt)
+        for m in self.modules:
+            names = {id(p): n for n, p in m.named_parameters()}
+            if all(id(p) in names for p in params):
+                return [names[id(p)] for p in params]
+        return [str(i) for i in range(len(params))]
+
+    def keyed_optimizer(self, key: str, opt: Any, view: Mapping[str, Any],
+                        created: list[tuple[torch.optim.Optimizer, torch.Tensor]]) -> None:
+        """Record a keyed optimizer's created state, and why its row-wise state may not convert."""
+        states = view.get("state")
+        names = {id(p): k for k, p in opt.params.items()}
+        for part, p in created:
+            name = names.get(id(p))
+            if isinstance(states, MutableMapping) and name in states:
+                self.out.created.append(_Created(f"{key}.state.{name}", part, p, states, name))
+            else:  # not in the view: nothing would load it
+                part.state.pop(p, None)
+        if not isinstance(states, Mapping):
+            return
+        for name, per in states.items():
+            param = opt.params.get(name)
+            if not isinstance(per, Mapping) or param is None or len(param.size()) != 2:
+                continue
+            for what, v in per.items():
+                if isinstance(v, torch.Tensor) and v.dim() == 1:
+                    self.out.hints[f"{key}.state.{name}.{what}"] = _row_state_hint(int(param.size()[0]))
+
+
+def _row_state_hint(rows: int) -> Hint:
+    def holds(n: int) -> str:
+        if n == rows:
+            return "one value per row"
+        if n % rows == 0:
+            return f"one value per row for each of {n // rows} column shards"
+        return f"{n} values"
+
+    def why(saved: tuple[int, ...], dest: tuple[int, ...]) -> str:
+        return (f" (row-wise optimizer state of a {rows}-row table: the checkpoint holds {holds(saved[0])}, the "
+                f"destination {holds(dest[0])}; TorchRec's row-wise Adagrad keeps a separate per-row state for "
+                "each column shard of a column-wise table, which converts only into the same column cut)")
+
+    return why
