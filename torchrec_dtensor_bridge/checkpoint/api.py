@@ -66,7 +66,7 @@ from ..agreement import gather_objects
 from ..convert.groups import CommGroup
 from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_gathered
 from .commit import DirLock, SaveLock, commit, generation_dir, prepare_generation, prune, sweep, writable_parent
-from .common import dcp_failures, default_process_group, global_shape, leaves, run_dcp
+from .common import dcp_failures, default_process_group, dtype_of, global_shape, leaves, run_dcp
 from .errors import CheckpointError
 from .loading import SafeObjectPlanner, open_agreed
 from .manifest import Checksums, write_manifest
@@ -110,7 +110,7 @@ def _signature(state_dict: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int,
     out = {}
     for fqn, v in leaves(state_dict):
         if isinstance(v, torch.Tensor):
-            out[fqn] = (type(v).__name__, global_shape(v), str(v.dtype))
+            out[fqn] = (type(v).__name__, global_shape(v), str(dtype_of(v)))
     return out
 
 

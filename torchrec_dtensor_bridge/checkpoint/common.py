@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .._compat import root_mesh
+from .._compat import root_mesh, shape_and_dtype
 from ..convert.groups import group_of_mesh
 from ..wrapper import LocalShardsWrapper
 from .errors import CheckpointError
@@ -110,7 +110,12 @@ def leaves(sd: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 def global_shape(v: torch.Tensor) -> tuple[int, ...]:
-    return tuple(v.global_shape) if isinstance(v, LocalShardsWrapper) else tuple(v.shape)
+    return tuple(v.global_shape) if isinstance(v, LocalShardsWrapper) else shape_and_dtype(v)[0]
+
+
+def dtype_of(v: torch.Tensor) -> torch.dtype:
+    """``v.dtype``; a ShardedTensor's without its deprecation warning (:func:`.._compat.shape_and_dtype`)."""
+    return shape_and_dtype(v)[1]
 
 
 # -------------------------------------------------------------------- sizes

@@ -44,7 +44,7 @@ from ..convert.groups import CommGroup
 from ..wrapper import LocalShardsWrapper
 from .agree import Kind, Problem, from_rank0, problem_from, raise_gathered
 from .commit import DirLock, committed_name, lock_generation
-from .common import global_shape, leaves
+from .common import dtype_of, global_shape, leaves
 from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import MANIFEST, item_key, item_record, read_manifest
 from .plan import needed_chunks
@@ -102,9 +102,9 @@ def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mappin
                 problems.append(Problem(
                     Kind.VALUE,
                     f"key {fqn!r}: saved shape {list(m.size)}, destination shape {list(global_shape(value))}{why}"))
-            if m.properties.dtype != value.dtype:
+            if m.properties.dtype != dtype_of(value):
                 problems.append(Problem(
-                    Kind.VALUE, f"key {fqn!r}: saved dtype {m.properties.dtype}, destination dtype {value.dtype}"))
+                    Kind.VALUE, f"key {fqn!r}: saved dtype {m.properties.dtype}, destination dtype {dtype_of(value)}"))
     if strict:
         extra = sorted(set(saved) - {fqn for fqn, _ in flat})
         if extra:
