@@ -337,6 +337,30 @@ def main() -> int:
     check.close(out, F.embedding_bag(bags[1], want["t_cw"], mode="sum"), "a lookup on TorchRec's DTensor")
     say("interop: TorchRec's load_state_dict takes our DTensors; its own DTensors go through our API")
 
+    # [readme:checkpoints]
+    model = tdb.enable_dtensor_state_dict(dmp)  # state_dict() -> DTensors; load_state_dict() reshards
+    tdb.checkpoint.save(model.state_dict(), f"{root}/step100")  # collective, atomic, checksummed
+    tdb.checkpoint.load(tdb.state_dict_to_dtensor(dmp_b.state_dict()), f"{root}/step100")  # any plan, world size
+    info = tdb.checkpoint.inspect(f"{root}/step100")  # {key: shape, dtype, shards, bytes}; no process group
+
+    # A TorchRec job in one call: the DMP and its optimizers are DCP Stateful values.
+    state = {"model": dmp, "fused": dmp.fused_optimizer, "step": 100}
+    tdb.checkpoint.save(state, f"{root}/latest")
+    resumed = {"model": dmp_b, "fused": dmp_b.fused_optimizer, "step": 0}  # another plan (or world size)
+    tdb.checkpoint.load(resumed, f"{root}/latest")  # all or nothing, resharded; resumed["step"] == 100
+    # [/readme:checkpoints]
+    final = full_tables(tdb.state_dict_to_dtensor(dmp.state_dict()), tables)
+    final_state = torchrec_state(dmp, tables)
+    resumed_tables = full_tables(tdb.state_dict_to_dtensor(dmp_b.state_dict()), tables)
+    resumed_state = torchrec_state(dmp_b, tables)
+    check.that(resumed["step"] == 100, f"the step after a one-call load: {resumed['step']}")
+    check.that(info["ebc.embedding_bags.t_rw.weight"]["shape"] == [13, 8], f"inspect: {info}")
+    for n in tables:
+        check.equal(resumed_tables[n], final[n], f"{n}: the table resumed in one call under plan B")
+        check.equal(resumed_state[n], final_state[n], f"{n}: TorchRec's fused state resumed in one call")
+    say("checkpoints: a DMP's state_dict as DTensors saved and loaded into another plan; the DMP and its "
+        "fused optimizer saved and resumed in one call")
+
     failures = check.verdict()
     if rank == 0:
         if failures:

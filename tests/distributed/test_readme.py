@@ -6,8 +6,7 @@
 * A fenced block introduced by ``<!-- runnable -->`` is complete on its own and runs
   in one process (no process group).
 * Every marked region of ``examples/`` is quoted exactly once, every quote names
-  regions that exist, and every ``python`` block is quoted or runnable (except in
-  the sections of ``UNCHECKED_SECTIONS``).
+  regions that exist, and every ``python`` block is quoted or runnable.
 * ``examples/quickstart.py``, the program the blocks quote, runs under torchrun on
   2 ranks with the README's own command and exits 0; it checks itself against
   unsharded torch (one launch per module).
@@ -34,8 +33,6 @@ from .harness import ROOT, run_python
 README = ROOT / "README.md"
 EXAMPLES = ROOT / "examples"
 QUICKSTART = "examples/quickstart.py"
-# Sections whose python blocks are neither quoted nor runnable yet (named by heading).
-UNCHECKED_SECTIONS = {"Checkpoints"}
 LAUNCH_TIMEOUT = 180  # seconds for the one torchrun launch; the test's mark allows a little more
 
 QUOTE = re.compile(r"^<!-- quote: (\S+)((?: readme:[\w-]+)+) -->$")
@@ -183,7 +180,7 @@ def test_markers_and_quotes_match(blocks):
 
 def test_python_blocks_are_quoted_or_runnable(blocks):
     loose = [f"README.md:{b.line} (section {b.section!r})" for b in blocks
-             if b.lang == "python" and b.section not in UNCHECKED_SECTIONS
+             if b.lang == "python"
              and not (b.directive == RUNNABLE or (b.directive and QUOTE.match(b.directive)))]
     if loose:
         pytest.fail("python blocks neither quoted from an example (<!-- quote: FILE readme:NAME -->) nor marked "
@@ -217,5 +214,5 @@ def test_quickstart_runs_on_two_ranks():
     res = run_python(argv[1:], timeout=LAUNCH_TIMEOUT)  # .venv/bin/python: this interpreter
     assert res.returncode == 0, f"exit {res.returncode}\n--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-6000:]}"
     assert "quickstart: every check passed on 2 ranks" in res.stdout, res.stdout
-    for step in ("tour:", "lookups:", "training:", "interop:"):
+    for step in ("tour:", "lookups:", "training:", "interop:", "checkpoints:"):
         assert step in res.stdout, f"step {step!r} did not report\n{res.stdout}"
