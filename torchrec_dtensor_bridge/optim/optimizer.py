@@ -221,7 +221,8 @@ class FusedOptimizer:
 
     def load_torchrec_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Take the state of TorchRec's ``model.fused_optimizer.state_dict()`` (any plan whose semantics
-        coincide with ours: see :mod:`.torchrec_state` for what is refused and why); *collective*.
+        coincide with ours: see :mod:`.torchrec_state` for what is refused and why); *collective* on the
+        default group (a TorchRec DMP's group, whose state it reads: every rank of the job calls it).
 
         Raises:
             ValueError: on every rank, naming each table whose state is missing or does not convert.
@@ -231,7 +232,8 @@ class FusedOptimizer:
 
     def copy_to_torchrec_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Write this optimizer's state into TorchRec's ``model.fused_optimizer.state_dict()`` (its live
-        tensors, any plan whose semantics coincide); *collective*. Raises as :meth:`load_torchrec_state_dict`."""
+        tensors, any plan whose semantics coincide); *collective* on the default group. Raises as
+        :meth:`load_torchrec_state_dict`."""
         export_torchrec(self, state_dict)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
