@@ -4,6 +4,8 @@ arguments refused before any kernel runs (nothing modified)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -202,3 +204,92 @@ def test_ranks_settle_on_what_every_rank_has_and_the_first_ranks_calibration():
     finally:
         kernels.choose._agreed.clear()
     assert kernels.pool_impl(cpu) is kernels.calibrated("pool")
+
+
+@pytest.mark.filterwarnings("ignore:.*dense_embedding_codegen_lookup_function.*:UserWarning")
+@pytest.mark.parametrize("with_psw", [False, True])
+def test_fbgemm_lookup_functions_equal_the_ops(with_psw, monkeypatch):
+    """The calls CUDA tables make (fbgemm's lookup functions) run here with the CPU forms of the same arguments:
+    the argument builder both devices share, checked by value against the ops. fbgemm-gpu-cpu has no Adam
+    backward: Adam's list is checked on fake CUDA tensors (test_fake_cuda.py). (The CPU build registers the
+    dense lookup function for CPU without autograd: torch warns, and its graph is fbgemm's own.)"""
+    monkeypatch.setenv("TDB_KERNELS", "fbgemm")
+    cpu = torch.device("cpu")
+    flat, offs, ids, offsets, _ = _storage(4)
+    psw = torch.rand(ids.numel()) if with_psw else None
+    args = fbgemm.table_args(tuple(offs), tuple(DIMS), tuple(ROWS), cpu)
+    assert len(fbgemm.weights_list(flat, args)) == 3 and args.on_host
+    grad = torch.randn(6, sum(DIMS) + 3)[:, 1 : 1 + sum(DIMS)]  # strided rows, as an exchange hands them
+    got = fbgemm.lookup_forward(flat, args, ids, offsets, psw)
+    torch.testing.assert_close(got, torch.ops.tdb.pool_sum(flat, offs, DIMS, ROWS, ids, offsets, psw))
+    packed = list(itertools.accumulate([r * d for r, d in zip(ROWS, DIMS)], initial=0))
+    pargs = fbgemm.table_args(tuple(packed[:-1]), tuple(DIMS), tuple(ROWS), cpu)
+    got = fbgemm.lookup_dense_grad(grad, pargs, ids, offsets, psw, packed[-1])
+    torch.testing.assert_close(got, torch.ops.tdb.pool_sum_backward(grad.contiguous(), DIMS, ROWS, ids, offsets,
+                                                                     psw))
+    for kind in fbgemm.UPDATE_KINDS:
+        per_row = kind == "rowwise_adagrad"
+        sizes = [r if per_row else r * d for r, d in zip(ROWS, DIMS)]
+        # fbgemm's CPU Adagrad reads its state at the weights' offsets: the ops call it so only then
+        m_offs = offs if kind == "adagrad" else [sum(sizes[:t]) + 4 * t for t in range(3)]
+        state = None if kind == "sgd" else torch.rand(flat.numel() if kind == "adagrad" else sum(sizes) + 12)
+        ours = (flat.clone(), None if state is None else state.clone())
+        theirs = (flat.clone(), None if state is None else state.clone())
+        torch.ops.tdb.sparse_update(ours[0], offs, DIMS, ROWS, grad, ids, offsets, psw, kind, ours[1],
+                                    m_offs if state is not None else [], None, [], **HYPER)
+        at = None if state is None else fbgemm.state_offsets(tuple(m_offs), cpu)
+        fbgemm.lookup_update(kind, theirs[0], args, grad, ids, offsets, psw, theirs[1], at, None, None,
+                             lr=HYPER["lr"], eps=HYPER["eps"], weight_decay=0.0, decay=0, beta1=0.9, beta2=0.99,
+                             step=1)
+        assert not torch.equal(theirs[0], flat), kind
+        torch.testing.assert_close(theirs[0], ours[0], msg=lambda m, k=kind: f"{k}: weights: {m}")
+        if state is not None:
+            torch.testing.assert_close(theirs[1], ours[1], msg=lambda m, k=kind: f"{k}: state: {m}")
+
+
+def test_cuda_tables_choose_fbgemm_where_its_cuda_build_can(monkeypatch):
+    """CUDA: fbgemm's CUDA kernels where its CUDA build is installed on every rank and they can do the work
+    (no weight decay in an update), torch's otherwise; ours never (CPU only)."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv("TDB_KERNELS", raising=False)
+    assert fbgemm.cuda_available() is False, "the CPU build: its CUDA registrations have no kernels under them"
+    assert kernels.pool_impl(cuda) is kernels.Impl.TORCH and kernels.choice_code(cuda) == 0
+    monkeypatch.setattr(fbgemm, "cuda_available", lambda: True)
+    try:
+        assert kernels.choice_code(cuda) == 2
+        assert kernels.pool_impl(cuda) is kernels.dense_impl(cuda) is kernels.Impl.FBGEMM
+        for kind in ("sgd", "rowwise_adagrad", "adagrad", "adam"):
+            assert kernels.update_impl(cuda, kind, 0.0) is kernels.Impl.FBGEMM, kind
+            assert kernels.update_impl(cuda, kind, 0.01) is kernels.Impl.TORCH, kind
+        kernels.settle(cuda, [2, 0])  # another rank without fbgemm's CUDA build
+        assert kernels.pool_impl(cuda) is kernels.Impl.TORCH
+        kernels.settle(cuda, [2, 2])
+        assert kernels.pool_impl(cuda) is kernels.Impl.FBGEMM
+        monkeypatch.setenv("TDB_KERNELS", "torch")
+        assert kernels.pool_impl(cuda) is kernels.Impl.TORCH
+        monkeypatch.setenv("TDB_KERNELS", "native")
+        assert kernels.pool_impl(cuda) is kernels.Impl.TORCH
+        assert kernels.pool_impl(torch.device("meta")) is kernels.Impl.TORCH
+    finally:
+        kernels.choose._agreed.clear()
+
+
+def test_the_one_pass_id_check_of_cuda_tables():
+    """The CUDA implementations' id check (one pass on the device, one synchronisation), run on CPU tensors:
+    every table's ids inside its own rows, offsets in order; a problem named as the CPU check names it."""
+    from torchrec_dtensor_bridge.kernels import ops
+
+    _, _, ids, offsets, _ = _storage(3)
+    ops.check_ids_on_device("pool_sum", ids, offsets, ROWS, 6)
+    first = int(offsets[6])  # table 1's first id
+    for at, value, match in ((0, ROWS[0], "ids of table 0"), (0, -1, "ids of table 0"),
+                             (first, ROWS[1], "ids of table 1"), (ids.numel() - 1, ROWS[2], "ids of table 2")):
+        bad = ids.clone()
+        bad[at] = value
+        with pytest.raises(ValueError, match=match):
+            ops.check_ids_on_device("pool_sum", bad, offsets, ROWS, 6)
+    bad_offsets = offsets.clone()
+    bad_offsets[3] = bad_offsets[5] + 1
+    with pytest.raises(ValueError, match="offsets"):
+        ops.check_ids_on_device("pool_sum", ids, bad_offsets, ROWS, 6)
+    ops.check_ids_on_device("pool_sum", ids[:0], torch.zeros(19, dtype=torch.int64), ROWS, 6)  # empty bags

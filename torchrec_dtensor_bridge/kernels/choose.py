@@ -3,7 +3,8 @@
 Steps of a choice (:func:`pool_impl`, :func:`update_impl`, :func:`dense_impl`):
 
 1. ``$TDB_KERNELS`` forces an implementation (``native``, ``fbgemm`` or ``torch``; ``auto``, the default,
-   lets the steps below choose); ``TDB_NATIVE_KERNELS=0`` means ``fbgemm``.
+   lets the steps below choose); ``TDB_NATIVE_KERNELS=0`` means ``fbgemm``. On CUDA, where ours do not
+   run, fbgemm's CUDA kernels run unless forced otherwise, and torch's where fbgemm's cannot do the work.
 2. What is available: this package's C kernels (:mod:`.native`, when they could be built), fbgemm's
    (:mod:`.fbgemm`, when installed), torch's (always; the reference math).
 3. Where both C kernels can do the work, the one measured faster on THIS machine: a one-time calibration
@@ -80,10 +81,21 @@ def _prefers_native(what: str, device: torch.device) -> bool:
     return bool(code >> (2 + _CALIBRATED.index(what)) & 1)
 
 
+def _on_device(device: torch.device, fbgemm_can: bool) -> Impl:
+    """Off the CPU: fbgemm's CUDA kernels where they can do the work (``fbgemm_can``), fbgemm's CUDA build
+    is installed, every rank of the last agreement has it and ``$TDB_KERNELS`` allows it; torch otherwise
+    (ours are CPU-only)."""
+    if device.type != "cuda" or not fbgemm_can or _forced() not in (None, Impl.FBGEMM):
+        return Impl.TORCH
+    code = _agreed.get(device.type)
+    on_all = code is None or bool(code >> 1 & 1)
+    return Impl.FBGEMM if on_all and fbgemm.cuda_available() else Impl.TORCH
+
+
 def _pick(candidates: list[Impl], what: str, device: torch.device) -> Impl:
     """Steps 1-3 over ``candidates`` (the implementations that can do the work)."""
     if device.type != "cpu":
-        return Impl.TORCH
+        return _on_device(device, Impl.FBGEMM in candidates)
     forced = _forced()
     if forced is not None:
         return forced if forced in candidates and _available(forced, device) else Impl.TORCH
@@ -106,6 +118,8 @@ def dense_impl(device: torch.device) -> Impl:
 def update_impl(device: torch.device, kind: str, weight_decay: float) -> Impl:
     """The implementation of ``tdb::sparse_update`` for optimizer ``kind`` on ``device``; :attr:`Impl.TORCH`
     means no one-pass kernel (the caller runs the optimizer's torch-op math on the touched rows)."""
+    if device.type != "cpu":  # weight decay: fbgemm's SGD and Adagrad have none; the torch-op math applies it
+        return _on_device(device, kind in fbgemm.CUDA_UPDATE_KINDS and not weight_decay)
     candidates = [Impl.NATIVE]
     if kind in fbgemm.UPDATE_KINDS and not weight_decay:  # fbgemm-gpu-cpu ignores weight decay
         candidates.append(Impl.FBGEMM)
@@ -115,9 +129,9 @@ def update_impl(device: torch.device, kind: str, weight_decay: float) -> Impl:
 def choice_code(device: torch.device) -> int:
     """What this process would run on ``device``, as one integer for a lookup's agreement: bit 0 the native
     kernels built, bit 1 fbgemm's installed, then one bit per calibrated kind (:data:`_CALIBRATED`):
-    ours measured faster here."""
+    ours measured faster here. Off the CPU: bit 1 alone, fbgemm's CUDA build installed."""
     if device.type != "cpu":
-        return 0
+        return int(device.type == "cuda" and fbgemm.cuda_available()) << 1
     code = int(_local(Impl.NATIVE)) | int(_local(Impl.FBGEMM)) << 1
     if code == 3 and _forced() is None:
         for k, what in enumerate(_CALIBRATED):

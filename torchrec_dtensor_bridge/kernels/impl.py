@@ -107,8 +107,11 @@ def sparse_update(which: Impl, weights: torch.Tensor, weights_offsets: list[int]
     """Every table's touched rows (and their state) updated in place: :attr:`Impl.NATIVE` or :attr:`Impl.FBGEMM`."""
     if which is Impl.FBGEMM and (kind != "adagrad" or list(momentum1_offsets) == list(weights_offsets)):
         args = fbgemm.table_args(tuple(weights_offsets), tuple(dims), tuple(rows), weights.device)
-        m_off = None if momentum1 is None else torch.tensor(momentum1_offsets, dtype=torch.int64)
-        fbgemm.update(kind, weights, args, grad, ids, offsets, psw, momentum1, m_off, lr, eps)
+        m1_off = None if momentum1 is None else fbgemm.state_offsets(tuple(momentum1_offsets), weights.device)
+        m2_off = None if momentum2 is None else fbgemm.state_offsets(tuple(momentum2_offsets), weights.device)
+        fbgemm.update(kind, weights, args, grad, ids, offsets, psw, momentum1, m1_off, lr, eps, momentum2=momentum2,
+                      momentum2_offsets=m2_off, weight_decay=weight_decay, decay=decay, beta1=beta1, beta2=beta2,
+                      step=step)
         return
     kernel = native.kernel()
     if which is Impl.TORCH or (which is Impl.NATIVE and kernel is None):
@@ -134,7 +137,8 @@ def sparse_update(which: Impl, weights: torch.Tensor, weights_offsets: list[int]
         if which is Impl.FBGEMM:
             args = fbgemm.table_args((0,), (dims[t],), (rows[t],), weights.device)
             state = None if states[0] is None else states[0].reshape(-1)
-            fbgemm.update(kind, shard.view(-1), args, tgrad, tid, toff, tpsw, state, args.weights_offsets, lr, eps)
+            fbgemm.update(kind, shard.view(-1), args, tgrad, tid, toff, tpsw, state, args.weights_offsets, lr, eps,
+                          weight_decay=weight_decay, decay=decay, beta1=beta1, beta2=beta2, step=step)
             continue
         assert kernel is not None, "checked above"
         with torch.profiler.record_function(f"tdb::native_update_{kind}"):

@@ -16,15 +16,20 @@ storage. Steps of a call:
 2. The implementation for the device is :mod:`.choose`'s decision (one place per op and device).
 3. It runs (:mod:`.impl`).
 
-The CPU implementations are registered here; a CUDA implementation registers under the same names. The
-fakes give the output shapes, so FakeTensor and ``torch.compile`` trace the ops, and the profiler names them.
+The CPU and CUDA implementations are registered here under the same names. On CUDA the ids are checked in
+one pass on the device (one synchronisation), and fbgemm's kernels run only on tables whose rows they can
+read (:func:`.fbgemm.fits`); pooling and the dense gradient fall back to torch's ops otherwise, a fused
+update refuses. The fakes give the output shapes, so FakeTensor and ``torch.compile`` trace the ops, and the
+profiler names them.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from . import choose, impl
+from . import choose, fbgemm, impl
 
 __all__ = ["dense_grad", "pool_sum", "sparse_update"]
 
@@ -79,6 +84,34 @@ def _check_ids(op: str, ids: Tensor, offsets: Tensor, rows: list[int], b: int) -
                 raise _fail(op, f"ids of table {t}", f"ids from {int(lo)} to {int(hi)}", f"inside [0, {r})")
 
 
+@functools.lru_cache(maxsize=64)
+def _row_counts(rows: tuple[int, ...], device: str) -> Tensor:
+    return torch.tensor(rows, dtype=torch.int64, device=device)
+
+
+def check_ids_on_device(op: str, ids: Tensor, offsets: Tensor, rows: list[int], b: int) -> None:
+    """:func:`_check_ids` for tensors on an accelerator: one pass on the device and one synchronisation; on a
+    problem, the CPU check on copies names it."""
+    if offsets.numel() == 0:
+        return
+    n = ids.numel()
+    bad = (offsets[0] < 0) | (offsets[-1] > n) | (offsets[1:] < offsets[:-1]).any()
+    if n and b:
+        bounds = offsets[::b].contiguous()  # each table's first id, and the end of the last one
+        at = torch.arange(n, device=ids.device)
+        table = (torch.searchsorted(bounds, at, right=True) - 1).clamp_(0, len(rows) - 1)
+        read = (at >= bounds[0]) & (at < bounds[-1])  # ids outside every bag are never read
+        limit = _row_counts(tuple(rows), str(ids.device)).index_select(0, table)
+        bad = bad | (read & ((ids < 0) | (ids >= limit))).any()
+    if bool(bad):
+        _check_ids(op, ids.cpu(), offsets.cpu(), rows, b)
+        raise _fail(op, "ids, offsets", "ids outside their tables or offsets out of order", "valid")
+
+
+def _fbgemm_fits(which: impl.Impl, weights: Tensor, weights_offsets: list[int], dims: list[int]) -> bool:
+    return which is not impl.Impl.FBGEMM or fbgemm.fits(weights, weights_offsets, dims)
+
+
 @torch.library.custom_op("tdb::pool_sum", mutates_args=(), device_types="cpu")
 def pool_sum(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], ids: Tensor,
              offsets: Tensor, per_sample_weights: Tensor | None) -> Tensor:
@@ -99,6 +132,20 @@ def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[i
     return weights.new_empty(b, sum(dims))
 
 
+@pool_sum.register_kernel("cuda")
+def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
+      per_sample_weights: Tensor | None) -> Tensor:
+    _check_tables("pool_sum", weights, weights_offsets, dims, rows)
+    b = _check_batch("pool_sum", len(dims), ids, offsets, per_sample_weights, weights.device)
+    check_ids_on_device("pool_sum", ids, offsets, rows, b)
+    if b == 0 or ids.numel() == 0:
+        return weights.new_zeros(b, sum(dims))
+    which = choose.pool_impl(weights.device)
+    if not _fbgemm_fits(which, weights, weights_offsets, dims):
+        which = impl.Impl.TORCH
+    return impl.pool_sum(which, weights, weights_offsets, dims, rows, ids, offsets, per_sample_weights)
+
+
 @torch.library.custom_op("tdb::pool_sum_backward", mutates_args=(), device_types="cpu")
 def dense_grad(grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
                per_sample_weights: Tensor | None) -> Tensor:
@@ -114,6 +161,19 @@ def _(grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tens
       per_sample_weights: Tensor | None) -> Tensor:
     _check_grad("pool_sum_backward", grad, dims, rows, ids, offsets, per_sample_weights)
     return grad.new_empty(sum(r * d for r, d in zip(rows, dims)))
+
+
+@dense_grad.register_kernel("cuda")
+def _(grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
+      per_sample_weights: Tensor | None) -> Tensor:
+    b = _check_grad("pool_sum_backward", grad, dims, rows, ids, offsets, per_sample_weights)
+    check_ids_on_device("pool_sum_backward", ids, offsets, rows, b)
+    if b == 0 or ids.numel() == 0:
+        return grad.new_zeros(sum(r * d for r, d in zip(rows, dims)))
+    which = choose.dense_impl(grad.device)
+    if which is impl.Impl.FBGEMM and any(d % fbgemm.ALIGN for d in dims):  # the packed gradient's rows
+        which = impl.Impl.TORCH
+    return impl.dense_grad(which, grad, dims, rows, ids, offsets, per_sample_weights)
 
 
 def _check_grad(op: str, grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
@@ -156,6 +216,32 @@ def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[i
       weight_decay: float, decay: int, beta1: float, beta2: float, step: int) -> None:
     _check_update(weights, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind, momentum1,
                   momentum1_offsets, momentum2, momentum2_offsets)
+
+
+@sparse_update.register_kernel("cuda")
+def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], grad: Tensor, ids: Tensor,
+      offsets: Tensor, per_sample_weights: Tensor | None, kind: str, momentum1: Tensor | None,
+      momentum1_offsets: list[int], momentum2: Tensor | None, momentum2_offsets: list[int], lr: float, eps: float,
+      weight_decay: float, decay: int, beta1: float, beta2: float, step: int) -> None:
+    b = _check_update(weights, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind,
+                      momentum1, momentum1_offsets, momentum2, momentum2_offsets)
+    which = choose.update_impl(weights.device, kind, weight_decay)
+    if which is impl.Impl.TORCH:
+        raise ValueError(f"tdb::sparse_update: no one-pass kernel for kind {kind!r} with weight_decay={weight_decay} "
+                         f"on {weights.device} (kernels.choose.update_impl)")
+    per_element = kind in ("adagrad", "adam")  # element-wise state is read like the rows
+    states_fit = not per_element or all(fbgemm.fits(m, at, dims) for m, at in (
+        (momentum1, momentum1_offsets), (momentum2, momentum2_offsets)) if m is not None)
+    if not fbgemm.fits(weights, weights_offsets, dims) or not states_fit:
+        raise ValueError(f"tdb::sparse_update: fbgemm's CUDA kernels read 16-byte aligned rows: dims {dims}, "
+                         f"element offsets {weights_offsets} (state {momentum1_offsets}, {momentum2_offsets}) must "
+                         f"be multiples of {fbgemm.ALIGN} and the storage aligned")
+    check_ids_on_device("sparse_update", ids, offsets, rows, b)
+    if b == 0 or ids.numel() == 0:
+        return
+    impl.sparse_update(which, weights, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind,
+                       momentum1, momentum1_offsets, momentum2, momentum2_offsets, lr, eps, weight_decay, decay,
+                       beta1, beta2, step)
 
 
 def _check_update(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], grad: Tensor,

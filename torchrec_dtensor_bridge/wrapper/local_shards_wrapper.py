@@ -32,6 +32,11 @@ from ..layout import LayoutKind, ShardLayout, ShardSpec, boxes_overlap, contiguo
 
 __all__ = ["LocalShardsWrapper"]
 
+_SHARD = "_shard_"
+"""The prefix of the inner tensor names of :meth:`LocalShardsWrapper.__tensor_flatten__` (one per shard)."""
+_NO_SHARD = "_no_shard"
+"""The one inner tensor of a wrapper holding no shard (empty: its dtype and device)."""
+
 
 class LocalShardsWrapper(torch.Tensor):
     """A tensor subclass holding all of this rank's shards of one table.
@@ -100,7 +105,15 @@ class LocalShardsWrapper(torch.Tensor):
         r._global_shape = gshape
         r._layout = layout
         r._stack_dim = stack_dim
+        if not shards:
+            r._mark_empty()
         return r
+
+    def _mark_empty(self) -> None:
+        """A wrapper holding no shard keeps one empty tensor of its dtype and device: the inner tensor
+        :meth:`__tensor_flatten__` hands torch.compile (made now, in the mode of the op that makes the wrapper:
+        fake while torch.compile traces)."""
+        setattr(self, _NO_SHARD, torch.empty(0, dtype=self.dtype, device=self.device))
 
     # ------------------------------------------------------------- accessors
     def local_shards(self) -> list[torch.Tensor]:
@@ -187,6 +200,8 @@ class LocalShardsWrapper(torch.Tensor):
         r._global_shape = self._global_shape
         r._layout = layout if layout is not None else self._layout
         r._stack_dim = self._stack_dim
+        if not shards:  # the same stand-in (an alias, as the result of a shard-by-shard op is)
+            setattr(r, _NO_SHARD, getattr(self, _NO_SHARD))
         return r
 
     def pack(self) -> torch.Tensor:
@@ -211,6 +226,47 @@ class LocalShardsWrapper(torch.Tensor):
         if self._stack_dim is None:
             raise NotImplementedError("irregular local shards cannot be split from one tensor")
         return list(packed.split([s.shape[self._stack_dim] for s in self._local_shards], self._stack_dim))
+
+    # ------------------------------------------------ torch.compile (flatten)
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[Any, ...]]:
+        """The shards as inner tensors (``_shard_<i>``), the rest as metadata: what ``torch.compile`` traces
+        through (:meth:`__torch_dispatch__` on fake shards) and rebuilds with :meth:`__tensor_unflatten__`."""
+        n = len(self._local_shards)
+        names = [f"{_SHARD}{i}" for i in range(n)] if n else [_NO_SHARD]  # compile wants >= 1 inner tensor
+        return names, (n, tuple(self._offsets), self._global_shape, self._layout, self._stack_dim, self.dtype,
+                       self.device)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple[Any, ...], outer_size: Sequence[int],
+                             outer_stride: Sequence[int]) -> LocalShardsWrapper:
+        n, offsets, global_shape, layout, stack_dim, dtype, device = meta
+        shards = [inner[f"{_SHARD}{i}"] for i in range(n)]
+        first = shards[0] if shards else None
+        r = torch.Tensor._make_wrapper_subclass(
+            LocalShardsWrapper,
+            outer_size,
+            strides=outer_stride,
+            dtype=first.dtype if first is not None else dtype,
+            device=first.device if first is not None else device,
+            requires_grad=first.requires_grad if first is not None else False,
+        )
+        r._local_shards = shards
+        r._offsets = list(offsets)
+        r._global_shape = global_shape
+        r._layout = layout
+        r._stack_dim = stack_dim
+        if not shards:
+            setattr(r, _NO_SHARD, inner[_NO_SHARD])  # as given: a fake one while torch.compile traces
+        return r
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names not found otherwise: the inner tensors :meth:`__tensor_flatten__` names
+        if name.startswith(_SHARD) and name[len(_SHARD):].isdigit():
+            shards = self.__dict__.get("_local_shards", [])
+            k = int(name[len(_SHARD):])
+            if k < len(shards):
+                return shards[k]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------ dispatch
     @classmethod

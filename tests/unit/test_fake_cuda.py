@@ -1,0 +1,425 @@
+"""The kernel ops on CUDA tables, checked without a GPU: fake ``cuda:0`` tensors (``FakeTensorMode``), in one
+subprocess (an autograd graph over fake CUDA tensors aborts the process; everything runs under ``no_grad``).
+
+The CPU build of fbgemm_gpu registers its lookup functions for CUDA but has nothing to run under them, so
+the subprocess (:func:`main`)
+
+* pretends fbgemm's CUDA build is installed (:func:`..kernels.fbgemm.cuda_available`), so that
+  :mod:`..kernels.choose` picks fbgemm's kernels for CUDA tensors, as it would on a GPU;
+* sends every ``tdb`` op to its CUDA implementation (under ``FakeTensorMode`` an op's fake would stand in
+  for it) and records every ``fbgemm`` op those call, with its arguments and the values of the small
+  tensors built for it (they are made from Python values, which the recording mode sees);
+* runs fbgemm's own lookup functions (their C++ forward unpacks our argument lists) down to their forward
+  kernels, whose fakes here check the devices, dtypes and shapes they receive; the backward that applies
+  a fused update or gives the dense gradient cannot run over fake tensors: its call is recorded instead
+  (:func:`..kernels.fbgemm.run_backward`);
+* skips the id-range check, which reads values (:func:`..kernels.ops.check_ids_on_device`).
+
+For every layout one rank can hold (its blocks in storages of their own, or all in one storage, as
+TorchRec's fused buffer) and for tables of different shapes sharing one storage, every op: the argument
+lists fbgemm's CUDA functions receive (the weights as 5 tensors, optimizer state as 4, the tables'
+element offsets, placements ``DEVICE``, dtypes), and that no CPU tensor reaches them but the learning
+rate (a CPU scalar by fbgemm's design). Tables whose rows fbgemm's kernels cannot read (dims not a
+multiple of 4) take torch's ops; a fused update with weight decay is refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchrec_dtensor_bridge.kernels import fbgemm
+from torchrec_dtensor_bridge.layout import ShardLayout
+
+pytestmark = pytest.mark.skipif(not fbgemm.available(), reason="needs fbgemm_gpu")
+
+DEV = "cuda:0"
+SHAPE = (24, 16)
+LAYOUTS = {
+    "row_blocks": ShardLayout.row_wise(SHAPE, [7, 10, 7], ranks=[0, 0, 0]),
+    "column_blocks": ShardLayout.column_wise(SHAPE, [4, 12], ranks=[0, 0]),
+    "grid": ShardLayout.grid(SHAPE, [11, 13], [8, 8], [0, 0, 0, 0]),
+    "whole": ShardLayout.table_wise(SHAPE, 0),
+}
+SHARED = [(30, 8), (12, 4), (50, 16)]  # tables of different shapes in one storage
+KINDS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
+GAP = 4  # elements between tables in one storage: fbgemm's kernels read rows at multiples of 4
+BAGS = 5
+MARK = "FAKE-CUDA-RESULTS:"
+
+
+@dataclass
+class Tables:
+    """One kernel call's tables: the storage, each table's element offset, columns and rows."""
+
+    storage: torch.Tensor
+    at: list[int]
+    dims: list[int]
+    rows: list[int]
+
+
+def _arrangements(name: str) -> list[tuple[str, list[tuple[int, int]]]]:
+    """(arrangement, the shapes of the tables of each call) for a case."""
+    if name == "shared_storage":
+        return [("one_storage", SHARED)]
+    shapes = [(s.sizes[0], s.sizes[1]) for s in LAYOUTS[name].shards_on(0)]
+    calls = [("own_storage", [shape]) for shape in shapes]
+    return calls + ([("one_storage", shapes)] if len(shapes) > 1 else [])
+
+
+CASES = [f"{name}-{arr}" for name in [*LAYOUTS, "shared_storage"]
+         for arr in sorted({a for a, _ in _arrangements(name)})]
+
+
+# --- the subprocess ------------------------------------------------------------------------------------------
+
+@dataclass
+class Call:
+    """One fbgemm op the CUDA implementations called: its name and arguments by name."""
+
+    op: str
+    args: dict[str, Any]
+
+
+@dataclass
+class Recorder:
+    calls: list[Call] = field(default_factory=list)
+    backward: list[str] = field(default_factory=list)  # the ops whose backward would have run
+    values: dict[int, list[float]] = field(default_factory=dict)  # id(fake tensor) -> its values, when known
+    keep: list[torch.Tensor] = field(default_factory=list)  # keeps the tensors of ``values`` alive (ids)
+    kernel_args: list[dict[str, Any]] = field(default_factory=list)  # what fbgemm's forward kernels received
+
+    def value(self, t: torch.Tensor) -> list[float]:
+        assert id(t) in self.values, f"no known values for {t.dtype} {tuple(t.shape)} on {t.device}"
+        return self.values[id(t)]
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def _recording_mode(rec: Recorder) -> Any:
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    cuda_key = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+    autograd_cuda = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradCUDA)
+    aten = torch.ops.aten
+    same_values = {aten._to_copy.default, aten.to.dtype_layout, aten.to.device, aten.to.dtype, aten.detach.default,
+                   aten.detach_.default, aten.alias.default, aten.clone.default}
+
+    class FakeCuda(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            if func.namespace == "tdb":  # its CUDA implementation, not its fake
+                with self:
+                    return func.redispatch(cuda_key, *args, **kwargs)
+            if func.namespace == "fbgemm":
+                names = [a.name for a in func._schema.arguments]
+                name = func._schema.name.split("::")[1]
+                rec.calls.append(Call(name, {**dict(zip(names, args)), **kwargs}))
+                if name.endswith("_function_pt2"):
+                    # fbgemm's lookup function itself (C++, one kernel for its CUDA, Meta and Autograd keys), as
+                    # on a GPU: over tensors on their device (a meta kernel sees them on "meta"), under no_grad
+                    assert not torch.is_grad_enabled(), "an autograd graph over fake CUDA tensors aborts"
+                    return func.redispatch(autograd_cuda, *args, **kwargs)
+            out = func(*args, **kwargs)
+            if func is torch.ops.aten.lift_fresh.default:  # torch.tensor(values): the values, real, on CPU
+                with _disable_current_modes():
+                    rec.values[id(out)] = args[0].tolist()
+                rec.keep.append(out)
+            elif func in same_values and args and id(args[0]) in rec.values:  # copies, moves, detached aliases
+                rec.values[id(out)] = rec.values[id(args[0])]
+                rec.keep.append(out)
+            elif func is torch.ops.aten.full.default:
+                rec.values[id(out)] = [args[1]] * out.numel()
+                rec.keep.append(out)
+            return out
+
+    return FakeCuda()
+
+
+def _register_kernel_fakes(rec: Recorder) -> None:
+    """Fakes for fbgemm's forward kernels (and its dense lookup function), which the CPU build has none of:
+    each records what it got and checks that its tensors are on the device."""
+
+    def forward(host_weights, dev_weights, uvm_weights, lxu_cache_weights, weights_placements, weights_offsets,
+                D_offsets, total_D, max_D, hash_size_cumsum, indices, offsets, pooling_mode, indice_weights,
+                lxu_cache_locations, uvm_cache_stats, is_experimental, output_dtype):  # type: ignore[no-untyped-def]
+        got = dict(locals())
+        rec.kernel_args.append(got)
+        assert host_weights is None or host_weights.numel() == 0, "host weights given to a CUDA table"
+        assert dev_weights.numel() > 0, "no device weights"
+        on = {k: str(v.device) for k, v in got.items() if isinstance(v, torch.Tensor)}
+        assert set(on.values()) == {DEV}, f"fbgemm's forward kernel got tensors off {DEV}: {on}"
+        tables = weights_offsets.numel()
+        return dev_weights.new_empty((offsets.numel() - 1) // tables, total_D)
+
+    for weighted in ("unweighted", "weighted"):
+        torch.library.register_fake(f"fbgemm::split_embedding_codegen_forward_{weighted}_pt2_wrapper")(forward)
+
+    @torch.library.register_fake("fbgemm::dense_embedding_codegen_lookup_function")
+    def _(dev_weights, weights_offsets, D_offsets, total_D, max_D, hash_size_cumsum, total_hash_size_bits, indices,
+          offsets, pooling_mode, indice_weights, feature_requires_grad, output_dtype=0, B_offsets=None,
+          vbe_output_offsets_feature_rank=None, vbe_B_offsets_rank_per_feature=None, max_B=-1,
+          max_B_feature_rank=-1, vbe_output_size=-1, mixed_D=True):  # type: ignore[no-untyped-def]
+        got = {k: v for k, v in locals().items() if isinstance(v, torch.Tensor)}
+        on = {k: str(v.device) for k, v in got.items()}
+        assert set(on.values()) == {DEV}, f"fbgemm's dense lookup got tensors off {DEV}: {on}"
+        return dev_weights.new_empty((offsets.numel() - 1) // weights_offsets.numel(), total_D)
+
+
+@contextmanager
+def _fake_cuda(rec: Recorder) -> Iterator[None]:
+    from torch._subclasses import fake_tensor
+
+    from torchrec_dtensor_bridge.kernels import ops
+
+    # a one-element torch.tensor(...) would be kept as a real constant, on a device this torch has none of
+    fake_tensor.CONSTANT_NUMEL_LIMIT = 0
+
+    fbgemm.cuda_available = lambda: True  # what fbgemm's CUDA build answers
+    ops.check_ids_on_device = lambda *args: None  # it reads values: fake tensors have none
+    forward = fbgemm.run_forward
+
+    def backward(op: Callable[..., torch.Tensor], kwargs: dict[str, Any], grad: torch.Tensor,
+                 wrt: torch.Tensor) -> torch.Tensor | None:
+        rec.backward.append(str(op))
+        out = forward(op, kwargs)  # fbgemm's forward: it unpacks the argument lists
+        assert out.shape == grad.shape and grad.device == out.device, (tuple(grad.shape), grad.device)
+        return torch.zeros_like(wrt) if wrt.numel() else None
+
+    fbgemm.run_backward = backward
+    for tables in range(1, 5):  # fbgemm's bit split for T tables: its meta kernel (under fake tensors) has none
+        fbgemm._infos(tables)
+    _register_kernel_fakes(rec)
+    with fake_tensor.FakeTensorMode(), torch.no_grad(), _recording_mode(rec):
+        yield
+
+
+def _place(shapes: list[tuple[int, int]], gap: int = GAP) -> tuple[int, list[int]]:
+    """A storage's size and each table's element offset in it, tables back to back with gaps."""
+    at, offs = gap, []
+    for r, d in shapes:
+        offs.append(at)
+        at += r * d + gap
+    return at, offs
+
+
+def _batch(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.empty(3 * BAGS * len(rows), dtype=torch.int64, device=DEV)
+    offsets = torch.empty(BAGS * len(rows) + 1, dtype=torch.int64, device=DEV)
+    return ids, offsets
+
+
+def _check_lookup(rec: Recorder, call: Call, t: Tables, *, kind: str, psw: torch.Tensor | None, ids: torch.Tensor,
+                  offsets: torch.Tensor, states: list[tuple[torch.Tensor, list[int]]], step: int = 0) -> None:
+    a, n = call.args, len(t.dims)
+    assert call.op == f"split_embedding_codegen_lookup_{kind}_function_pt2", call.op
+    w = a["weights"]
+    assert len(w) == 5, f"weights list of {len(w)}: the CUDA form is [dev, uvm, placements, offsets, lxu_cache]"
+    assert w[0] is t.storage, "the weights are not the caller's storage"
+    assert w[1].dtype == torch.float32 and w[1].numel() == 0, "uvm"
+    assert w[2].dtype == torch.int32 and rec.value(w[2]) == [fbgemm.DEVICE] * n, "placements: DEVICE"
+    assert w[3].dtype == torch.int64 and rec.value(w[3]) == t.at, f"weights offsets {rec.value(w[3])} != {t.at}"
+    assert w[4].dtype == torch.float32 and tuple(w[4].shape) == (0, 0), "lxu_cache"
+    assert a["D_offsets"].dtype == torch.int32
+    assert rec.value(a["D_offsets"]) == list(itertools.accumulate(t.dims, initial=0))
+    assert a["hash_size_cumsum"].dtype == torch.int64
+    assert rec.value(a["hash_size_cumsum"]) == list(itertools.accumulate(t.rows, initial=0))
+    assert (a["total_D"], a["max_D"]) == (sum(t.dims), max(t.dims))
+    assert a["total_hash_size_bits"] == max(sum(t.rows).bit_length(), 1)
+    assert a["indices"] is ids and a["offsets"] is offsets and a["indice_weights"] is psw
+    assert a["pooling_mode"] == 0 and a["output_dtype"] == 0
+    assert a["aux_tensor"][3].dtype == torch.int32 and a["aux_tensor"][3].numel() == 0, "lxu_cache_locations"
+    assert a["aux_int"][0] == step, f"iter {a['aux_int'][0]} != step {step}"
+    lr = a["learning_rate_tensor"]
+    assert lr.device.type == "cpu" and lr.dim() == 0 and lr.dtype == torch.float32, "learning_rate_tensor"
+    for name, (state, at) in zip(("momentum1", "momentum2"), states):
+        m = a[name]
+        assert len(m) == 4, f"{name} list of {len(m)}: the CUDA form is [dev, uvm, placements, offsets]"
+        assert m[0] is state and m[1].numel() == 0
+        assert m[2].dtype == torch.int32 and rec.value(m[2]) == [fbgemm.DEVICE] * n
+        assert m[3].dtype == torch.int64 and rec.value(m[3]) == at, f"{name} offsets {rec.value(m[3])} != {at}"
+    assert ("momentum1" in a) == (kind != "sgd") and ("momentum2" in a) == (kind == "adam")
+    _no_cpu_tensor(call)
+
+
+def _no_cpu_tensor(call: Call) -> None:
+    off = [(k, str(x.device)) for k, v in call.args.items() if k != "learning_rate_tensor" for x in _tensors(v)
+           if str(x.device) != DEV]
+    assert not off, f"{call.op}: tensors off {DEV}: {off}"
+
+
+def _one_call(rec: Recorder, run: Callable[[], object], *, backward: bool = False) -> Call:
+    """The one fbgemm lookup function ``run`` calls (and its forward kernel run, for pooling)."""
+    before, kernels, back = len(rec.calls), len(rec.kernel_args), len(rec.backward)
+    run()
+    calls = [c for c in rec.calls[before:] if "function" in c.op]
+    assert len(calls) == 1, f"expected one fbgemm lookup call, got {[c.op for c in calls]}"
+    assert len(rec.backward) - back == int(backward), "backward (update / dense gradient) not run as expected"
+    if "dense" not in calls[0].op:
+        assert len(rec.kernel_args) - kernels == 1, "fbgemm's forward kernel did not run"
+    for c in rec.calls[before:]:  # every fbgemm op (get_infos_metadata reads no tensor: its CPU one is unused)
+        if c.op != "get_infos_metadata":
+            _no_cpu_tensor(c)
+    return calls[0]
+
+
+def _check_tables(rec: Recorder, t: Tables) -> None:
+    """Every op of the kernel layer over the tables ``t`` (one storage)."""
+    ids, offsets = _batch(t.rows)
+    n, width = ids.numel(), sum(t.dims)
+    for psw in (None, torch.empty(n, device=DEV)):
+        call = _one_call(rec, lambda: torch.ops.tdb.pool_sum(t.storage, t.at, t.dims, t.rows, ids, offsets, psw))
+        _check_lookup(rec, call, t, kind="sgd", psw=psw, ids=ids, offsets=offsets, states=[])
+    grad = torch.empty(BAGS, width, device=DEV)
+    call = _one_call(rec, lambda: torch.ops.tdb.pool_sum_backward(grad, t.dims, t.rows, ids, offsets, None),
+                     backward=True)
+    a = call.args
+    assert call.op == "dense_embedding_codegen_lookup_function"
+    packed = list(itertools.accumulate([r * d for r, d in zip(t.rows, t.dims)], initial=0))
+    assert rec.value(a["weights_offsets"]) == packed[:-1] and a["dev_weights"].numel() == packed[-1]
+    assert a["indices"] is ids and a["offsets"] is offsets
+    _no_cpu_tensor(call)
+    for kind in KINDS:
+        per_row = kind == "rowwise_adagrad"
+        size, at = _place([(r, 1 if per_row else d) for r, d in zip(t.rows, t.dims)], GAP)
+        if kind == "adagrad":  # fbgemm's CPU Adagrad reads its state at the weights' offsets: one call if so
+            size, at = t.storage.numel(), t.at
+        states = [(torch.empty(size, device=DEV), at) for _ in range({"sgd": 0, "adam": 2}.get(kind, 1))]
+        m1, m2 = (states + [(None, []), (None, [])])[:2]  # type: ignore[list-item]
+        step = 3 if kind == "adam" else 0
+
+        def update(g: torch.Tensor = grad, k: str = kind, wd: float = 0.0) -> None:
+            torch.ops.tdb.sparse_update(t.storage, t.at, t.dims, t.rows, g, ids, offsets, None, k, m1[0], m1[1],
+                                        m2[0], m2[1], 0.1, 1e-8, wd, 0, 0.9, 0.999, step)
+
+        call = _one_call(rec, update, backward=True)
+        _check_lookup(rec, call, t, kind=kind, psw=None, ids=ids, offsets=offsets, states=states,
+                      step=step if kind == "adam" else 0)
+        before = len(rec.calls)
+        try:
+            update(wd=0.01)
+        except ValueError as e:
+            assert "no one-pass kernel" in str(e), e
+        else:
+            raise AssertionError(f"{kind} with weight decay: not refused (fbgemm's kernels would ignore it)")
+        assert len(rec.calls) == before, "fbgemm called for an update it cannot do"
+
+
+def _case(rec: Recorder, case: str) -> None:
+    name, arrangement = case.rsplit("-", 1)
+    for arr, shapes in _arrangements(name):
+        if arr != arrangement:
+            continue
+        size, at = _place(shapes)
+        t = Tables(torch.empty(size, device=DEV), at, [d for _, d in shapes], [r for r, _ in shapes])
+        _check_tables(rec, t)
+
+
+def _check_unaligned_tables_take_torch(rec: Recorder) -> None:
+    """Columns fbgemm's CUDA kernels cannot read (a dim of 6): pooling and the dense gradient on torch's ops
+    (which read values: only the choice is run here), a fused update refused; the lookups do not send such
+    shards to the ops (``kernels.accepts``)."""
+    from torchrec_dtensor_bridge import kernels
+    from torchrec_dtensor_bridge.kernels import impl
+
+    chosen: list[str] = []
+    pool, dense = impl.pool_sum, impl.dense_grad
+
+    def pool_sum(which: impl.Impl, weights: torch.Tensor, at: list[int], dims: list[int], *rest: Any) -> Any:
+        chosen.append(which.name)
+        return weights.new_empty(BAGS, sum(dims)) if which is impl.Impl.TORCH else pool(which, weights, at, dims,
+                                                                                         *rest)
+
+    def dense_grad(which: impl.Impl, grad: torch.Tensor, dims: list[int], rows: list[int], *rest: Any) -> Any:
+        chosen.append(which.name)
+        return grad.new_empty(sum(r * d for r, d in zip(rows, dims))) if which is impl.Impl.TORCH else dense(
+            which, grad, dims, rows, *rest)
+
+    impl.pool_sum, impl.dense_grad = pool_sum, dense_grad  # type: ignore[assignment]
+    try:
+        t = Tables(torch.empty(200, device=DEV), [4, 4 + 60 + 4], [6, 4], [10, 12])
+        ids, offsets = _batch(t.rows)
+        before = len(rec.calls)
+        out = torch.ops.tdb.pool_sum(t.storage, t.at, t.dims, t.rows, ids, offsets, None)
+        assert tuple(out.shape) == (BAGS, 10) and out.device == torch.device(DEV)
+        grad = torch.empty(BAGS, 10, device=DEV)
+        torch.ops.tdb.pool_sum_backward(grad, t.dims, t.rows, ids, offsets, None)
+        assert chosen == ["TORCH", "TORCH"], chosen
+        try:
+            torch.ops.tdb.sparse_update(t.storage, t.at, t.dims, t.rows, grad, ids, offsets, None, "sgd", None, [],
+                                        None, [], 0.1, 1e-8, 0.0, 0, 0.9, 0.999, 1)
+        except ValueError as e:
+            assert "16-byte aligned" in str(e), e
+        else:
+            raise AssertionError("an update of rows fbgemm's kernels cannot read was not refused")
+        assert [c.op for c in rec.calls[before:]] == [], "fbgemm called for rows it cannot read"
+        aligned = Tables(t.storage, [4, 4 + 40 + 4], [4, 4], [10, 12])
+        torch.ops.tdb.pool_sum(aligned.storage, aligned.at, aligned.dims, aligned.rows, ids, offsets, None)
+        assert chosen[-1] == "FBGEMM", chosen
+    finally:
+        impl.pool_sum, impl.dense_grad = pool, dense  # type: ignore[assignment]
+    assert not kernels.accepts(torch.empty(10, 6, device=DEV)) and kernels.accepts(torch.empty(10, 8, device=DEV))
+    assert not kernels.accepts(torch.empty(50, device=DEV).as_strided((4, 8), (8, 1), 2)), "a misaligned start"
+    assert kernels.pool_impl(torch.device(DEV)) is kernels.Impl.FBGEMM
+
+
+def main() -> None:
+    rec = Recorder()
+    results: dict[str, str | None] = {}
+    checks = {case: (lambda c=case: _case(rec, c)) for case in CASES}
+    checks["unaligned"] = lambda: _check_unaligned_tables_take_torch(rec)
+    with _fake_cuda(rec):
+        for name, check in checks.items():
+            try:
+                check()
+                results[name] = None
+            except Exception as e:  # noqa: BLE001 - reported per case to the test process
+                frames = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)[-8:]))
+                results[name] = f"{frames}{type(e).__name__}: {str(e)[:1500]}"
+    print(MARK + json.dumps(results))
+
+
+# --- the tests -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, str | None]:
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "tests.unit.test_fake_cuda"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
+    assert proc.returncode == 0 and lines, (
+        f"the fake-CUDA process failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return json.loads(lines[-1][len(MARK):])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fbgemm_cuda_arguments(results, case):
+    """Every op over one layout's tables: fbgemm's CUDA argument lists, and no CPU tensor in them."""
+    assert results[case] is None, results[case]
+
+
+def test_unaligned_tables_take_torch(results):
+    assert results["unaligned"] is None, results["unaligned"]
+
+
+if __name__ == "__main__":
+    main()
