@@ -100,15 +100,10 @@ def _tbe(cfg: dict, tables: list[Any], dev: Any) -> tuple[Any | None, str]:
 
 
 def _one_buffer(tables: list[Any]) -> list[Any]:
-    """Copies of ``tables`` as views of one buffer, back to back (a fused module's storage)."""
+    """Copies of ``tables`` (all of one shape) as views of one buffer, back to back (a fused module's storage)."""
     import torch
 
-    buf = torch.cat([t.reshape(-1) for t in tables])
-    views, at = [], 0
-    for t in tables:
-        views.append(buf[at : at + t.numel()].view(t.shape))
-        at += t.numel()
-    return views
+    return list(torch.stack(tables).unbind(0))
 
 
 def run(cfg: dict) -> dict[str, Any]:

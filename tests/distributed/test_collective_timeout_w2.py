@@ -17,16 +17,26 @@ from .harness import make_pool_fixture
 pool = make_pool_fixture(2)
 
 
-def lookup_on_rank_0_only(rank: int, world: int) -> str:
-    group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=3))
-    weight = distribute_tensor(torch.randn(10, 4), world_mesh("cpu"), [Shard(0)])
-    if rank != 0:
-        return "skipped the call"
+def _short_group() -> dist.ProcessGroup:
+    return dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timedelta(seconds=3))
+
+
+def _error_of(call) -> str:
+    """The message of the RuntimeError ``call()`` raises (``"no error"`` if none)."""
     try:
-        tdb.sharded_embedding_bag(torch.tensor([1, 2]), weight, torch.tensor([0]), process_group=group)
+        call()
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+def lookup_on_rank_0_only(rank: int, world: int) -> str:
+    group = _short_group()
+    weight = distribute_tensor(torch.randn(10, 4), world_mesh("cpu"), [Shard(0)])
+    if rank != 0:
+        return "skipped the call"
+    return _error_of(lambda: tdb.sharded_embedding_bag(torch.tensor([1, 2]), weight, torch.tensor([0]),
+                                                       process_group=group))
 
 
 def test_a_lookup_on_one_rank_says_which_call_and_group(pool):
@@ -42,7 +52,7 @@ def stall_after_agreement(rank: int, world: int) -> str:
 
     from torchrec_dtensor_bridge.lookup import run
 
-    group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=3))
+    group = _short_group()
     weight = distribute_tensor(torch.randn(10, 4), world_mesh("cpu"), [Shard(0)])
     real = run.gather_bags
 
@@ -53,12 +63,10 @@ def stall_after_agreement(rank: int, world: int) -> str:
     if rank == world - 1:
         run.gather_bags = stalled
     try:
-        tdb.sharded_embedding_bag(torch.tensor([1, 2]), weight, torch.tensor([0]), process_group=group)
-    except RuntimeError as e:
-        return str(e)
+        return _error_of(lambda: tdb.sharded_embedding_bag(torch.tensor([1, 2]), weight, torch.tensor([0]),
+                                                           process_group=group))
     finally:
         run.gather_bags = real
-    return "no error"
 
 
 def test_a_rank_stalling_after_the_agreement_is_named(pool):
@@ -68,16 +76,12 @@ def test_a_rank_stalling_after_the_agreement_is_named(pool):
 
 
 def backward_on_rank_0_only(rank: int, world: int) -> str:
-    group = dist.new_group(ranks=list(range(world)), timeout=timedelta(seconds=3))
+    group = _short_group()
     weight = distribute_tensor(torch.randn(10, 4), world_mesh("cpu"), [Shard(0)]).requires_grad_()
     out = tdb.sharded_embedding_bags([torch.tensor([[1, 2]])], [weight], mode="sum", process_group=group)[0]
     if rank != 0:
         return "skipped backward"
-    try:
-        out.sum().backward()
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    return _error_of(lambda: out.sum().backward())
 
 
 def test_a_backward_on_one_rank_is_named(pool):
