@@ -313,8 +313,10 @@ def sharded_embedding_bag(
     ``(num_bags, embedding_dim)`` output as a plain tensor, equal to
     ``F.embedding_bag(input, full_weight, ...)``. When ``weight.requires_grad``,
     backward fills ``weight.grad`` with a DTensor of the weight's layout holding
-    the gradient of all ranks' batches. ``max_norm`` renormalises the stored rows
-    referenced by any rank, in place.
+    the gradient of all ranks' batches. A weight that does not require grad (the
+    DTensors of ``state_dict_to_dtensor`` do not) is a frozen table, as in torch:
+    the output has no ``grad_fn``; call ``weight.requires_grad_()`` to train it.
+    ``max_norm`` renormalises the stored rows referenced by any rank, in place.
 
     Every rank of the weight's group calls it: the group of its mesh (on a 2-D
     mesh ``(replica, shard)`` the shard axis, whose replica axis must hold

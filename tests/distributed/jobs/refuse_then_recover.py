@@ -1,14 +1,14 @@
 """A 2-rank job whose ranks raise and recover, then exit: run under torchrun by ``test_clean_exit_w2``.
 
 Each round: a damaged checkpoint is refused on both ranks (``CorruptCheckpointError``), then a good one
-loads; then a lookup made on rank 0 only times out in its agreement step while rank 1 waits it out. The
-job then destroys its group and exits; the launcher must see every rank exit with status 0.
+loads; then a lookup made on rank 0 only times out in its agreement step (a 3-second group) while rank 1
+waits for it in a barrier. The job then destroys its group and exits; the launcher must see every rank exit
+with status 0.
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,7 +23,8 @@ ROWS = 4096
 
 
 def main(root: str, rounds: int) -> None:
-    dist.init_process_group("gloo", timeout=timedelta(seconds=3))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    short = dist.new_group(ranks=[0, 1], timeout=timedelta(seconds=3))  # where the lookup on one rank times out
     rank = dist.get_rank()
     mesh = world_mesh("cpu")
     w = distribute_tensor(torch.arange(ROWS * 8, dtype=torch.float32).view(ROWS, 8), mesh, [Shard(0)])
@@ -47,14 +48,14 @@ def main(root: str, rounds: int) -> None:
         tdb.checkpoint.load(into, Path(root) / f"good{r}")
         if not torch.equal(into["w"].full_tensor(), w.full_tensor()):
             raise SystemExit(f"rank {rank}: the good load differs")
-    try:
-        if rank == 0:
-            tdb.sharded_embedding_bag(torch.tensor([1, 2]), w, torch.tensor([0]), mode="sum")
+    if rank == 0:
+        try:
+            tdb.sharded_embedding_bag(torch.tensor([1, 2]), w, torch.tensor([0]), mode="sum", process_group=short)
             raise SystemExit("rank 0: a lookup made on one rank returned")
-        time.sleep(4)
-    except RuntimeError as e:
-        if "did not make this call" not in str(e):
-            raise
+        except RuntimeError as e:
+            if "did not make this call" not in str(e):
+                raise
+    dist.barrier()  # rank 1 waits here (on the default group) until rank 0's lookup has timed out
     dist.destroy_process_group()
     print(f"rank {rank} clean", flush=True)
 
