@@ -102,13 +102,21 @@ def build_model(seed: int = 0) -> EmbeddingBagCollection:
     return ebc
 
 
+def _local_size(world: int) -> int:
+    """TorchRec's ranks per node for a group of ``world`` ranks: ``get_local_size``'s answer (torchrun's
+    LOCAL_WORLD_SIZE when it divides ``world``), or ``world`` for a group inside one node that it does not
+    divide (the reload on ``world - 1`` ranks), which TorchRec also falls back to, but with a warning."""
+    n = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    return get_local_size(world) if n > 0 and world % n == 0 else world
+
+
 def shard_model(ebc: EmbeddingBagCollection, generators: dict, group: dist.ProcessGroup):
     """Shard ``ebc`` over ``group`` with a hand-written TorchRec plan (row-wise works on CPU this way)."""
     world = dist.get_world_size(group)
     # The ranks per node TorchRec itself assumes (torchrun's LOCAL_WORLD_SIZE when it divides
     # ``world``): table-row-wise tables are cut within a node, so plan and runtime must agree.
     plan = construct_module_sharding_plan(
-        ebc, per_param_sharding=generators, local_size=get_local_size(world), world_size=world, device_type="cpu"
+        ebc, per_param_sharding=generators, local_size=_local_size(world), world_size=world, device_type="cpu"
     )
     env = ShardingEnv(world, dist.get_rank(group), group)
     return shard(ebc, plan=plan, env=env, device=torch.device("cpu"))
