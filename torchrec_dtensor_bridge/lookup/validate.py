@@ -163,7 +163,7 @@ def _check_ids(fn: str, ids: torch.Tensor, rows: int) -> None:
     if ids.dtype not in (torch.int32, torch.int64):
         raise _fail(TypeError, f"{fn}: input must hold int32 or int64 ids, got dtype {ids.dtype}")
     if ids.numel():
-        lo, hi = (int(v) for v in torch.aminmax(ids))  # one pass (and one device sync)
+        lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one pass, one device sync
         if lo < 0 or hi >= rows:
             bad = lo if lo < 0 else hi
             raise _fail(ValueError, f"{fn}: input holds id {bad}, outside [0, num_embeddings={rows})")
