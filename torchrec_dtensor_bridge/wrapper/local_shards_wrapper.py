@@ -85,35 +85,39 @@ class LocalShardsWrapper(torch.Tensor):
             offsets = _validate(shards, local_offsets, gshape)
         ndim = shards[0].ndim if shards else (len(gshape) if gshape is not None else 2)
         shape, stack_dim = _packed_shape(shards, offsets, ndim)
-        if shards:
-            dtype, device = shards[0].dtype, shards[0].device
-            requires_grad = shards[0].requires_grad
-        else:
+        if not shards:  # else the first shard's
             dtype = dtype or (layout.dtype if layout is not None else None) or torch.float32
-            device = torch.device(device or "cpu")
-            requires_grad = False
+        return cls._assemble(shape, contiguous_strides(shape), shards, offsets, gshape, layout, stack_dim, dtype,
+                             None if shards else torch.device(device or "cpu"))
+
+    @classmethod
+    def _assemble(cls, shape: Sequence[int], stride: Sequence[int], shards: list[torch.Tensor],
+                  offsets: list[torch.Size], global_shape: torch.Size | None, layout: ShardLayout | None,
+                  stack_dim: int | None, dtype: torch.dtype | None, device: torch.device | None,
+                  empty: torch.Tensor | None = None) -> LocalShardsWrapper:
+        """A wrapper over ``shards`` already checked against ``offsets`` and the table (dtype, device and
+        requires_grad from the first shard; ``dtype`` and ``device`` when there is none).
+
+        A wrapper holding no shard keeps one empty tensor of its dtype and device, the inner tensor
+        :meth:`__tensor_flatten__` hands torch.compile: ``empty``, or one made now (in the mode of the op that
+        makes the wrapper: fake while torch.compile traces)."""
+        first = shards[0] if shards else None
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             shape,
-            strides=contiguous_strides(shape),
-            dtype=dtype,
-            device=device,
-            requires_grad=requires_grad,
+            strides=stride,
+            dtype=first.dtype if first is not None else dtype,
+            device=first.device if first is not None else device,
+            requires_grad=first.requires_grad if first is not None else False,
         )
         r._local_shards = shards
         r._offsets = offsets
-        r._global_shape = gshape
+        r._global_shape = global_shape
         r._layout = layout
         r._stack_dim = stack_dim
         if not shards:
-            r._mark_empty()
+            setattr(r, _NO_SHARD, empty if empty is not None else torch.empty(0, dtype=dtype, device=device))
         return r
-
-    def _mark_empty(self) -> None:
-        """A wrapper holding no shard keeps one empty tensor of its dtype and device: the inner tensor
-        :meth:`__tensor_flatten__` hands torch.compile (made now, in the mode of the op that makes the wrapper:
-        fake while torch.compile traces)."""
-        setattr(self, _NO_SHARD, torch.empty(0, dtype=self.dtype, device=self.device))
 
     # ------------------------------------------------------------- accessors
     def local_shards(self) -> list[torch.Tensor]:
@@ -186,23 +190,10 @@ class LocalShardsWrapper(torch.Tensor):
         """A wrapper with the same offsets and table metadata over new shards of the
         same sizes (the result of a shard-by-shard op): no re-validation."""
         assert [s.shape for s in shards] == [s.shape for s in self._local_shards], "shard sizes changed"
-        first = shards[0] if shards else None
-        r = torch.Tensor._make_wrapper_subclass(
-            LocalShardsWrapper,
-            self.shape,
-            strides=self.stride(),
-            dtype=first.dtype if first is not None else self.dtype,
-            device=first.device if first is not None else self.device,
-            requires_grad=first.requires_grad if first is not None else False,
-        )
-        r._local_shards = shards
-        r._offsets = self._offsets
-        r._global_shape = self._global_shape
-        r._layout = layout if layout is not None else self._layout
-        r._stack_dim = self._stack_dim
-        if not shards:  # the same stand-in (an alias, as the result of a shard-by-shard op is)
-            setattr(r, _NO_SHARD, getattr(self, _NO_SHARD))
-        return r
+        # no shard: the same stand-in (an alias, as the result of a shard-by-shard op is)
+        return LocalShardsWrapper._assemble(self.shape, self.stride(), shards, self._offsets, self._global_shape,
+                                            layout if layout is not None else self._layout, self._stack_dim,
+                                            self.dtype, self.device, None if shards else getattr(self, _NO_SHARD))
 
     def pack(self) -> torch.Tensor:
         """The local shards concatenated along :attr:`stack_dim` (a copy unless one shard)."""
@@ -241,23 +232,9 @@ class LocalShardsWrapper(torch.Tensor):
                              outer_stride: Sequence[int]) -> LocalShardsWrapper:
         n, offsets, global_shape, layout, stack_dim, dtype, device = meta
         shards = [inner[f"{_SHARD}{i}"] for i in range(n)]
-        first = shards[0] if shards else None
-        r = torch.Tensor._make_wrapper_subclass(
-            LocalShardsWrapper,
-            outer_size,
-            strides=outer_stride,
-            dtype=first.dtype if first is not None else dtype,
-            device=first.device if first is not None else device,
-            requires_grad=first.requires_grad if first is not None else False,
-        )
-        r._local_shards = shards
-        r._offsets = list(offsets)
-        r._global_shape = global_shape
-        r._layout = layout
-        r._stack_dim = stack_dim
-        if not shards:
-            setattr(r, _NO_SHARD, inner[_NO_SHARD])  # as given: a fake one while torch.compile traces
-        return r
+        # no shard: the stand-in as given (a fake one while torch.compile traces)
+        return LocalShardsWrapper._assemble(outer_size, outer_stride, shards, list(offsets), global_shape, layout,
+                                            stack_dim, dtype, device, None if shards else inner[_NO_SHARD])
 
     def __getattr__(self, name: str) -> Any:
         # only reached for names not found otherwise: the inner tensors :meth:`__tensor_flatten__` names
