@@ -112,8 +112,6 @@ class TableArgs:
     total_d: int
     hash_size_cumsum: torch.Tensor  # int64 (T + 1,): rows before each table
     hash_bits: int  # bits of the total row count (fbgemm's ``total_hash_size_bits``)
-    offsets: tuple[int, ...]  # the element offsets of ``weights_offsets``
-    dims: tuple[int, ...]  # the columns of each table
     max_d: int
     placements: torch.Tensor  # int32 (T,): every table's placement, HOST on CPU, DEVICE elsewhere
     on_host: bool  # the tables are in host memory: fbgemm's CPU kernels and argument forms
@@ -139,8 +137,6 @@ def _table_args(offsets: tuple[int, ...], dims: tuple[int, ...], rows: tuple[int
         d_offsets[-1],
         torch.tensor(cum, dtype=torch.int64, device=device),
         max(int(cum[-1]).bit_length(), 1),
-        offsets,
-        dims,
         max(dims),
         torch.full((len(dims),), HOST if on_host else DEVICE, dtype=torch.int32, device=device),
         on_host,
@@ -262,7 +258,7 @@ def lookup_args(weights: torch.Tensor, args: TableArgs, ids: torch.Tensor, offse
                 step: int = 0) -> dict[str, Any]:
     """The keyword arguments every ``split_embedding_codegen_lookup_*_function_pt2`` takes (``step``: the
     optimizer's iteration, read by Adam's bias correction)."""
-    tables = len(args.offsets)
+    tables = args.weights_offsets.numel()
     bits, mask = _infos(tables)
     batch = (offsets.numel() - 1) // tables
     if batch > mask:
