@@ -10,6 +10,9 @@ import argparse
 import json
 import sys
 
+from . import checkpoint
+from .checkpoint.common import format_mib
+
 __all__ = ["main"]
 
 _MIGRATE_HELP = """\
@@ -55,9 +58,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     args = _parser().parse_args(argv)
-    from . import checkpoint
-    from .checkpoint.common import format_mib
-
     try:
         if args.command == "inspect":
             if args.json:

@@ -16,6 +16,7 @@ from .._compat import (
     ShardedTensorProperties,
     ShardMetadata,
     shard_placement,
+    sharded_tensor_process_group,
 )
 from ..layout import ShardLayout, ShardSpec
 
@@ -56,8 +57,6 @@ def layout_from_sharded_tensor_metadata(
 
 def layout_from_sharded_tensor(st: ShardedTensor, *, name: str = "table") -> ShardLayout:
     """Layout of a ShardedTensor (metadata only; O(number of shards))."""
-    from .._compat import sharded_tensor_process_group
-
     return layout_from_sharded_tensor_metadata(
         st.metadata(), process_group=sharded_tensor_process_group(st), name=name
     )
