@@ -6,7 +6,6 @@ import json
 import pickle
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge import cli
 
 from .checks import reference_table
-from .harness import make_pool_fixture
+from .harness import make_pool_fixture, run_python
 from .torchrec_models import TABLES, build_ebc, shard_ebc
 
 pool = make_pool_fixture(2)
@@ -67,8 +66,7 @@ def _load_new(rank, world_size, path):
 
 def _cli(*args):
     """The command line as a user runs it (a new interpreter: its exit status)."""
-    return subprocess.run([sys.executable, "-m", "torchrec_dtensor_bridge", *args], capture_output=True, text=True,
-                          timeout=240)
+    return run_python(["-m", "torchrec_dtensor_bridge", *args], timeout=240)
 
 
 def _main(*args) -> subprocess.CompletedProcess:
