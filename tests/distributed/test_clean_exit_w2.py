@@ -8,6 +8,7 @@ status, and the job runs while other processes keep every core busy.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -25,8 +26,8 @@ def test_ranks_that_raised_and_recovered_exit_cleanly_under_load(tmp_path):
         res = launch(JOB, [str(tmp_path), "2"], nproc=2, timeout=200)
         assert res.returncode == 0, (res.returncode, res.stdout, res.stderr[-4000:])
         assert "terminate called" not in res.stderr and "SIGABRT" not in res.stderr, res.stderr[-4000:]
-        assert sorted(line for line in res.stdout.splitlines() if line.endswith(" clean")) == [
-            "rank 0 clean", "rank 1 clean"], res.stdout
+        # the ranks share one stdout pipe, and a line's text and its newline may reach it in two writes
+        assert sorted(re.findall(r"rank (\d+) clean", res.stdout)) == ["0", "1"], res.stdout
     finally:
         for b in burners:
             b.kill()

@@ -57,7 +57,8 @@ def main(root: str, rounds: int) -> None:
                 raise
     dist.barrier()  # rank 1 waits here (on the default group) until rank 0's lookup has timed out
     dist.destroy_process_group()
-    print(f"rank {rank} clean", flush=True)
+    sys.stdout.write(f"rank {rank} clean\n")  # one write: the ranks share the launcher's stdout
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
