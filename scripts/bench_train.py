@@ -526,7 +526,7 @@ def report(res: dict) -> None:
                     print(f"    {phase:<8}dense step time / fused step time: {ph['dense_vs_ours']:.1f}x")
     t = res["targets"]
     print(f"\n  targets: step TorchRec/ours >= {t['step']}x (goal {t['step_goal']}x); memory ours/TorchRec <= "
-          f"{t['memory']}x; forward >= {t['forward']}x in every repetition")
+          f"{t['memory']}x; forward >= {t['forward']}x in every run's median")
     print(f"  largest resident set of a rank: {res['max_rss_bytes_per_rank'] / 2**30:.2f} GiB")
     for note in res["notes"]:
         print(f"  note: {note}")
@@ -589,7 +589,7 @@ def run(cfg: dict) -> dict:
         "machine": _machine(load_before),
         "layouts": summarize(runs, cfg),
         "max_rss_bytes_per_rank": max(r["max_rss_bytes"] for ranks in runs for r in ranks),
-        "targets": {"step": 1.0, "step_goal": 1.5, "memory": 1.2, "forward": 1.0},
+        "targets": {"step": 1.2, "step_goal": 1.5, "memory": 1.2, "forward": 1.0},
         "notes": NOTES + ([f"machine busy while measured (1-min load average {load_before[0]:.1f} on "
                            f"{os.cpu_count()} cores): figures are noisy"] if load_before[0] > 0.5 else []),
         "env": {k: v for k, v in os.environ.items() if k.startswith(("MALLOC_", "THP_", "OMP_", "GLIBC_"))}

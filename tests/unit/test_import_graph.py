@@ -1,5 +1,5 @@
-"""The package's import graph: the lookup stack one way down (lookup -> optim -> kernels) with no import
-inside a function to dodge a cycle, and no cycle between subpackages (read from the source with ``ast``)."""
+"""The package's import graph: the lookup stack one way down (lookup -> optim -> kernels), no import
+inside a function (to dodge a cycle or otherwise), no cycle between modules nor between subpackages (read from the source with ``ast``)."""
 
 from __future__ import annotations
 
@@ -33,10 +33,17 @@ def _edges() -> dict[str, set[str]]:
     return graph
 
 
-def test_no_function_level_imports_in_the_lookup_stack():
-    found = [f"{p.relative_to(ROOT)} imports {t}" for layer in LAYERS for p in (ROOT / layer).rglob("*.py")
-             for t, inner in _imports(p) if inner]
+def test_no_function_level_imports():
+    found = [f"{p.relative_to(ROOT)} imports {t}" for p in ROOT.rglob("*.py") for t, inner in _imports(p) if inner]
     assert not found, found
+
+
+def test_no_cycle_between_modules():
+    """Between plain modules (a package's ``__init__`` imports its own children, so packages are left out)."""
+    packages = {module_name(p) for p in ROOT.rglob("__init__.py")}
+    graph = {src: targets - packages for src, targets in _edges().items() if src not in packages}
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
 
 
 def test_layers_import_only_downwards():

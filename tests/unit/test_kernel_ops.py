@@ -237,7 +237,7 @@ def test_fbgemm_lookup_functions_equal_the_ops(with_psw, monkeypatch):
         theirs = (flat.clone(), None if state is None else state.clone())
         torch.ops.tdb.sparse_update(ours[0], offs, DIMS, ROWS, grad, ids, offsets, psw, kind, ours[1],
                                     m_offs if state is not None else [], None, [], **HYPER)
-        at = None if state is None else fbgemm.state_offsets(tuple(m_offs), cpu)
+        at = None if state is None else fbgemm.constant(tuple(m_offs), cpu)
         fbgemm.lookup_update(kind, theirs[0], args, grad, ids, offsets, psw, theirs[1], at, None, None,
                              lr=HYPER["lr"], eps=HYPER["eps"], weight_decay=0.0, decay=0, beta1=0.9, beta2=0.99,
                              step=1)

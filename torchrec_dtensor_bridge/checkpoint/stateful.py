@@ -50,14 +50,19 @@ def _is_stateful(v: object) -> bool:
     return isinstance(v, Stateful) and not isinstance(v, (torch.Tensor, Mapping))
 
 
-def _holds_stateful(v: object) -> bool:
+def _stateful_values(v: object) -> list[Any]:
+    """Every Stateful in ``v``, itself or nested in mappings, lists and tuples, in order."""
     if _is_stateful(v):
-        return True
+        return [v]
     if isinstance(v, Mapping):
-        return any(_holds_stateful(x) for x in v.values())
+        return [s for x in v.values() for s in _stateful_values(x)]
     if isinstance(v, (list, tuple)):
-        return any(_holds_stateful(x) for x in v)
-    return False
+        return [s for x in v for s in _stateful_values(x)]
+    return []
+
+
+def _holds_stateful(v: object) -> bool:
+    return bool(_stateful_values(v))
 
 
 def _is_keyed(opt: object) -> bool:
@@ -182,14 +187,6 @@ def expand(state_dict: Mapping[str, Any], *, for_load: bool) -> Expanded:
     out = Expanded({})
     out.view = _Expander(out, modules, for_load).mapping(state_dict, "")
     return out
-
-
-def _stateful_values(v: object) -> list[Any]:
-    if _is_stateful(v):
-        return [v]
-    if isinstance(v, Mapping):
-        return [s for x in v.values() for s in _stateful_values(x)]
-    return []
 
 
 class _Expander:

@@ -55,9 +55,9 @@ from typing import Any
 import torch
 
 __all__ = [
-    "CUDA_UPDATE_KINDS", "TableArgs", "UPDATE_KINDS", "available", "cuda_available", "dense_grad", "fits",
-    "lookup_args", "lookup_dense_grad", "lookup_forward", "lookup_update", "optimizer_args", "pool_sum",
-    "run_backward", "run_forward", "state_list", "state_offsets", "table_args", "update", "weights_list",
+    "CUDA_UPDATE_KINDS", "TableArgs", "UPDATE_KINDS", "available", "constant", "cuda_available", "dense_grad",
+    "fits", "lookup_args", "lookup_dense_grad", "lookup_forward", "lookup_update", "optimizer_args", "pool_sum",
+    "run_backward", "run_forward", "state_list", "table_args", "update", "weights_list",
 ]
 
 POOL_SUM = 0  # fbgemm_gpu PoolingMode.SUM
@@ -144,13 +144,14 @@ def _table_args(offsets: tuple[int, ...], dims: tuple[int, ...], rows: tuple[int
 
 
 @functools.lru_cache(maxsize=256)
-def _state_offsets(offsets: tuple[int, ...], device: str) -> torch.Tensor:
-    return torch.tensor(offsets, dtype=torch.int64, device=device)
+def _constant(values: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
-def state_offsets(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """int64 ``(T,)`` on ``device``: each table's first element in an optimizer state buffer."""
-    return _state_offsets(tuple(offsets), str(device))
+def constant(values: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    """int64 ``(T,)`` on ``device`` holding ``values``, one tensor per distinct layout constant (each table's
+    first element in an optimizer state buffer, each table's row count); callers must not modify it."""
+    return _constant(tuple(values), str(device))
 
 
 @dataclass(frozen=True)

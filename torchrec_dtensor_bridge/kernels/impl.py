@@ -107,8 +107,8 @@ def sparse_update(which: Impl, weights: torch.Tensor, weights_offsets: list[int]
     """Every table's touched rows (and their state) updated in place: :attr:`Impl.NATIVE` or :attr:`Impl.FBGEMM`."""
     if which is Impl.FBGEMM and (kind != "adagrad" or list(momentum1_offsets) == list(weights_offsets)):
         args = fbgemm.table_args(tuple(weights_offsets), tuple(dims), tuple(rows), weights.device)
-        m1_off = None if momentum1 is None else fbgemm.state_offsets(tuple(momentum1_offsets), weights.device)
-        m2_off = None if momentum2 is None else fbgemm.state_offsets(tuple(momentum2_offsets), weights.device)
+        m1_off = None if momentum1 is None else fbgemm.constant(tuple(momentum1_offsets), weights.device)
+        m2_off = None if momentum2 is None else fbgemm.constant(tuple(momentum2_offsets), weights.device)
         fbgemm.update(kind, weights, args, grad, ids, offsets, psw, momentum1, m1_off, lr, eps, momentum2=momentum2,
                       momentum2_offsets=m2_off, weight_decay=weight_decay, decay=decay, beta1=beta1, beta2=beta2,
                       step=step)

@@ -25,8 +25,6 @@ profiler names them.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from . import choose, fbgemm, impl
@@ -84,11 +82,6 @@ def _check_ids(op: str, ids: Tensor, offsets: Tensor, rows: list[int], b: int) -
                 raise _fail(op, f"ids of table {t}", f"ids from {int(lo)} to {int(hi)}", f"inside [0, {r})")
 
 
-@functools.lru_cache(maxsize=64)
-def _row_counts(rows: tuple[int, ...], device: str) -> Tensor:
-    return torch.tensor(rows, dtype=torch.int64, device=device)
-
-
 def check_ids_on_device(op: str, ids: Tensor, offsets: Tensor, rows: list[int], b: int) -> None:
     """:func:`_check_ids` for tensors on an accelerator: one pass on the device and one synchronisation; on a
     problem, the CPU check on copies names it."""
@@ -101,7 +94,7 @@ def check_ids_on_device(op: str, ids: Tensor, offsets: Tensor, rows: list[int], 
         at = torch.arange(n, device=ids.device)
         table = (torch.searchsorted(bounds, at, right=True) - 1).clamp_(0, len(rows) - 1)
         read = (at >= bounds[0]) & (at < bounds[-1])  # ids outside every bag are never read
-        limit = _row_counts(tuple(rows), str(ids.device)).index_select(0, table)
+        limit = fbgemm.constant(tuple(rows), ids.device).index_select(0, table)
         bad = bad | (read & ((ids < 0) | (ids >= limit))).any()
     if bool(bad):
         _check_ids(op, ids.cpu(), offsets.cpu(), rows, b)

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from ..layout import LayoutKind, ShardLayout, ShardSpec, boxes_overlap, contiguous_strides
+from .op_table import dispatch
 
 __all__ = ["LocalShardsWrapper"]
 
@@ -248,8 +249,6 @@ class LocalShardsWrapper(torch.Tensor):
     # ------------------------------------------------------------ dispatch
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .ops import dispatch
-
         return dispatch(func, args, kwargs or {})
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]

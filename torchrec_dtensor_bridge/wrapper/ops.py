@@ -1,49 +1,20 @@
 """The op table of :class:`LocalShardsWrapper`: every op is applied shard by shard.
 
-Handlers are registered once, at import, by :func:`implements`; registering an
-op twice is an error. An op with no handler raises ``NotImplementedError``
-naming the op and its argument types.
+Handlers are registered once, at import, in ``op_table`` (see there).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .local_shards_wrapper import LocalShardsWrapper
+from .op_table import implements
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-Handler = Callable[[Any, tuple, dict], Any]
-_OPS: dict[Any, Handler] = {}
-
-
-def implements(*ops: Any) -> Callable[[Handler], Handler]:
-    """Register ``fn`` as the handler of ``ops``; refuses an op registered twice."""
-
-    def register(fn: Handler) -> Handler:
-        for op in ops:
-            if op in _OPS:
-                raise RuntimeError(f"{op} already has a LocalShardsWrapper handler ({_OPS[op].__name__})")
-            _OPS[op] = fn
-        return fn
-
-    return register
-
-
-def dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
-    handler = _OPS.get(func)
-    if handler is None:
-        kinds = [type(a).__name__ for a in args]
-        raise NotImplementedError(
-            f"LocalShardsWrapper does not support {func} (argument types {kinds}); "
-            f"supported: {sorted(str(op) for op in _OPS)}"
-        )
-    return handler(func, args, kwargs)
 
 
 def _like(w: LocalShardsWrapper, shards: list[torch.Tensor]) -> LocalShardsWrapper:
