@@ -115,6 +115,42 @@ def test_native_one_op_call_per_storage(pool):
         assert not any(k.startswith("fbgemm::") for k in ours), ours
 
 
+def check_output_sent_in_place(rank: int, world: int) -> list[bool]:
+    """Per ``all_to_all_single`` of our forward: is its send buffer a view of the pooled result that this
+    rank's own tables' outputs are column slices of? (A spy that calls the real collective.)"""
+    theirs, _ = _fused_module("sgd", world)
+    _, weights = _fused_module("sgd", world)
+    kjt = random_kjt(TABLES, batch=6, seed=7 + rank)
+    a = theirs(kjt).wait().to_dict()
+    feats = [kjt[f"f_{n}"] for n in TABLES]
+    sent: list[int] = []
+    real = dist.all_to_all_single
+
+    def spy(output, input, *args, **kwargs):
+        sent.append(input.untyped_storage().data_ptr())
+        return real(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = spy
+    try:
+        with torch.no_grad():
+            outs = tdb.sharded_embedding_bags([f.values() for f in feats], list(weights.values()),
+                                              [f.offsets() for f in feats], mode="sum", include_last_offset=True)
+    finally:
+        dist.all_to_all_single = real
+    for n, o in zip(TABLES, outs):
+        torch.testing.assert_close(o, a[f"f_{n}"], rtol=0, atol=0, msg=lambda m, n=n: f"forward {n}: {m}")
+    own = {outs[i].untyped_storage().data_ptr() for i, n in enumerate(TABLES) if i % world == rank}
+    assert len(own) == 1, "this rank's tables share one kernel call, so their outputs share its result"
+    return [p in own for p in sent]
+
+
+def test_forward_sends_the_kernel_result_in_place(pool):
+    """The table-wise output exchange sends the rows other ranks need straight out of the one pooled result
+    of this rank's tables (no copy into a send buffer); outputs equal TorchRec's."""
+    for rank, in_place in enumerate(pool.run(check_output_sent_in_place)):
+        assert in_place.count(True) == 1, f"rank {rank}: send buffers in place: {in_place}"
+
+
 def check_shared_state_round_trip(rank: int, world: int, kind: str, root: str) -> None:
     """The state of tables sharing a storage lives in one buffer per storage (one kernel call updates it),
     yet ``state_dict()`` gives one DTensor per table that checkpoints and loads into another layout."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .exchange import all_to_all_parts, common_dtype, row_starts
+from .exchange import all_to_all_parts, common_dtype, row_starts, side_by_side
 from .plan import Block, LookupPlan
 
 __all__ = ["columns_backward", "exchange_columns"]
@@ -29,6 +29,31 @@ def exchange_columns(plans: list[LookupPlan], blocks: list[list[Block]], tables:
     if not tables:
         return []
     p0, dtype = plans[tables[0]], common_dtype([plans[t] for t in tables])
+    if all(plans[t].num_bags == p0.num_bags for t in tables):
+        received = _exchange_columns_rows(plans, blocks, tables, dtype)
+    else:
+        received = _exchange_columns_flat(plans, blocks, tables, dtype)
+    rank = p0.rank
+    outs = []
+    for t in tables:
+        start, own = row_starts(plans[t].num_bags)[rank], plans[t].num_bags[rank]
+        pieces = [(b.cols[0], b.out[start : start + own]) for b in blocks[t]] + received[t]  # (first column, values)
+        dim, tdtype = plans[t].layout.global_shape[1], plans[t].layout.dtype
+        if len(pieces) == 1 and pieces[0][1].shape[1] == dim:
+            outs.append(pieces[0][1].to(tdtype))
+            continue
+        out = torch.zeros(own, dim, dtype=tdtype, device=p0.batch.ids.device)
+        for c0, values in pieces:
+            out[:, c0 : c0 + values.shape[1]] = values
+        outs.append(out)
+    return outs
+
+
+def _exchange_columns_flat(plans: list[LookupPlan], blocks: list[list[Block]], tables: list[int],
+                           dtype: torch.dtype) -> dict[int, list[tuple[int, torch.Tensor]]]:
+    """:func:`exchange_columns`' message when tables differ in their bags per rank: each block's rows for a
+    rank back to back. Per table, the (first column, values) pieces other ranks computed."""
+    p0 = plans[tables[0]]
     rank, world, dev = p0.rank, p0.world, p0.batch.ids.device
     send = []
     for q in range(world):
@@ -41,27 +66,55 @@ def exchange_columns(plans: list[LookupPlan], blocks: list[list[Block]], tables:
     sizes = [0 if p == rank else sum(own[t] * w for t in tables for _, w in plans[t].columns_of(p))
              for p in range(world)]
     recv = all_to_all_parts(send, sizes, p0.group, dtype=dtype, device=dev)
-    pieces: dict[int, list[tuple[int, torch.Tensor]]] = {t: [] for t in tables}  # (first column, values)
-    for t in tables:
-        start = row_starts(plans[t].num_bags)[rank]
-        pieces[t] += [(b.cols[0], b.out[start : start + own[t]]) for b in blocks[t]]
+    got: dict[int, list[tuple[int, torch.Tensor]]] = {t: [] for t in tables}
     for p, flat in enumerate(recv):
         at = 0
         for t in tables if p != rank else ():
             for c0, w in plans[t].columns_of(p):
-                pieces[t].append((c0, flat[at : at + own[t] * w].view(own[t], w)))
+                got[t].append((c0, flat[at : at + own[t] * w].view(own[t], w)))
                 at += own[t] * w
-    outs = []
-    for t in tables:
-        dim, tdtype = plans[t].layout.global_shape[1], plans[t].layout.dtype
-        if len(pieces[t]) == 1 and pieces[t][0][1].shape[1] == dim:
-            outs.append(pieces[t][0][1].to(tdtype))
+    return got
+
+
+def _exchange_columns_rows(plans: list[LookupPlan], blocks: list[list[Block]], tables: list[int],
+                           dtype: torch.dtype) -> dict[int, list[tuple[int, torch.Tensor]]]:
+    """:func:`exchange_columns` for tables with the same bags per rank: row-major messages (as the backward's).
+
+    The message to a rank is its bags' rows of all this rank's blocks side by side, ``(bags, widths)``. When
+    the blocks' outputs are the adjacent column slices of one kernel result (the tables of one storage, in
+    order), the other ranks' rows of that result are sent as they are, with no copy, when they are one
+    contiguous piece of it (this rank's bags first or last, as always with two ranks). What arrives from a
+    rank is ``(this rank's bags, that rank's widths)``; each block is a column slice of it.
+    """
+    p0 = plans[tables[0]]
+    world, rank, dev, bags = p0.world, p0.rank, p0.batch.ids.device, p0.num_bags
+    widths = [sum(w for t in tables for _, w in plans[t].columns_of(p)) for p in range(world)]
+    outs = [b.out for t in tables for b in blocks[t]]
+    starts, mine = row_starts(bags), widths[rank]
+    send_sizes = [0 if q == rank else bags[q] * mine for q in range(world)]
+    whole = side_by_side(outs) if outs else None
+    first, last = starts[rank] == 0, starts[rank] + bags[rank] == sum(bags)
+    if whole is not None and whole.dtype == dtype and (first or last):
+        flat_in = (whole[bags[rank]:] if first else whole[: starts[rank]]).reshape(-1)
+    else:
+        flat_in = torch.empty(sum(send_sizes), dtype=dtype, device=dev)
+        for q, piece in enumerate(flat_in.split(send_sizes)):
+            if q != rank and piece.numel():
+                rows = [o[starts[q] : starts[q] + bags[q]].to(dtype) for o in outs]
+                torch.cat(rows, dim=1, out=piece.view(bags[q], mine))
+    recv_sizes = [0 if p == rank else bags[rank] * widths[p] for p in range(world)]
+    flat_out = torch.empty(sum(recv_sizes), dtype=dtype, device=dev)
+    dist.all_to_all_single(flat_out, flat_in, recv_sizes, send_sizes, group=p0.group)
+    got: dict[int, list[tuple[int, torch.Tensor]]] = {t: [] for t in tables}
+    for p, flat in enumerate(flat_out.split(recv_sizes)):
+        if p == rank:
             continue
-        out = torch.zeros(own[t], dim, dtype=tdtype, device=dev)
-        for c0, values in pieces[t]:
-            out[:, c0 : c0 + values.shape[1]] = values
-        outs.append(out)
-    return outs
+        message, at = flat.view(bags[rank], widths[p]), 0
+        for t in tables:
+            for c0, w in plans[t].columns_of(p):
+                got[t].append((c0, message[:, at : at + w]))
+                at += w
+    return got
 
 
 def columns_backward(

@@ -22,7 +22,7 @@ from .validate import RankInfo
 
 __all__ = [
     "all_to_all_flat", "all_to_all_parts", "all_to_all_rows", "common_dtype", "gather_bags", "gather_rows",
-    "reduce_scatter_rows", "row_starts", "share_flat", "share_rows", "sum_into",
+    "reduce_scatter_rows", "row_starts", "share_flat", "share_rows", "side_by_side", "sum_into",
 ]
 
 
@@ -32,6 +32,22 @@ def row_starts(counts: Sequence[int]) -> list[int]:
         out.append(acc)
         acc += c
     return out
+
+
+def side_by_side(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one row-major 2-D tensor whose adjacent column slices ``parts`` are, in order and spanning all its
+    columns (a kernel result shared by several tables), or ``None`` when they are not."""
+    base = parts[0]
+    rows, width = base.shape[0], sum(p.shape[1] for p in parts)
+    at = base.storage_offset()
+    for p in parts:
+        if (p.dim() != 2 or p.shape[0] != rows or p.dtype != base.dtype or p.device != base.device
+                or (rows > 1 and p.stride(0) != width) or (p.shape[1] > 1 and p.stride(1) != 1)
+                or p.untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+                or p.storage_offset() != at):
+            return None
+        at += p.shape[1]
+    return torch.as_strided(base, (rows, width), (width, 1), base.storage_offset())
 
 
 def _gather_padded(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
