@@ -1,5 +1,6 @@
 """The id routing of the sharded lookups (:mod:`torchrec_dtensor_bridge.lookup.route`) and the per-destination
-pieces built from it, against a plain per-id reference (no collectives: one process)."""
+pieces built from it, against a plain per-id reference, and the exchanges' test for a kernel result sent in
+place (no collectives: one process)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from torchrec_dtensor_bridge.layout import ShardLayout
 from torchrec_dtensor_bridge.lookup.plan import Bags
-from torchrec_dtensor_bridge.lookup.exchange import _pick_all
+from torchrec_dtensor_bridge.lookup.exchange import _pick_all, side_by_side
 from torchrec_dtensor_bridge.lookup.route import route_for
 
 
@@ -117,3 +118,23 @@ def test_a_rank_holding_whole_rows_takes_every_id_and_no_partition() -> None:
         want_ids, want_counts = _reference(bags, ranges)
         assert torch.equal(picked[q][0][0], want_ids)
         assert torch.equal(picked[q][0][1], want_counts)
+
+
+def test_side_by_side_finds_only_the_whole_result():
+    """The forward sends a kernel result in place only when the blocks' outputs ARE its columns, in order."""
+    res = torch.arange(6 * 10, dtype=torch.float32).view(6, 10)
+    parts = [res[:, 0:3], res[:, 3:7], res[:, 7:10]]
+    whole = side_by_side(parts)
+    assert whole is not None and whole.data_ptr() == res.data_ptr() and torch.equal(whole, res)
+    assert side_by_side([res]) is not None
+    refused = {
+        "out of order": [res[:, 3:7], res[:, 0:3], res[:, 7:10]],
+        "a gap": [res[:, 0:3], res[:, 4:7]],
+        "columns left over": [res[:, 0:3], res[:, 3:7]],  # rows are 10 apart, the parts 7 wide
+        "another tensor": [res[:, 0:3], res.clone()[:, 3:10]],
+        "rows apart": [res[:3, 0:5], res[3:, 5:10]],
+        "another dtype": [res[:, 0:5], res.double()[:, 5:10]],
+        "a transposed piece": [res.t()[:, 0:3]],
+    }
+    for why, ps in refused.items():
+        assert side_by_side(ps) is None, why
