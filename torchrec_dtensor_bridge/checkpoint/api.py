@@ -150,7 +150,7 @@ def save(
         state_dict: what to save (nested dicts allowed, Stateful values expanded).
         path: the checkpoint path (a symlink to its committed generation).
         keep_spare: keep the superseded generation so the next save rewrites its
-            files in place (2-3x faster on the disks measured) instead of
+            files in place (faster: BENCHMARKS.md, "Checkpoints") instead of
             allocating new ones; ``False`` keeps only the committed generation.
             A spare that a load is reading is left alone (the save allocates).
         process_group: the group to save over; ``None``: see :func:`.common.default_process_group`

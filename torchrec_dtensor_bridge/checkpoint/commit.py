@@ -9,8 +9,8 @@ reused or removed by the next save. ``path`` reads as an ordinary DCP directory.
 
 Double buffering: by default the generation a commit supersedes is kept as a
 spare, and the next save renames it to its own name and rewrites its files in
-place. On the disks measured here rewriting existing files is 2-3x faster than
-allocating new ones (BENCHMARKS.md); the price is a second generation on disk
+place. Rewriting existing files is faster than allocating new ones (BENCHMARKS.md,
+"Checkpoints"); the price is a second generation on disk
 between saves (``keep_spare=False`` removes it).
 
 Locks (``flock``: the kernel drops them when their holder dies, so a killed

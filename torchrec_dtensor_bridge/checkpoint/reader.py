@@ -73,9 +73,9 @@ _POPULATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE"
 def _buffer(n: int) -> memoryview:
     """``n`` writable bytes for a read to fill.
 
-    Anonymous memory mapped with its pages populated in one call: ~25% faster
-    to fill than ``bytearray(n)`` (which zero-fills page by page, faulting
-    each) on the machine measured, which matters since every byte read lands here.
+    Anonymous memory mapped with its pages populated in one call: faster to
+    fill than ``bytearray(n)``, which zero-fills page by page, faulting each
+    (BENCHMARKS.md, "Checkpoints"); every byte read lands here.
     """
     return memoryview(mmap.mmap(-1, n, flags=_POPULATE)) if n else memoryview(bytearray())
 

@@ -91,8 +91,8 @@ class _HashingFileSystem(FileSystem):
                 yield stream
             return
         # A data file of a reused generation is rewritten in place, not truncated first:
-        # overwriting allocated, cached blocks is ~2.5x faster than freeing and reallocating
-        # them (BENCHMARKS.md). A file that comes out shorter is cut to size afterwards.
+        # overwriting allocated, cached blocks is faster than freeing and reallocating them
+        # (BENCHMARKS.md, "Checkpoints"). A file that comes out shorter is cut to size afterwards.
         hasher = BlockHasher()
         with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644), "wb") as stream:
             yield _HashingStream(stream, hasher, self.errors, Path(path).name)

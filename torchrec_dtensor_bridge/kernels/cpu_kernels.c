@@ -57,7 +57,7 @@
 
 /* For helpers that only prefetch: GCC finds such a function free of side effects and, unless it is inlined
    before that analysis, deletes its calls (a larger prefetch helper called from tdb_apply lost every one of
-   its prefetches that way, and the update got slower by a fifth). */
+   its prefetches that way, and the update got slower). */
 #if defined(__GNUC__)
 #define TDB_PREFETCHES __attribute__((always_inline)) static inline
 #else
@@ -116,15 +116,15 @@ static inline float tdb_square_sum(const float* restrict x, int64_t d) {
   return s;
 }
 
-/* The row's first and last cache lines only: the hardware fetches the lines between (prefetching all
-   eight lines of a 512-byte row took 10.0 ms per 81,920-row update, its two ends 8.4-8.6 ms). */
+/* The row's first and last cache lines only: the hardware fetches the lines between, and this was faster
+   than prefetching every line (BENCHMARKS.md, "This package's own CPU kernels"). */
 TDB_PREFETCHES void tdb_prefetch_row(const float* p, int64_t d) {
   __builtin_prefetch(p, 1, 3);
   __builtin_prefetch(p + d - 1, 1, 3);
 }
 
 /* Every cache line of the row: element-wise Adagrad streams two rows (weight and state) per touched
-   row, and there the two ends alone made it ~25% slower (48 vs 38 ms per 81,920-id update). */
+   row, and there the two ends alone were slower (BENCHMARKS.md, "This package's own CPU kernels"). */
 TDB_PREFETCHES void tdb_prefetch_whole_row(const float* p, int64_t d) {
   for (int64_t k = 0; k < d; k += 16) __builtin_prefetch(p + k, 1, 3);
 }
