@@ -19,29 +19,22 @@ more than two ranks, added in another order, to ``torch.allclose``).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 import traceback
-import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench_results import record, spawn_ranks
+from bench_results import join_ranks, record, spawn_ranks
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    warnings.filterwarnings("ignore")
+    join_ranks(rank, world, port, timeout_s=300)
     import torch
     import torch.distributed as dist
 
     from torchrec_dtensor_bridge.lookup.exchange import share_flat, sum_into
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
     try:
         result: dict[str, Any] = {"rank": rank, "sizes": {}}
         for mib in cfg["mib"]:

@@ -45,13 +45,11 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench_results import record, spawn_ranks
+from bench_results import join_ranks, record, spawn_ranks
 
 TOL = 1e-4
 
@@ -334,14 +332,10 @@ def _interleaved(paths: dict[str, Callable[[], Any]], reps: int, warmup: int, in
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    warnings.filterwarnings("ignore")
+    join_ranks(rank, world, port)
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=900))
     try:
         rk = _Rank(cfg)
         B, reps, warmup = cfg["batch"], cfg["reps"], cfg["warmup"]

@@ -1,7 +1,8 @@
 """The shared results file of the ``scripts/bench_*.py`` benchmarks (``bench/results.json``).
 
 Each benchmark records its section under its own key, keeping the others'.
-:func:`spawn_ranks` runs one benchmark worker per rank and collects their results.
+:func:`spawn_ranks` runs one benchmark worker per rank and collects their results; each worker starts
+with :func:`join_ranks`.
 """
 
 from __future__ import annotations
@@ -9,13 +10,16 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import queue
+import os
 import socket
 import time
+import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["record", "spawn_ranks"]
+__all__ = ["join_ranks", "record", "spawn_ranks"]
 
 
 def record(out: Path, key: str, result: Any) -> None:
@@ -64,3 +68,16 @@ def spawn_ranks(target: Callable[..., None], world: int, args: tuple, *, name: s
         kind = "WRONG RESULT" if e.get("mismatch") else "FAILED"
         raise SystemExit(f"{name}: {kind} on rank {e['rank']} (world {world}): {e['error']}\n{e['traceback']}")
     return sorted(results, key=lambda r: r["rank"])
+
+
+def join_ranks(rank: int, world: int, port: int, *, timeout_s: float = 900) -> None:
+    """In a worker :func:`spawn_ranks` started, first: one thread per rank (as the measured jobs run), no
+    warnings, and the gloo group of the ``world`` workers."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    warnings.filterwarnings("ignore")
+    import torch  # only now, in the worker: torch reads OMP_NUM_THREADS when it loads
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))

@@ -61,14 +61,12 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from bench_lookup import Mismatch, _check, _machine, _stats
-from bench_results import record, spawn_ranks
+from bench_results import join_ranks, record, spawn_ranks
 
 LR = 0.01
 EPS = 1e-8
@@ -388,16 +386,12 @@ def _add_memory(samples: dict[str, dict], mem: dict[str, list[int]]) -> None:
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    warnings.filterwarnings("ignore")
+    join_ranks(rank, world, port)
     import gc
 
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=900))
     try:
         result: dict[str, Any] = {"rank": rank, "layouts": {}}
         for key in cfg["layouts"]:
