@@ -2,7 +2,8 @@
 
 Filled once, at import, by ``wrapper/ops.py`` through :func:`implements`; registering an op
 twice is an error. An op with no handler raises ``NotImplementedError`` naming the op and its
-argument types. Neither the wrapper nor its handlers import each other through this module.
+argument types. The wrapper imports this module and the handlers import the wrapper, so the two
+never import each other.
 """
 
 from __future__ import annotations
