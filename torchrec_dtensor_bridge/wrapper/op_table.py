@@ -2,8 +2,8 @@
 
 Filled once, at import, by ``wrapper/ops.py`` through :func:`implements`; registering an op
 twice is an error. An op with no handler raises ``NotImplementedError`` naming the op and its
-argument types. The wrapper imports this module and the handlers import the wrapper, so the two
-never import each other.
+argument types. The wrapper imports this module, and the handlers import the wrapper and this module:
+no import cycle.
 """
 
 from __future__ import annotations
