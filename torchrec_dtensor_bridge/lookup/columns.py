@@ -88,14 +88,14 @@ def _exchange_columns_rows(plans: list[LookupPlan], blocks: list[list[Block]], t
     """
     p0 = plans[tables[0]]
     world, rank, dev, bags = p0.world, p0.rank, p0.batch.ids.device, p0.num_bags
-    widths = [sum(w for t in tables for _, w in plans[t].columns_of(p)) for p in range(world)]
+    widths = _widths(plans, tables, world)
     outs = [b.out for t in tables for b in blocks[t]]
     starts, mine = row_starts(bags), widths[rank]
     send_sizes = [0 if q == rank else bags[q] * mine for q in range(world)]
     whole = side_by_side(outs) if outs else None
-    first, last = starts[rank] == 0, starts[rank] + bags[rank] == sum(bags)
-    if whole is not None and whole.dtype == dtype and (first or last):
-        flat_in = (whole[bags[rank]:] if first else whole[: starts[rank]]).reshape(-1)
+    others = None if whole is None or whole.dtype != dtype else _rows_of_others(whole, starts[rank], bags[rank])
+    if others is not None:
+        flat_in = others.reshape(-1)
     else:
         flat_in = torch.empty(sum(send_sizes), dtype=dtype, device=dev)
         for q, piece in enumerate(flat_in.split(send_sizes)):
@@ -162,7 +162,7 @@ def _columns_backward_rows(
     """
     p0 = plans[tables[0]]
     world, rank, dev, bags = p0.world, p0.rank, p0.batch.ids.device, p0.num_bags
-    widths = [sum(w for t in tables for _, w in plans[t].columns_of(p)) for p in range(world)]
+    widths = _widths(plans, tables, world)
 
     def columns(p: int) -> list[torch.Tensor]:
         return [grad_outs[t][:, c0 : c0 + w].to(dtype) for t in tables for c0, w in plans[t].columns_of(p)]
@@ -177,15 +177,15 @@ def _columns_backward_rows(
     if mine and bags[rank]:
         torch.cat(columns(rank), dim=1, out=full[start : start + bags[rank]])
     recv_sizes = [0 if p == rank else n * mine for p, n in enumerate(bags)]
-    head, tail = full[:start], full[start + bags[rank] :]
-    in_place = start == 0 or tail.shape[0] == 0  # the other ranks' rows are one contiguous piece of full
-    into = (tail if start == 0 else head) if in_place else torch.empty(total - bags[rank], mine, dtype=dtype,
-                                                                        device=dev)
+    into = _rows_of_others(full, start, bags[rank])
+    in_place = into is not None
+    if into is None:
+        into = torch.empty(total - bags[rank], mine, dtype=dtype, device=dev)
     dist.all_to_all_single(into.view(-1), flat_in, recv_sizes, send_sizes, group=p0.group)
     del flat_in
     if not in_place:
-        head.copy_(into[:start])
-        tail.copy_(into[start:])
+        full[:start].copy_(into[:start])
+        full[start + bags[rank] :].copy_(into[start:])
     out, at = [], 0
     for t in tables:
         table = []
@@ -194,3 +194,18 @@ def _columns_backward_rows(
             at += b.cols[1]
         out.append(table)
     return out
+
+
+def _widths(plans: list[LookupPlan], tables: list[int], world: int) -> list[int]:
+    """Per rank, how many columns of ``tables`` it computes: the width of its row-major messages."""
+    return [sum(w for t in tables for _, w in plans[t].columns_of(p)) for p in range(world)]
+
+
+def _rows_of_others(t: torch.Tensor, start: int, n: int) -> torch.Tensor | None:
+    """The rows of ``t`` outside ``[start, start + n)`` (this rank's) when they are one contiguous piece of
+    it: this rank's rows first or last, as always with two ranks. ``None`` otherwise."""
+    if start == 0:
+        return t[n:]
+    if start + n == t.shape[0]:
+        return t[:start]
+    return None

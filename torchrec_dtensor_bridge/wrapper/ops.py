@@ -1,6 +1,6 @@
-"""The op table of :class:`LocalShardsWrapper`: every op is applied shard by shard.
+"""The handlers of :class:`LocalShardsWrapper`'s ops: every op is applied shard by shard.
 
-Handlers are registered once, at import, in ``op_table`` (see there).
+Registered once, at import, in the table of ``op_table`` (see there).
 """
 
 from __future__ import annotations
