@@ -293,3 +293,19 @@ def test_the_one_pass_id_check_of_cuda_tables():
     with pytest.raises(ValueError, match="offsets"):
         ops.check_ids_on_device("pool_sum", ids, bad_offsets, ROWS, 6)
     ops.check_ids_on_device("pool_sum", ids[:0], torch.zeros(19, dtype=torch.int64), ROWS, 6)  # empty bags
+
+
+def test_an_update_bumps_the_version_of_what_it_writes(impl):
+    """As an in-place op: the weights' and state's version counters move, so a graph that saved the weights
+    refuses its backward after an update instead of using changed values."""
+    if impl == "torch":
+        pytest.skip("the torch-op update math lives in optim/, not behind the op")
+    args = list(_op_args()["sparse_update"])
+    leaf = args[0].clone().requires_grad_()
+    saved = (leaf * leaf).sum()  # saves leaf for its backward
+    args[0] = leaf.detach()  # shares leaf's version counter
+    versions = (args[0]._version, args[9]._version)
+    torch.ops.tdb.sparse_update(*args)
+    assert args[0]._version > versions[0] and args[9]._version > versions[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()

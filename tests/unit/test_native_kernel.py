@@ -7,6 +7,7 @@ test_lookup_validation.py."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 from pathlib import Path
@@ -325,3 +326,115 @@ def test_adam_matches_reference(kernel, wd):
     untouched = torch.ones(weight.shape[0], dtype=torch.bool)
     untouched[ids] = False
     assert torch.equal(w[untouched], weight[untouched]) and torch.equal(a[untouched], m1[untouched])
+
+
+def _tables(seed: int, bags: int, max_len: int):
+    """Three tables of different widths in one flat storage (gaps between them), their per-row state in
+    another (gaps too), one batch per table back to back (table-major offsets), a gradient with strided rows."""
+    g = torch.Generator().manual_seed(seed)
+    dims, rows = [8, 16, 4], [300, 500, 200]
+    woff = [3, 3 + 300 * 8 + 5, 3 + 300 * 8 + 5 + 500 * 16 + 2]
+    soff = [1, 1 + 300 + 4, 1 + 300 + 4 + 500 + 9]
+    flat = torch.randn(woff[-1] + rows[-1] * dims[-1] + 6, generator=g)
+    state = torch.rand(soff[-1] + rows[-1] + 3, generator=g)
+    parts = [random_bags(g, r, bags, max_len, empty_first=True) for r in rows]
+    ids = torch.cat([p[0] for p in parts])
+    bounds, base = [torch.zeros(1, dtype=torch.int64)], 0
+    for p in parts:
+        bounds.append(p[1][1:] + base)
+        base += p[0].numel()
+    grad = torch.randn(bags, sum(dims) + 5, generator=g)[:, 2 : 2 + sum(dims)]
+    psw = torch.rand(ids.numel(), generator=g) + 0.5
+    return flat, woff, dims, rows, state, soff, ids, torch.cat(bounds), parts, grad, psw
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_one_call_over_tables_equals_one_call_per_table(kernel, kind):
+    """update_tables / pool_tables over three tables of one storage (state in one buffer, both with gaps):
+    bit for bit the calls per table, nothing outside the tables and their state touched; with 1 and 4 threads
+    (cuts over all tables' occurrences, on row boundaries)."""
+    flat, woff, dims, rows, state, soff, ids, offsets, parts, grad, psw = _tables(5, 6000, 8)
+    assert ids.numel() >= 4 * native._MIN_PER_THREAD, "enough occurrences for cuts inside tables"
+    elementwise = kind == "adagrad"
+    if elementwise:  # state like the rows
+        soff = woff
+        state = torch.rand(flat.numel())
+    ref_w, ref_s = flat.clone(), state.clone()
+    cols = list(itertools.accumulate(dims, initial=0))
+    for t, (tid, toff) in enumerate(parts):
+        w = ref_w[woff[t] : woff[t] + rows[t] * dims[t]].view(rows[t], dims[t])
+        s = ref_s[soff[t] : soff[t] + rows[t] * (dims[t] if elementwise else 1)]
+        s = s.view(rows[t], dims[t]) if elementwise else s
+        lo = int(offsets[t * 6000])
+        st = None if kind == "sgd" else s
+        kernel.update(KINDS[kind], w, grad[:, cols[t] : cols[t + 1]], tid, toff, psw[lo : lo + tid.numel()], st,
+                      LR, EPS)
+        assert torch.equal(kernel.pool_sum(w, tid, toff, psw[lo : lo + tid.numel()]),
+                           kernel.pool_tables(ref_w, woff, dims, rows, ids, offsets, psw)[:, cols[t] : cols[t + 1]])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            w, s = flat.clone(), state.clone()
+            kernel.update_tables(KINDS[kind], w, woff, dims, rows, grad, ids, offsets, psw,
+                                 None if kind == "sgd" else s, soff, LR, EPS)
+            assert torch.equal(w, ref_w), (kind, threads)
+            assert torch.equal(s, ref_s), (kind, threads)
+            assert not torch.equal(w, flat)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_row_cuts_over_several_tables_never_split_a_row():
+    """Three tables' sorted occurrences back to back (each table's keys sorted, not the whole), long runs of one
+    row: every cut is a table boundary or a row boundary inside its table, and the cuts exercise both."""
+    g = torch.Generator().manual_seed(3)
+    parts = []
+    for n in (3 * native._MIN_PER_THREAD, native._MIN_PER_THREAD // 2, 2 * native._MIN_PER_THREAD + 77):
+        runs = torch.randint(1, 4000, (n,), generator=g)
+        parts.append(torch.repeat_interleave(torch.arange(n, dtype=torch.int32), runs)[:n])
+    keys = torch.cat(parts)
+    bounds = list(itertools.accumulate([p.numel() for p in parts], initial=0))
+    inside = 0
+    for threads in range(2, 9):
+        cuts = native._row_cuts(keys, threads, bounds)
+        assert cuts[0] == 0 and cuts[-1] == keys.numel() and cuts == sorted(set(cuts)), cuts
+        for c in cuts[1:-1]:
+            if c not in bounds:
+                inside += 1
+                assert keys[c - 1] != keys[c], (threads, c)
+    assert inside >= 5, "cuts inside tables were exercised"
+
+
+def test_a_bad_id_of_a_later_table_refuses_before_any_update(kernel):
+    flat, woff, dims, rows, state, soff, ids, offsets, _, grad, psw = _tables(6, 40, 5)
+    ids[-1] = rows[2]  # the last table's last id, one past its rows
+    w, s = flat.clone(), state.clone()
+    with pytest.raises(ValueError, match=r"ids of table 2 outside \[0, 200\)"):
+        kernel.update_tables(native.ROWWISE_ADAGRAD, w, woff, dims, rows, grad, ids, offsets, psw, s, soff, LR, EPS)
+    assert torch.equal(w, flat) and torch.equal(s, state), "modified before refusing"
+    assert not kernel.ids_valid(ids, offsets, rows)
+    ids[-1] = rows[2] - 1
+    assert kernel.ids_valid(ids, offsets, rows)
+    bad = offsets.clone()
+    bad[5] = bad[7] + 1  # backwards
+    assert not kernel.ids_valid(ids, bad, rows)
+    with pytest.raises(ValueError, match="offsets must be non-decreasing"):
+        kernel.update_tables(native.SGD, w, woff, dims, rows, grad, ids, bad, None, None, [], LR, EPS)
+    with pytest.raises(ValueError, match="state of table 1"):
+        kernel.update_tables(native.ROWWISE_ADAGRAD, w, woff, dims, rows, grad, ids, offsets, None, s[:soff[1] + 10],
+                             soff, LR, EPS)
+    assert torch.equal(w, flat)
+
+
+def test_ids_outside_every_bag_are_not_read(kernel):
+    """Offsets that end before the last ids (as a caller's view of a longer batch): those ids are neither
+    checked nor used, by the pooled sum and by the update alike."""
+    weight, grad, ids, offsets, _ = _case(40, 4, 5, seed=2, strided=False, psw=False)
+    tail = torch.tensor([7, 8, 9, 40])  # the last one outside the table: never read
+    longer = torch.cat([ids, tail])
+    w = weight.clone()
+    kernel.update(native.SGD, w, grad, longer, offsets, None, None, LR, EPS)
+    want, _ = _reference("sgd", weight, grad, ids, offsets, None, None)
+    torch.testing.assert_close(w, want)
+    assert torch.equal(kernel.pool_sum(weight, longer, offsets, None), kernel.pool_sum(weight, ids, offsets, None))

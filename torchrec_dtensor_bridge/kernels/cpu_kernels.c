@@ -1,24 +1,29 @@
 /*
- * This package's CPU kernels for fp32 embedding shards: the pooled sum of a bag lookup, and the fused
- * optimizers' sparse updates in place.
+ * This package's CPU kernels for fp32 embedding tables: the pooled sum of a bag lookup, and the fused
+ * optimizers' sparse updates in place, each over every table of one flat storage in one call (table t's
+ * rows at element woff[t], dims[t] wide; its bags t * B .. (t + 1) * B - 1 of the T * B + 1 offsets,
+ * table-major, absolute positions in ids).
  *
- * Loaded by torchrec_dtensor_bridge/lookup/native.py (ctypes; compiled on first use, no Python or
+ * Loaded by torchrec_dtensor_bridge/kernels/native.py (ctypes; compiled on first use, no Python or
  * torch headers).
  *
- *   tdb_pool_sum  out[b] = sum over bag b's ids p of psw[p] * weight[ids[p]], in id order (the order
- *                 fbgemm's forward and torch.embedding_bag sum in), rows prefetched ahead.
+ *   tdb_check_tables  the batch checked (offsets in order, every id inside its table) without reading a row.
+ *   tdb_pool_tables   out[b, table t's columns] = sum over bag b's ids p of psw[p] * weight_t[ids[p]], in id
+ *                     order (the order fbgemm's forward and torch.embedding_bag sum in), rows prefetched
+ *                     ahead (tdb_pool_sum, one table's bags).
  *
- * The update of one shard from a bag lookup's output gradient, in two steps:
+ * The update of the tables from a lookup's output gradient, in two steps:
  *
- *   tdb_group  sorts the lookup's occurrences by row (a stable LSD radix sort of 32-bit
- *              keys, 8 bits a pass, as many passes as the shard's row count needs): keys[i]
- *              is the row of the i-th occurrence in row order, occ[i] its position in ids,
- *              and bag_of[p] the bag of occurrence p.
- *   tdb_bag_square_sums  (row-wise Adagrad) each bag's gradient row's sum of squares, up front.
- *   tdb_apply  walks [begin, end) of that order (begin and end on row boundaries, so disjoint
+ *   tdb_group_tables  checks the batch, then sorts each table's occurrences by row (a stable LSD radix
+ *              sort of 32-bit keys, 8 bits a pass, as many passes as the table's row count needs):
+ *              keys[i] is the row of the i-th occurrence in row order (table t's at positions
+ *              offsets[t * B] .. offsets[(t + 1) * B] - 1), occ[i] its position in ids, and bag_of[p]
+ *              the bag of occurrence p.
+ *   tdb_bag_square_sums_tables  (row-wise Adagrad) each bag's gradient row's sum of squares, up front.
+ *   tdb_apply_tables  walks [begin, end) of that order (begin and end on row boundaries, so disjoint
  *              ranges can run on threads at once): per touched row, the gradient summed over
  *              its occurrences (times the per-sample weight), then the update of the row and
- *              its state. Rows are visited in increasing order and prefetched ahead.
+ *              its state (tdb_apply, one table). Rows are visited in increasing order and prefetched ahead.
  *
  * The math (per touched row r with summed gradient g, the shard's width D; with L2 weight decay wd,
  * g is first replaced by g + wd * w):
@@ -64,19 +69,40 @@
 #define TDB_PREFETCHES static inline
 #endif
 
-int tdb_version(void) { return 6; }
+int tdb_version(void) { return 7; }
 
-/* Returns 0, or -1 when an id lies outside [0, rows) or a bag's offsets run backwards. */
-int tdb_group(const int64_t* ids, int64_t n, const int64_t* offsets, int64_t bags, int64_t rows,
-              int32_t* keys, int32_t* occ, int32_t* bag_of, int32_t* tmp_keys, int32_t* tmp_occ) {
-  for (int64_t b = 0; b < bags; ++b) {
-    if (offsets[b + 1] < offsets[b] || offsets[b] < 0 || offsets[b + 1] > n) return -1;
-    for (int64_t p = offsets[b]; p < offsets[b + 1]; ++p) bag_of[p] = (int32_t)b;
+/* Checks a batch over several tables (table t's bags t * bags .. (t + 1) * bags - 1 of offsets, tables *
+   bags + 1 absolute positions in the n ids) without reading any row: returns 0, -1 when the offsets run
+   backwards or outside [0, n], or -(t + 2) when an id of table t lies outside [0, rows[t]). */
+int tdb_check_tables(int64_t tables, const int64_t* rows, const int64_t* ids, int64_t n, const int64_t* offsets,
+                     int64_t bags) {
+  int64_t last = tables * bags;
+  if (offsets[0] < 0 || offsets[last] > n) return -1;
+  for (int64_t i = 0; i < last; ++i)
+    if (offsets[i + 1] < offsets[i]) return -1;
+  for (int64_t t = 0; t < tables; ++t) {
+    int64_t r = rows[t];
+    for (int64_t p = offsets[t * bags]; p < offsets[(t + 1) * bags]; ++p)
+      if (ids[p] < 0 || ids[p] >= r) return (int)(-2 - t);
   }
-  for (int64_t p = 0; p < n; ++p) {
-    if (ids[p] < 0 || ids[p] >= rows) return -1;
-    keys[p] = (int32_t)ids[p];
-    occ[p] = (int32_t)p;
+  return 0;
+}
+
+/* One table's occurrences, bags [0, bags) of offsets (absolute positions in ids, checked by the caller:
+   in order, inside ids), sorted by row into keys[lo..hi) and occ[lo..hi) (lo, hi: the first and last
+   bounds), bag_of[p] its bag; tmp_keys and tmp_occ alike. Returns 0, or -1 when an id lies outside
+   [0, rows). */
+static int tdb_group_one(const int64_t* ids, const int64_t* offsets, int64_t bags, int64_t rows, int32_t* keys,
+                         int32_t* occ, int32_t* bag_of, int32_t* tmp_keys, int32_t* tmp_occ) {
+  int64_t lo = offsets[0], n = offsets[bags] - lo;
+  for (int64_t b = 0; b < bags; ++b)
+    for (int64_t p = offsets[b]; p < offsets[b + 1]; ++p) bag_of[p] = (int32_t)b;
+  keys += lo; occ += lo; tmp_keys += lo; tmp_occ += lo;
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t id = ids[lo + i];
+    if (id < 0 || id >= rows) return -1;
+    keys[i] = (int32_t)id;
+    occ[i] = (int32_t)(lo + i);
   }
   int bits = 0;
   while (bits < 32 && (((int64_t)1) << bits) < rows) ++bits;
@@ -98,6 +124,23 @@ int tdb_group(const int64_t* ids, int64_t n, const int64_t* offsets, int64_t bag
     memcpy(keys, src_k, (size_t)n * sizeof(int32_t));
     memcpy(occ, src_o, (size_t)n * sizeof(int32_t));
   }
+  return 0;
+}
+
+/* Every table's occurrences grouped by row (tdb_group_one), table t's bags t * bags .. (t + 1) * bags - 1
+   of offsets (tables * bags + 1 absolute positions in the n ids). Checks everything before the caller
+   updates anything: returns 0, -1 when the offsets run backwards or outside [0, n], or -(t + 2) when an id
+   of table t lies outside [0, rows[t]). */
+int tdb_group_tables(int64_t tables, const int64_t* rows, const int64_t* ids, int64_t n, const int64_t* offsets,
+                     int64_t bags, int32_t* keys, int32_t* occ, int32_t* bag_of, int32_t* tmp_keys,
+                     int32_t* tmp_occ) {
+  int64_t last = tables * bags;
+  if (offsets[0] < 0 || offsets[last] > n) return -1;
+  for (int64_t i = 0; i < last; ++i)
+    if (offsets[i + 1] < offsets[i]) return -1;
+  for (int64_t t = 0; t < tables; ++t)
+    if (tdb_group_one(ids, offsets + t * bags, bags, rows[t], keys, occ, bag_of, tmp_keys, tmp_occ) != 0)
+      return (int)(-2 - t);
   return 0;
 }
 
@@ -188,11 +231,35 @@ int tdb_pool_sum(const float* restrict weight, int64_t ldw, int64_t dim, int64_t
   return 0;
 }
 
+/* tdb_pool_sum over several tables of one flat storage: table t's rows at weights + woff[t] (dims[t] wide,
+   rows[t] of them), its bags t * bags .. (t + 1) * bags - 1 of offsets, its sums at column doff[t] of out
+   (ldo floats a row); the bags g0 .. g1 - 1 of all tables (so that ranges of them can run on threads).
+   Returns 0, or -(t + 1) for table t as tdb_pool_sum's -1. */
+int tdb_pool_tables(const float* weights, int64_t tables, const int64_t* woff, const int64_t* dims,
+                    const int64_t* rows, float* out, int64_t ldo, const int64_t* doff, const int64_t* ids,
+                    int64_t n_ids, const int64_t* offsets, int64_t bags, int64_t g0, int64_t g1, const float* psw) {
+  if (bags <= 0) return 0;
+  for (int64_t t = g0 / bags; t < tables && t * bags < g1; ++t) {
+    int64_t b0 = g0 > t * bags ? g0 - t * bags : 0, b1 = g1 < (t + 1) * bags ? g1 - t * bags : bags;
+    if (b0 < b1 && tdb_pool_sum(weights + woff[t], dims[t], dims[t], rows[t], out + doff[t], ldo, ids, n_ids,
+                                offsets + t * bags, b0, b1, psw) != 0)
+      return (int)(-1 - t);
+  }
+  return 0;
+}
+
 /* out[b] = sum of squares of bag b's gradient row: row-wise Adagrad's statistic of a row touched once,
    known before that row is visited (its update then waits on no gradient load). */
 TDB_CLONES
 void tdb_bag_square_sums(const float* grad, int64_t ldg, int64_t dim, int64_t bags, float* out) {
   for (int64_t b = 0; b < bags; ++b) out[b] = tdb_square_sum(grad + b * ldg, dim);
+}
+
+/* tdb_bag_square_sums for every table: table t's gradient at column goff[t] of grad (dims[t] wide), its
+   bags' sums at out + t * bags. */
+void tdb_bag_square_sums_tables(const float* grad, int64_t ldg, int64_t tables, const int64_t* goff,
+                                const int64_t* dims, int64_t bags, float* out) {
+  for (int64_t t = 0; t < tables; ++t) tdb_bag_square_sums(grad + goff[t], ldg, dims[t], bags, out + t * bags);
 }
 
 /* Hyper-parameters of tdb_apply, in this order (Adam's bias corrections for its step t computed by the
@@ -204,7 +271,7 @@ enum { TDB_LR, TDB_EPS, TDB_WD, TDB_BETA1, TDB_BETA2, TDB_ADAM_STEP_SIZE, TDB_AD
    element-wise momentum1 (lds a row); state2: Adam's momentum2. bag_sq: tdb_bag_square_sums of grad for
    row-wise Adagrad without L2 decay (else unused, may be NULL). hp: TDB_HYPER floats. */
 TDB_CLONES
-int tdb_apply(int kind, int decay, float* weight, int64_t ldw, int64_t dim, float* state, float* state2,
+static int tdb_apply(int kind, int decay, float* weight, int64_t ldw, int64_t dim, float* state, float* state2,
               int64_t lds, const float* grad, int64_t ldg, const float* psw, const int32_t* keys,
               const int32_t* occ, const int32_t* bag_of, const float* bag_sq, int64_t begin, int64_t end,
               const float* hp) {
@@ -288,3 +355,27 @@ int tdb_apply(int kind, int decay, float* weight, int64_t ldw, int64_t dim, floa
   }
   return 0;
 }
+
+/* tdb_apply over the tables tdb_group_tables grouped: table t's rows at weights + woff[t] (dims[t] wide), its
+   state at state + soff[t] and state2 + s2off[t] (per row for row-wise Adagrad, else like its rows), its
+   gradient at column goff[t] of grad, its bags' square sums (row-wise Adagrad) at bag_sq + t * bags; the
+   grouped occurrences begin .. end - 1 of all tables (cut on row boundaries, so that ranges of them can
+   run on threads). Returns 0, or tdb_apply's -1. */
+int tdb_apply_tables(int kind, int decay, float* weights, int64_t tables, const int64_t* woff, const int64_t* dims,
+                     float* state, const int64_t* soff, float* state2, const int64_t* s2off, const float* grad,
+                     int64_t ldg, const int64_t* goff, const float* psw, const int32_t* keys, const int32_t* occ,
+                     const int32_t* bag_of, const float* bag_sq, const int64_t* offsets, int64_t bags,
+                     int64_t begin, int64_t end, const float* hp) {
+  for (int64_t t = 0; t < tables; ++t) {
+    int64_t lo = offsets[t * bags], hi = offsets[(t + 1) * bags];
+    int64_t a = lo > begin ? lo : begin, z = hi < end ? hi : end;
+    if (a >= z) continue;
+    int64_t lds = kind == TDB_ROWWISE_ADAGRAD ? 1 : dims[t];
+    int rc = tdb_apply(kind, decay, weights + woff[t], dims[t], dims[t], state ? state + soff[t] : NULL,
+                       state2 ? state2 + s2off[t] : NULL, lds, grad + goff[t], ldg, psw, keys, occ, bag_of,
+                       bag_sq ? bag_sq + t * bags : NULL, a, z, hp);
+    if (rc != 0) return rc;
+  }
+  return 0;
+}
+

@@ -68,16 +68,15 @@ def pool_sum(which: Impl, weights: torch.Tensor, weights_offsets: list[int], dim
     if which is Impl.FBGEMM:
         args = fbgemm.table_args(tuple(weights_offsets), tuple(dims), tuple(rows), weights.device)
         return fbgemm.pool_sum(weights, args, ids, offsets, psw)
+    kernel = native.kernel() if which is Impl.NATIVE else None
+    if kernel is not None:  # one call for every table
+        with torch.profiler.record_function("tdb::native_pool_sum"):
+            return kernel.pool_tables(weights, weights_offsets, dims, rows, ids, offsets, psw)
     starts = _starts(dims)
     out = torch.empty(b, starts[-1], dtype=torch.float32, device=weights.device)
-    kernel = native.kernel() if which is Impl.NATIVE else None
     for t in range(tables):
         shard = _table(weights, weights_offsets[t], rows[t], dims[t])
         into = out[:, starts[t] : starts[t + 1]]
-        if kernel is not None:  # absolute offsets into the whole ids: no per-table slicing
-            with torch.profiler.record_function("tdb::native_pool_sum"):
-                kernel.pool_sum(shard, ids, offsets[t * b : (t + 1) * b + 1], psw, out=into)
-            continue
         tid, toff, tpsw = _bags(ids, offsets, psw, t, b)
         into.copy_(torch.embedding_bag(shard, tid, toff[:-1], False, 0, False, tpsw, False)[0])
     return out
@@ -116,31 +115,23 @@ def sparse_update(which: Impl, weights: torch.Tensor, weights_offsets: list[int]
     kernel = native.kernel()
     if which is Impl.TORCH or (which is Impl.NATIVE and kernel is None):
         raise RuntimeError(f"sparse update: no one-pass kernel for {which.name.lower()} (choose.update_impl decides)")
-    # one call per table: ours, or fbgemm's Adagrad, which addresses its momentum by the WEIGHTS' offsets
-    # (momentum1_offsets unread), for state laid out otherwise
+    if which is Impl.NATIVE:  # one call for every table
+        assert kernel is not None, "checked above"
+        with torch.profiler.record_function(f"tdb::native_update_{kind}"):
+            kernel.update_tables(_NATIVE_KINDS[kind], weights, weights_offsets, dims, rows, grad, ids, offsets, psw,
+                                 momentum1, momentum1_offsets, lr, eps, weight_decay, decay, state2=momentum2,
+                                 state2_offsets=momentum2_offsets, beta1=beta1, beta2=beta2, step=step)
+        return
+    # fbgemm's Adagrad, which addresses its momentum by the WEIGHTS' offsets (momentum1_offsets unread), for
+    # state laid out otherwise: one call per table
     tables, starts = len(dims), _starts(dims)
     b = (offsets.numel() - 1) // tables
-    per_row = kind == "rowwise_adagrad"
     for t in range(tables):
         tid, toff, tpsw = _bags(ids, offsets, psw, t, b)
         if tid.numel() == 0:
             continue
-        states: list[torch.Tensor | None] = []
-        for m, at in ((momentum1, momentum1_offsets), (momentum2, momentum2_offsets)):
-            if m is None:
-                states.append(None)
-            elif per_row:
-                states.append(m[at[t] : at[t] + rows[t]])
-            else:
-                states.append(_table(m, at[t], rows[t], dims[t]))
+        state = None if momentum1 is None else _table(momentum1, momentum1_offsets[t], rows[t], dims[t]).reshape(-1)
         shard, tgrad = _table(weights, weights_offsets[t], rows[t], dims[t]), grad[:, starts[t] : starts[t + 1]]
-        if which is Impl.FBGEMM:
-            args = fbgemm.table_args((0,), (dims[t],), (rows[t],), weights.device)
-            state = None if states[0] is None else states[0].reshape(-1)
-            fbgemm.update(kind, shard.view(-1), args, tgrad, tid, toff, tpsw, state, args.weights_offsets, lr, eps,
-                          weight_decay=weight_decay, decay=decay, beta1=beta1, beta2=beta2, step=step)
-            continue
-        assert kernel is not None, "checked above"
-        with torch.profiler.record_function(f"tdb::native_update_{kind}"):
-            kernel.update(_NATIVE_KINDS[kind], shard, tgrad, tid, toff, tpsw, states[0], lr, eps, weight_decay,
-                          decay, state2=states[1], beta1=beta1, beta2=beta2, step=step)
+        args = fbgemm.table_args((0,), (dims[t],), (rows[t],), weights.device)
+        fbgemm.update(kind, shard.view(-1), args, tgrad, tid, toff, tpsw, state, args.weights_offsets, lr, eps,
+                      weight_decay=weight_decay, decay=decay, beta1=beta1, beta2=beta2, step=step)

@@ -16,7 +16,12 @@ storage. Steps of a call:
 2. The implementation for the device is :mod:`.choose`'s decision (one place per op and device).
 3. It runs (:mod:`.impl`).
 
-The CPU and CUDA implementations are registered here under the same names. On CUDA the ids are checked in
+The ops are declared with ``torch.library.Library`` (schemas, with the in-place arguments marked) and their
+CPU, CUDA and fake implementations registered under the same names: the dispatcher calls each
+implementation directly (``torch.library.custom_op`` adds Python layers that cost more per call than a
+small lookup's kernel, BENCHMARKS.md). An update bumps the version counters of the tensors it wrote, as
+in-place ops do. On CPU the ids are checked in one pass of this package's C code when it is built
+(:meth:`.native.NativeKernel.ids_valid`). On CUDA the ids are checked in
 one pass on the device (one synchronisation), and fbgemm's kernels run only on tables whose rows they can
 read (:func:`.fbgemm.fits`); pooling and the dense gradient fall back to torch's ops otherwise, a fused
 update refuses. The fakes give the output shapes, so FakeTensor and ``torch.compile`` trace the ops, and the
@@ -25,9 +30,12 @@ profiler names them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from . import choose, fbgemm, impl
+from . import choose, fbgemm, impl, native
 
 __all__ = ["dense_grad", "pool_sum", "sparse_update"]
 
@@ -70,6 +78,9 @@ def _check_ids(op: str, ids: Tensor, offsets: Tensor, rows: list[int], b: int) -
     """Offsets in order and every table's ids inside its rows (the kernels read where they point)."""
     if ids.device.type == "meta" or offsets.numel() == 0:
         return
+    kernel = native.kernel() if ids.device.type == "cpu" and ids.is_contiguous() and offsets.is_contiguous() else None
+    if kernel is not None and kernel.ids_valid(ids, offsets, rows):  # one pass in C; a problem is named below
+        return
     if int(offsets[0]) < 0 or int(offsets[-1]) > ids.numel() or bool((offsets[1:] < offsets[:-1]).any()):
         raise _fail(op, "offsets", f"boundaries from {int(offsets[0])} to {int(offsets[-1])}",
                     f"non-decreasing within [0, {ids.numel()}]")
@@ -105,7 +116,40 @@ def _fbgemm_fits(which: impl.Impl, weights: Tensor, weights_offsets: list[int], 
     return which is not impl.Impl.FBGEMM or fbgemm.fits(weights, weights_offsets, dims)
 
 
-@torch.library.custom_op("tdb::pool_sum", mutates_args=(), device_types="cpu")
+_LIB = torch.library.Library("tdb", "DEF")  # held here: the ops live as long as this module
+_LIB.define("pool_sum(Tensor weights, int[] weights_offsets, int[] dims, int[] rows, Tensor ids, Tensor offsets, "
+            "Tensor? per_sample_weights) -> Tensor")
+_LIB.define("pool_sum_backward(Tensor grad, int[] dims, int[] rows, Tensor ids, Tensor offsets, "
+            "Tensor? per_sample_weights) -> Tensor")
+_LIB.define("sparse_update(Tensor(a!) weights, int[] weights_offsets, int[] dims, int[] rows, Tensor grad, "
+            "Tensor ids, Tensor offsets, Tensor? per_sample_weights, str kind, Tensor(b!)? momentum1, "
+            "int[] momentum1_offsets, Tensor(c!)? momentum2, int[] momentum2_offsets, float lr, float eps, "
+            "float weight_decay, int decay, float beta1, float beta2, int step) -> ()")
+
+
+def _register(name: str, device: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Registers the decorated function as ``tdb::name``'s kernel for ``device`` ("CPU", "CUDA") or, for
+    "fake", its fake implementation; returns it unchanged."""
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if device == "fake":
+            torch.library.register_fake(f"tdb::{name}", fn, lib=_LIB)
+        else:
+            _LIB.impl(name, fn, device)
+        return fn
+
+    return register
+
+
+def _bump_versions(*mutated: Tensor | None) -> None:
+    """What an in-place op owes autograd: the version counters of the tensors it wrote move on, so that a
+    graph that saved one of them refuses its backward instead of using changed values."""
+    for t in mutated:
+        if t is not None:
+            torch.autograd.graph.increment_version(t)
+
+
+@_register("pool_sum", "CPU")
 def pool_sum(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], ids: Tensor,
              offsets: Tensor, per_sample_weights: Tensor | None) -> Tensor:
     """The pooled SUM of every table of one storage (see the module docstring)."""
@@ -117,7 +161,7 @@ def pool_sum(weights: Tensor, weights_offsets: list[int], dims: list[int], rows:
     return impl.pool_sum(which, weights, weights_offsets, dims, rows, ids, offsets, per_sample_weights)
 
 
-@pool_sum.register_fake
+@_register("pool_sum", "fake")
 def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
       per_sample_weights: Tensor | None) -> Tensor:
     _check_tables("pool_sum", weights, weights_offsets, dims, rows)
@@ -125,7 +169,7 @@ def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[i
     return weights.new_empty(b, sum(dims))
 
 
-@pool_sum.register_kernel("cuda")
+@_register("pool_sum", "CUDA")
 def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
       per_sample_weights: Tensor | None) -> Tensor:
     _check_tables("pool_sum", weights, weights_offsets, dims, rows)
@@ -139,7 +183,7 @@ def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[i
     return impl.pool_sum(which, weights, weights_offsets, dims, rows, ids, offsets, per_sample_weights)
 
 
-@torch.library.custom_op("tdb::pool_sum_backward", mutates_args=(), device_types="cpu")
+@_register("pool_sum_backward", "CPU")
 def dense_grad(grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
                per_sample_weights: Tensor | None) -> Tensor:
     """The dense weight gradients of :func:`pool_sum`, flat, table ``t``'s ``rows[t] x dims[t]`` after table
@@ -149,14 +193,14 @@ def dense_grad(grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offs
     return impl.dense_grad(choose.dense_impl(grad.device), grad, dims, rows, ids, offsets, per_sample_weights)
 
 
-@dense_grad.register_fake
+@_register("pool_sum_backward", "fake")
 def _(grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
       per_sample_weights: Tensor | None) -> Tensor:
     _check_grad("pool_sum_backward", grad, dims, rows, ids, offsets, per_sample_weights)
     return grad.new_empty(sum(r * d for r, d in zip(rows, dims)))
 
 
-@dense_grad.register_kernel("cuda")
+@_register("pool_sum_backward", "CUDA")
 def _(grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
       per_sample_weights: Tensor | None) -> Tensor:
     b = _check_grad("pool_sum_backward", grad, dims, rows, ids, offsets, per_sample_weights)
@@ -182,8 +226,7 @@ def _check_grad(op: str, grad: Tensor, dims: list[int], rows: list[int], ids: Te
     return b
 
 
-@torch.library.custom_op("tdb::sparse_update", mutates_args=("weights", "momentum1", "momentum2"),
-                         device_types="cpu")
+@_register("sparse_update", "CPU")
 def sparse_update(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], grad: Tensor,
                   ids: Tensor, offsets: Tensor, per_sample_weights: Tensor | None, kind: str,
                   momentum1: Tensor | None, momentum1_offsets: list[int], momentum2: Tensor | None,
@@ -196,13 +239,15 @@ def sparse_update(weights: Tensor, weights_offsets: list[int], dims: list[int], 
     if which is impl.Impl.TORCH:
         raise ValueError(f"tdb::sparse_update: no one-pass kernel for kind {kind!r} with weight_decay={weight_decay} "
                          "on this host (kernels.choose.update_impl)")
-    _check_ids("sparse_update", ids, offsets, rows, b)  # every table's, before the first one is updated
+    if which is not impl.Impl.NATIVE:  # ours checks every table's in its grouping pass, before any update
+        _check_ids("sparse_update", ids, offsets, rows, b)  # every table's, before the first one is updated
     impl.sparse_update(which, weights, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind,
                        momentum1, momentum1_offsets, momentum2, momentum2_offsets, lr, eps, weight_decay, decay,
                        beta1, beta2, step)
+    _bump_versions(weights, momentum1, momentum2)
 
 
-@sparse_update.register_fake
+@_register("sparse_update", "fake")
 def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], grad: Tensor, ids: Tensor,
       offsets: Tensor, per_sample_weights: Tensor | None, kind: str, momentum1: Tensor | None,
       momentum1_offsets: list[int], momentum2: Tensor | None, momentum2_offsets: list[int], lr: float, eps: float,
@@ -211,7 +256,7 @@ def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[i
                   momentum1_offsets, momentum2, momentum2_offsets)
 
 
-@sparse_update.register_kernel("cuda")
+@_register("sparse_update", "CUDA")
 def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], grad: Tensor, ids: Tensor,
       offsets: Tensor, per_sample_weights: Tensor | None, kind: str, momentum1: Tensor | None,
       momentum1_offsets: list[int], momentum2: Tensor | None, momentum2_offsets: list[int], lr: float, eps: float,
@@ -231,10 +276,12 @@ def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[i
                          f"be multiples of {fbgemm.ALIGN} and the storage aligned")
     check_ids_on_device("sparse_update", ids, offsets, rows, b)
     if b == 0 or ids.numel() == 0:
+        _bump_versions(weights, momentum1, momentum2)
         return
     impl.sparse_update(which, weights, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind,
                        momentum1, momentum1_offsets, momentum2, momentum2_offsets, lr, eps, weight_decay, decay,
                        beta1, beta2, step)
+    _bump_versions(weights, momentum1, momentum2)
 
 
 def _check_update(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], grad: Tensor,
