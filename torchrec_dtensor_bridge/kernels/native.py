@@ -260,9 +260,9 @@ def _inputs(what: str, weights: torch.Tensor, weights_offsets: list[int], dims: 
         if at < 0 or at + r * d > weights.numel():
             raise _fail(what, f"table {t}", f"offset {at}, {r} rows x {d} columns",
                         f"inside weights of {weights.numel()} elements")
-    for name, t in (("ids", ids), ("offsets", offsets)):
-        if t.dim() != 1 or t.dtype != torch.int64 or t.device.type != "cpu":
-            raise _fail(what, name, f"{t.dtype} {tuple(t.shape)} on {t.device}", "a 1-D int64 CPU tensor")
+    for name, x in (("ids", ids), ("offsets", offsets)):
+        if x.dim() != 1 or x.dtype != torch.int64 or x.device.type != "cpu":
+            raise _fail(what, name, f"{x.dtype} {tuple(x.shape)} on {x.device}", "a 1-D int64 CPU tensor")
     if offsets.numel() < 1 or (offsets.numel() - 1) % tables:
         raise _fail(what, "offsets", f"{offsets.numel()} boundaries", f"T * B + 1 bag boundaries for T = {tables}")
     if ids.numel() >= 2**31:
