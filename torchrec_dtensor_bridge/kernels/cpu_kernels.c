@@ -24,6 +24,8 @@
  *              ranges can run on threads at once): per touched row, the gradient summed over
  *              its occurrences (times the per-sample weight), then the update of the row and
  *              its state (tdb_apply, one table). Rows are visited in increasing order and prefetched ahead.
+ *   tdb_update_tables  the same on one thread, each table grouped right before it is walked (its
+ *              grouping still in cache), every table's ids checked before the first write.
  *
  * The math (per touched row r with summed gradient g, the shard's width D; with L2 weight decay wd,
  * g is first replaced by g + wd * w):
@@ -50,6 +52,7 @@
 #define TDB_PREFETCH 8 /* rows ahead, updates */
 #define TDB_POOL_PREFETCH 24 /* ids ahead, pooling */
 #define TDB_MAX_DIM 8192
+#define TDB_BAD_ARGUMENTS (-1000000) /* an update's kind, decay or width refused (checked before any write) */
 
 /* One copy per x86-64 feature level, picked at load time by what the CPU supports (levels, not CPU
    names: virtual machines report generic models, which "arch=<cpu>" clones never match); v3 and v4 have
@@ -360,7 +363,7 @@ static int tdb_apply(int kind, int decay, float* weight, int64_t ldw, int64_t di
    state at state + soff[t] and state2 + s2off[t] (per row for row-wise Adagrad, else like its rows), its
    gradient at column goff[t] of grad, its bags' square sums (row-wise Adagrad) at bag_sq + t * bags; the
    grouped occurrences begin .. end - 1 of all tables (cut on row boundaries, so that ranges of them can
-   run on threads). Returns 0, or tdb_apply's -1. */
+   run on threads). Returns 0, or TDB_BAD_ARGUMENTS (tdb_apply's -1). */
 int tdb_apply_tables(int kind, int decay, float* weights, int64_t tables, const int64_t* woff, const int64_t* dims,
                      float* state, const int64_t* soff, float* state2, const int64_t* s2off, const float* grad,
                      int64_t ldg, const int64_t* goff, const float* psw, const int32_t* keys, const int32_t* occ,
@@ -374,7 +377,33 @@ int tdb_apply_tables(int kind, int decay, float* weights, int64_t tables, const 
     int rc = tdb_apply(kind, decay, weights + woff[t], dims[t], dims[t], state ? state + soff[t] : NULL,
                        state2 ? state2 + s2off[t] : NULL, lds, grad + goff[t], ldg, psw, keys, occ, bag_of,
                        bag_sq ? bag_sq + t * bags : NULL, a, z, hp);
-    if (rc != 0) return rc;
+    if (rc != 0) return TDB_BAD_ARGUMENTS;
+  }
+  return 0;
+}
+
+/* The whole update of every table on one thread, each table grouped just before it is walked (its
+   grouping still in cache): the batch checked first (tdb_check_tables, whose codes it returns), so that
+   nothing is written unless every id is valid; then per table tdb_group_one, its bags' square sums
+   (row-wise Adagrad, when bag_sq is not NULL: tables * bags floats) and tdb_apply over all of it.
+   Returns 0, tdb_check_tables' codes, or TDB_BAD_ARGUMENTS (tdb_apply's -1). */
+int tdb_update_tables(int kind, int decay, float* weights, int64_t tables, const int64_t* woff, const int64_t* dims,
+                      const int64_t* rows, float* state, const int64_t* soff, float* state2, const int64_t* s2off,
+                      const float* grad, int64_t ldg, const int64_t* goff, const float* psw, const int64_t* ids,
+                      int64_t n, const int64_t* offsets, int64_t bags, int32_t* keys, int32_t* occ, int32_t* bag_of,
+                      int32_t* tmp_keys, int32_t* tmp_occ, float* bag_sq, const float* hp) {
+  int rc = tdb_check_tables(tables, rows, ids, n, offsets, bags);
+  if (rc != 0) return rc;
+  for (int64_t t = 0; t < tables; ++t) {
+    const int64_t* off = offsets + t * bags;
+    if (off[bags] == off[0]) continue;
+    tdb_group_one(ids, off, bags, rows[t], keys, occ, bag_of, tmp_keys, tmp_occ); /* checked above */
+    if (bag_sq) tdb_bag_square_sums(grad + goff[t], ldg, dims[t], bags, bag_sq + t * bags);
+    int64_t lds = kind == TDB_ROWWISE_ADAGRAD ? 1 : dims[t];
+    if (tdb_apply(kind, decay, weights + woff[t], dims[t], dims[t], state ? state + soff[t] : NULL,
+                  state2 ? state2 + s2off[t] : NULL, lds, grad + goff[t], ldg, psw, keys, occ, bag_of,
+                  bag_sq ? bag_sq + t * bags : NULL, off[0], off[bags], hp) != 0)
+      return TDB_BAD_ARGUMENTS;
   }
   return 0;
 }

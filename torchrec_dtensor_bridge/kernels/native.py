@@ -56,6 +56,7 @@ DECAY_NONE, DECAY_L2, DECAY_DECOUPLED = 0, 1, 2  # as optim.kinds.WeightDecayMod
 _VERSION = 7
 _MAX_DIM = 8192
 _MIN_PER_THREAD = 16384  # occurrences: below this, one thread
+_BAD_ARGUMENTS = -1000000  # cpu_kernels.c's TDB_BAD_ARGUMENTS
 
 
 class NativeKernel:
@@ -77,6 +78,9 @@ class NativeKernel:
         lib.tdb_bag_square_sums_tables.restype = None
         lib.tdb_pool_tables.argtypes = [p, i64, p, p, p, p, i64, p, p, i64, p, i64, i64, i64, p]
         lib.tdb_pool_tables.restype = i32
+        lib.tdb_update_tables.argtypes = [i32, i32, p, i64, p, p, p, p, p, p, p, p, i64, p, p, p, i64, p, i64, p, p,
+                                          p, p, p, p, p]
+        lib.tdb_update_tables.restype = i32
         lib.tdb_check_tables.argtypes = [i64, p, p, i64, p, i64]
         lib.tdb_check_tables.restype = i32
         self.lib, self.path = lib, path
@@ -165,34 +169,51 @@ class NativeKernel:
             return
         work = torch.empty(5, n, dtype=torch.int32)
         keys, occ, bag_of = work[0], work[1], work[2]
-        rows_t = _i64(tuple(rows))
-        rc = self.lib.tdb_group_tables(tables, rows_t.data_ptr(), ids.data_ptr(), n, offsets.data_ptr(), bags,
-                                       keys.data_ptr(), occ.data_ptr(), bag_of.data_ptr(), work[3].data_ptr(),
-                                       work[4].data_ptr())
-        if rc == -1:
-            raise _fail(what, "offsets", "boundaries out of order", f"non-decreasing within [0, {n}]")
-        if rc != 0:
-            raise ValueError(f"{what}: ids of table {-2 - rc} outside [0, {rows[-2 - rc]})")
         if not weight_decay:
             decay = DECAY_NONE
-        goff, dims_t = _i64(tuple(_starts(dims))), _i64(tuple(dims))
-        bag_sq = None
-        if kind == ROWWISE_ADAGRAD and decay != DECAY_L2:  # a row touched once takes its statistic from here
+        rows_t, goff, dims_t = _i64(tuple(rows)), _i64(tuple(_starts(dims))), _i64(tuple(dims))
+        woff_t = _i64(tuple(weights_offsets))
+        soff_t = None if state is None else _i64(tuple(state_offsets))
+        s2off_t = None if state2 is None else _i64(tuple(state2_offsets or ()))
+        bag_sq = None  # row-wise Adagrad: a row touched once takes its statistic from its bag's
+        if kind == ROWWISE_ADAGRAD and decay != DECAY_L2:
             bag_sq = torch.empty(tables * bags, dtype=torch.float32)
-            self.lib.tdb_bag_square_sums_tables(grad.data_ptr(), grad.stride(0), tables, goff.data_ptr(),
-                                                dims_t.data_ptr(), bags, bag_sq.data_ptr())
         hyper = torch.tensor([lr, eps, weight_decay, beta1, beta2, lr / (1 - beta1**step) if kind == ADAM else 0.0,
                               1 - beta2**step if kind == ADAM else 1.0], dtype=torch.float32)
-        head = (kind, decay, weights.data_ptr(), tables, _i64(tuple(weights_offsets)).data_ptr(), dims_t.data_ptr(),
-                _ptr(state), _i64(tuple(state_offsets)).data_ptr() if state is not None else None,
-                _ptr(state2), _i64(tuple(state2_offsets or ())).data_ptr() if state2 is not None else None,
-                grad.data_ptr(), grad.stride(0), goff.data_ptr(), _ptr(psw), keys.data_ptr(), occ.data_ptr(),
-                bag_of.data_ptr(), _ptr(bag_sq), offsets.data_ptr(), bags)
+        tables_args = (weights.data_ptr(), tables, woff_t.data_ptr(), dims_t.data_ptr())
+        states = (_ptr(state), _ptr(soff_t), _ptr(state2), _ptr(s2off_t))
+        grads = (grad.data_ptr(), grad.stride(0), goff.data_ptr(), _ptr(psw))
+        threads = torch.get_num_threads()
+        if threads == 1 or n < 2 * _MIN_PER_THREAD:  # each table grouped right before its walk
+            rc = self.lib.tdb_update_tables(
+                kind, decay, *tables_args, rows_t.data_ptr(), *states, *grads, ids.data_ptr(), n, offsets.data_ptr(),
+                bags, *(w.data_ptr() for w in work), _ptr(bag_sq), hyper.data_ptr())
+            self._raise(rc, rows, n)
+            return
+        # several threads: every table grouped first (nothing written unless every id is valid), then the
+        # walks, cut over all tables' occurrences on row boundaries
+        rc = self.lib.tdb_group_tables(tables, rows_t.data_ptr(), ids.data_ptr(), n, offsets.data_ptr(), bags,
+                                       *(w.data_ptr() for w in work))
+        self._raise(rc, rows, n)
+        if bag_sq is not None:
+            self.lib.tdb_bag_square_sums_tables(grad.data_ptr(), grad.stride(0), tables, goff.data_ptr(),
+                                                dims_t.data_ptr(), bags, bag_sq.data_ptr())
+        head = (kind, decay, *tables_args, *states, *grads, keys.data_ptr(), occ.data_ptr(), bag_of.data_ptr(),
+                _ptr(bag_sq), offsets.data_ptr(), bags)
         bounds = offsets[::bags].tolist()
-        for rc in _in_parts(self.lib.tdb_apply_tables, head, _row_cuts(keys, torch.get_num_threads(), bounds),
-                            (hyper.data_ptr(),)):
-            if rc != 0:
-                raise RuntimeError(f"sparse update kernel: bad arguments ({rc})")
+        for rc in _in_parts(self.lib.tdb_apply_tables, head, _row_cuts(keys, threads, bounds), (hyper.data_ptr(),)):
+            self._raise(rc, rows, n)
+
+    @staticmethod
+    def _raise(rc: int, rows: list[int], n: int) -> None:
+        """The exception for a return code of the update's C functions (none for 0)."""
+        if rc == 0:
+            return
+        if rc == -1:
+            raise _fail("sparse update", "offsets", "boundaries out of order", f"non-decreasing within [0, {n}]")
+        if rc == _BAD_ARGUMENTS:
+            raise RuntimeError("sparse update kernel: bad arguments (kind, decay or width)")
+        raise ValueError(f"sparse update: ids of table {-2 - rc} outside [0, {rows[-2 - rc]})")
 
     def pool_sum(self, weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
                  per_sample_weights: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
