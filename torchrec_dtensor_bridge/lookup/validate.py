@@ -344,6 +344,14 @@ def _shown(name: str, column: list[int]) -> list[object]:
 
 def _check_same(fn: str, rows: list[list[int]], table: int | None) -> list[RankInfo]:
     """Compare one table's codes across ranks (``rows``: per rank, its fields); its per-rank sizes."""
+    nf = _SIZES + len(_CODE_FIELDS)
+    if any(r[_SIZES:nf] != rows[0][_SIZES:nf] for r in rows):
+        _name_the_difference(fn, rows, table)
+    return [RankInfo(r[0], r[1], bool(r[2]), None if r[nf] < 0 else tuple(r[nf:])) for r in rows]
+
+
+def _name_the_difference(fn: str, rows: list[list[int]], table: int | None) -> None:
+    """Raises the ``ValueError`` that names the first code on which the ranks' ``rows`` differ."""
     where = "" if table is None else f" for table {table}"
     for i, f in enumerate(_CODE_FIELDS):
         column = [r[_SIZES + i] for r in rows]
@@ -366,8 +374,6 @@ def _check_same(fn: str, rows: list[list[int]], table: int | None) -> list[RankI
                 "order); every rank must hold the same DTensor: the same blocks on the same ranks"
             )
         agreement.check_same(fn, f.name + where, column, shown=_shown(f.name, column))
-    nf = _SIZES + len(_CODE_FIELDS)
-    return [RankInfo(r[0], r[1], bool(r[2]), None if r[nf] < 0 else tuple(r[nf:])) for r in rows]
 
 
 def agree(
