@@ -182,3 +182,42 @@ def test_native_sum_refuses_out_of_range_ids_and_bad_offsets():
         fast.pool_sum(shard, torch.tensor([3, 4]), torch.tensor([0, 2, 1]), None)
     with pytest.raises(ValueError, match="offsets"):
         fast.pool_sum(shard, torch.tensor([3, 4]), torch.tensor([0, 3]), None)
+
+
+def test_value_checks_read_the_device_once_per_call(monkeypatch):
+    """The checks that read values (ids inside the table, offsets in order) of several tables' batches read
+    the tensors once in all (on an accelerator, one host synchronisation per call, not a few per table):
+    ``bags_from_input`` with a pending list reads nothing, ``check_values`` reads every table's facts at once
+    and names the first bad table; alone, a batch is read once."""
+    from torchrec_dtensor_bridge.lookup.validate import check_values
+
+    g = torch.Generator().manual_seed(4)
+    batches = [random_bags(g, 10, 6, 4) for _ in range(8)]
+    batches[5] = (torch.tensor([1, 2, 10, 3]), torch.tensor([0, 2, 2, 4]))  # id 10 of 10 rows
+    batches[6] = (torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3]))  # offsets backwards
+    reads: list[str] = []
+    for name in ("tolist", "item", "__int__", "__bool__", "__index__", "__float__"):
+        def counted(self, *args, _orig=getattr(torch.Tensor, name), _name=name, **kwargs):
+            reads.append(_name)
+            return _orig(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def bags(t: int, pending):
+        ids, offsets = batches[t]
+        return bags_from_input(f"f (table {t})", ids, offsets[:-1], None, rows=10, mode="sum",
+                               include_last_offset=False, weight_dtype=torch.float32, pending=pending)
+
+    pending: list = []
+    for t in range(8):
+        bags(t, pending)
+    assert reads == [], f"read while validating: {reads}"
+    _rejected(ValueError, "f (table 5): input holds id 10", lambda: check_values(pending))
+    assert reads.count("tolist") == 1 and len(reads) == 1, reads
+    good = [c for t, c in enumerate(pending) if t not in (5, 6)]
+    reads.clear()
+    check_values(good)
+    assert reads == ["tolist"], reads
+    reads.clear()
+    bags(0, None)
+    assert reads == ["tolist"], reads
+    _rejected(ValueError, "offsets must be non-decreasing", lambda: bags(6, None))

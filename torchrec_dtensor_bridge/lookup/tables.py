@@ -36,7 +36,8 @@ import torch.distributed as dist
 from ..convert.groups import CommGroup
 from .plan import Bags, ResolvedTable, call_group, resolve_table
 from .run import TableOptions, agree_and_route, finish, psw_grad, run_tables
-from .validate import RejectedArguments, TableCodes, bags_from_input, bind_optimizer, check_options
+from .validate import (RejectedArguments, TableCodes, ValueCheck, bags_from_input, bind_optimizer, check_options,
+                       check_values)
 
 __all__ = ["sharded_embedding_bags"]
 
@@ -92,6 +93,7 @@ def _validate(
     labels = _labels(names, n)
     tables = [resolve_table(f"{_FN} ({labels[t]})", w, group) for t, w in enumerate(weights)]
     bags, options, codes, binds = [], [], [], []
+    pending: list[ValueCheck] = []  # every table's value checks, read at once below
     for t in range(n):
         fn = f"{_FN} ({labels[t]})"
         w = tables[t].weight
@@ -105,10 +107,12 @@ def _validate(
         padding = check_options(fn, shape, mode=modes[t], padding_idx=pads[t], max_norm=norms[t],
                                 norm_type=ptypes[t], scale_grad_by_freq=False, sparse=False)
         bags.append(bags_from_input(fn, inputs[t], offs[t], psws[t], rows=shape[0], mode=modes[t],
-                                    include_last_offset=include_last_offset, weight_dtype=w.dtype))
+                                    include_last_offset=include_last_offset, weight_dtype=w.dtype,
+                                    pending=pending))
         options.append(TableOptions(modes[t], padding, norms[t], ptypes[t]))
         codes.append(TableCodes.of(2, modes[t], padding, norms[t], ptypes[t], shape, w.dtype, tables[t].digest,
                                    optimizer=binds[t], psw_grad=psw_grad(bags[-1])))
+    check_values(pending)  # one host read for every table's ids and offsets
     return tables, bags, options, codes, binds
 
 

@@ -35,8 +35,8 @@ from ..convert.groups import CommGroup
 from .plan import Bags
 
 __all__ = [
-    "InputKind", "RankInfo", "RejectedArguments", "TableCodes", "agree", "bags_from_input", "bind_optimizer",
-    "check_options",
+    "InputKind", "RankInfo", "RejectedArguments", "TableCodes", "ValueCheck", "agree", "bags_from_input",
+    "bind_optimizer", "check_options", "check_values",
 ]
 
 MODES = ("sum", "mean", "max")
@@ -179,13 +179,19 @@ def bags_from_input(
     mode: str,
     include_last_offset: bool,
     weight_dtype: torch.dtype,
+    pending: list[ValueCheck] | None = None,
 ) -> Bags:
-    """Validate ``embedding_bag`` arguments and return the batch in canonical form."""
+    """Validate ``embedding_bag`` arguments and return the batch in canonical form.
+
+    The checks that read values (ids inside the table, offsets in order) read the device once: here, or,
+    when ``pending`` is given, appended to it for :func:`check_values` to read with other tables' (one
+    host synchronisation per call on an accelerator, whatever the number of tables)."""
     if not isinstance(input, torch.Tensor):
         raise _fail(TypeError, f"{fn}: input must be a Tensor, got {type(input).__name__}")
     if input.dim() > 2:
         raise _fail(ValueError, f"{fn}: input must be 1-D (with offsets) or 2-D, got {input.dim()} dims")
-    _check_ids(fn, input, rows)
+    if input.dtype not in (torch.int32, torch.int64):
+        raise _fail(TypeError, f"{fn}: input must hold int32 or int64 ids, got dtype {input.dtype}")
     if offsets is not None and not isinstance(offsets, torch.Tensor):
         raise _fail(TypeError, f"{fn}: offsets must be a Tensor or None, got {type(offsets).__name__}")
     if include_last_offset and offsets is None:
@@ -195,10 +201,12 @@ def bags_from_input(
         if offsets is not None:
             raise _fail(ValueError, f"{fn}: offsets must be None when input is 2-D, got offsets of shape {list(offsets.shape)}")
         lengths = torch.full((input.shape[0],), input.shape[1], dtype=torch.int64, device=input.device)
+        check = ValueCheck.of(fn, ids, rows, None, None, include_last_offset)
     else:
         if offsets is None:
             raise _fail(ValueError, f"{fn}: 1-D input needs offsets (got offsets=None)")
-        lengths = _lengths_from_offsets(fn, offsets, ids.numel(), include_last_offset)
+        lengths, bounds = _lengths_from_offsets(fn, offsets, ids.numel(), include_last_offset)
+        check = ValueCheck.of(fn, ids, rows, offsets, bounds, include_last_offset)
     weights = None
     if per_sample_weights is not None:
         if not isinstance(per_sample_weights, torch.Tensor):
@@ -214,30 +222,89 @@ def bags_from_input(
         if per_sample_weights.dtype != weight_dtype:
             raise _fail(TypeError, f"{fn}: per_sample_weights has dtype {per_sample_weights.dtype}, weight has {weight_dtype}")
         weights = per_sample_weights.reshape(-1)
+    if pending is None:
+        check_values([check])
+    else:
+        pending.append(check)
     return Bags(ids, lengths, weights)
 
 
-def _lengths_from_offsets(fn: str, offsets: torch.Tensor, n: int, include_last_offset: bool) -> torch.Tensor:
+def _lengths_from_offsets(fn: str, offsets: torch.Tensor, n: int, include_last_offset: bool,
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bags' lengths and their bounds (``offsets`` with ``n`` appended unless it ends them); checks what
+    needs no value (the bounds' values: :class:`ValueCheck`)."""
     if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
         raise _fail(TypeError, f"{fn}: offsets must be a 1-D int32/int64 Tensor, got shape {list(offsets.shape)} dtype {offsets.dtype}")
     offsets = offsets.to(torch.int64)
     if include_last_offset:
-        if offsets.numel() == 0 or int(offsets[-1]) != n:
-            last = int(offsets[-1]) if offsets.numel() else None
-            raise _fail(ValueError, f"{fn}: with include_last_offset=True the last offset must be the input length {n}, got {last}")
+        if offsets.numel() == 0:
+            raise _fail(ValueError, f"{fn}: with include_last_offset=True the last offset must be the input length {n}, got None")
         bounds = offsets
     else:
         bounds = torch.cat([offsets, offsets.new_tensor([n])])
     if bounds.numel() > 1:
-        if int(bounds[0]) != 0:
-            raise _fail(ValueError, f"{fn}: offsets[0] must be 0, got {int(bounds[0])}")
-        lengths = bounds[1:] - bounds[:-1]
-        if bool((lengths < 0).any()):
-            raise _fail(ValueError, f"{fn}: offsets must be non-decreasing and at most the input length {n}, got {offsets.tolist()}")
-        return lengths
+        return bounds[1:] - bounds[:-1], bounds
     if n:
         raise _fail(ValueError, f"{fn}: offsets describe no bag but input holds {n} ids")
-    return offsets.new_zeros(0)
+    return offsets.new_zeros(0), bounds
+
+
+@dataclass(frozen=True)
+class ValueCheck:
+    """The checks of one table's batch that read values, as one small int64 tensor of facts computed on the
+    batch's device (ids' min and max, the first bound, how many bounds run backwards, the last offset), read
+    by :func:`check_values` together with other tables' in one host synchronisation."""
+
+    fn: str
+    rows: int
+    n: int
+    offsets: torch.Tensor | None  # as passed (for the message), when the batch has them
+    include_last_offset: bool
+    facts: torch.Tensor
+
+    @classmethod
+    def of(cls, fn: str, ids: torch.Tensor, rows: int, offsets: torch.Tensor | None, bounds: torch.Tensor | None,
+           include_last_offset: bool) -> ValueCheck:
+        dev, n = ids.device, ids.numel()
+        parts = [torch.stack(torch.aminmax(ids)) if n else torch.zeros(2, dtype=torch.int64, device=dev)]
+        if bounds is not None and bounds.numel() > 1:
+            parts += [bounds[:1], (bounds[1:] < bounds[:-1]).sum().reshape(1)]
+        else:
+            parts.append(torch.zeros(2, dtype=torch.int64, device=dev))
+        parts.append(bounds[-1:] if bounds is not None and include_last_offset
+                     else torch.full((1,), n, dtype=torch.int64, device=dev))
+        return cls(fn, rows, n, offsets, include_last_offset, torch.cat(parts))
+
+    def raise_if_bad(self, facts: list[int]) -> None:
+        """The first problem ``facts`` (this check's, read) show, as the exception that names it."""
+        lo, hi, first, backward, last = facts
+        if self.n and (lo < 0 or hi >= self.rows):
+            bad = lo if lo < 0 else hi
+            raise _fail(ValueError, f"{self.fn}: input holds id {bad}, outside [0, num_embeddings={self.rows})")
+        if self.offsets is None:
+            return
+        if self.include_last_offset and last != self.n:
+            raise _fail(ValueError, f"{self.fn}: with include_last_offset=True the last offset must be the input "
+                        f"length {self.n}, got {last}")
+        if first != 0:
+            raise _fail(ValueError, f"{self.fn}: offsets[0] must be 0, got {first}")
+        if backward:
+            raise _fail(ValueError, f"{self.fn}: offsets must be non-decreasing and at most the input length "
+                        f"{self.n}, got {self.offsets.tolist()}")
+
+
+def check_values(checks: Sequence[ValueCheck]) -> None:
+    """Reads every check's facts in one host synchronisation per device, then raises the first problem, in
+    the order of ``checks``."""
+    by_device: dict[torch.device, list[int]] = {}
+    for k, c in enumerate(checks):
+        by_device.setdefault(c.facts.device, []).append(k)
+    read: dict[int, list[int]] = {}
+    for members in by_device.values():
+        for k, facts in zip(members, torch.stack([checks[k].facts for k in members]).tolist()):
+            read[k] = facts
+    for k, c in enumerate(checks):
+        c.raise_if_bad(read[k])
 
 
 def bags_for_embedding(fn: str, input: object, rows: int) -> Bags:
