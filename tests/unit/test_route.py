@@ -138,3 +138,31 @@ def test_side_by_side_finds_only_the_whole_result():
     }
     for why, ps in refused.items():
         assert side_by_side(ps) is None, why
+
+
+def test_the_routes_of_several_row_wise_tables_read_their_counts_once(monkeypatch) -> None:
+    """The row partitions of several tables (two runs and more) read how many ids go where in ONE host read
+    (one synchronisation on an accelerator, not one per table), and route exactly as one table alone."""
+    from torchrec_dtensor_bridge.lookup.route import plan_route, resolve
+
+    cases = [(ShardLayout.row_wise((50, 4), [30, 20]), 2), (ShardLayout.row_wise((50, 4), [10, 15, 25],
+                                                                                  ranks=[2, 0, 1]), 3)] * 4
+    batches = [_bags(50, seed=k) for k in range(len(cases))]
+    alone = [route_for(layout, bags, world, everyone=False) for (layout, world), bags in zip(cases, batches)]
+    reads: list[str] = []
+    for name in ("tolist", "item", "__int__", "__bool__", "__index__"):
+        def counted(self, *args, _orig=getattr(torch.Tensor, name), _name=name, **kwargs):
+            reads.append(_name)
+            return _orig(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    planned = [plan_route(layout, bags, world, everyone=False) for (layout, world), bags in zip(cases, batches)]
+    assert reads == [], reads
+    together = resolve(planned)
+    assert reads == ["tolist"], reads
+    monkeypatch.undo()
+    for a, b in zip(alone, together):
+        assert b is not None and a.counts == b.counts and a.partition and b.partition
+        for x, y in zip(a.positions, b.positions):
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
+        for x, y in zip(a.per_bag, b.per_bag):
+            assert (x is None) == (y is None) and (x is None or torch.equal(x, y))

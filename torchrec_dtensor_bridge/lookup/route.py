@@ -16,6 +16,7 @@ without a collective of its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from ..layout import ShardLayout
 from .plan import Bags
 
-__all__ = ["Route", "route_for"]
+__all__ = ["PendingRoute", "Route", "plan_route", "resolve", "route_for"]
 
 _ALL, _NONE = True, False
 
@@ -117,10 +118,20 @@ def _iota(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return have[:n]
 
 
-def _partition(bags: Bags, runs: list[tuple[int, int]], world: int) -> Route:
+@dataclass(frozen=True)
+class PendingRoute:
+    """A partition route that waits for its per-destination id counts: ``counts`` (int64, on the batch's
+    device) is read with other tables' (:func:`resolve`), then ``finish`` builds the route from the values."""
+
+    counts: torch.Tensor
+    finish: Callable[[list[int]], Route]
+
+
+def _partition(bags: Bags, runs: list[tuple[int, int]], world: int) -> PendingRoute:
     """The route of a row partition without one mask and one ``nonzero`` per destination (each
     ``nonzero`` is a pass and a sync): each id's destination, then ONE stable grouping
-    of the ids by destination (a prefix sum for two runs, a stable sort of one byte per id for more)."""
+    of the ids by destination (a prefix sum for two runs, a stable sort of one byte per id for more).
+    How many ids go where is the one value it needs read (:class:`PendingRoute`)."""
     ids, n, dev = bags.ids, bags.ids.numel(), bags.ids.device
     bounds = torch.zeros(bags.num_bags + 1, dtype=torch.int64, device=dev)
     torch.cumsum(bags.lengths, 0, out=bounds[1:])
@@ -130,26 +141,31 @@ def _partition(bags: Bags, runs: list[tuple[int, int]], world: int) -> Route:
         small = torch.int32 if n < 2**30 else torch.int64  # int32 arithmetic vectorises (int64 mul does not)
         prefix = torch.zeros(n + 1, dtype=small, device=dev)
         torch.cumsum(upper, 0, dtype=small, out=prefix[1:])
-        n_low = n - int(prefix[-1])
-        c, i = prefix[1:], _iota(n, small, dev)
-        # each id's place when the low run's ids come first, each run in batch order:
-        # a low id at i goes to i - c[i], a high one to n_low + c[i] - 1
-        slot = c * 2
-        slot += n_low - 1
-        slot -= i
-        slot *= upper
-        slot += i
-        slot -= c
-        perm = torch.empty(n, dtype=torch.int64, device=dev).scatter_(
-            0, slot.long(), _iota(n, torch.int64, dev))
-        high_per_bag = (prefix[bounds[1:]] - prefix[bounds[:-1]]).long()
-        got = {low: (perm[:n_low], bags.lengths - high_per_bag), high: (perm[n_low:], high_per_bag)}
-    else:
-        starts = torch.tensor([r0 for r0, _ in runs[1:]], dtype=ids.dtype, device=dev)
-        owner = torch.tensor([q for _, q in runs], dtype=torch.int64, device=dev)
-        dest = owner.index_select(0, torch.bucketize(ids, starts, right=True))
+
+        def two_runs(read: list[int]) -> Route:
+            n_low = n - read[0]
+            c, i = prefix[1:], _iota(n, small, dev)
+            # each id's place when the low run's ids come first, each run in batch order:
+            # a low id at i goes to i - c[i], a high one to n_low + c[i] - 1
+            slot = c * 2
+            slot += n_low - 1
+            slot -= i
+            slot *= upper
+            slot += i
+            slot -= c
+            perm = torch.empty(n, dtype=torch.int64, device=dev).scatter_(
+                0, slot.long(), _iota(n, torch.int64, dev))
+            high_per_bag = (prefix[bounds[1:]] - prefix[bounds[:-1]]).long()
+            return _route({low: (perm[:n_low], bags.lengths - high_per_bag), high: (perm[n_low:], high_per_bag)},
+                          world)
+
+        return PendingRoute(prefix[-1:].long(), two_runs)
+    starts = torch.tensor([r0 for r0, _ in runs[1:]], dtype=ids.dtype, device=dev)
+    owner = torch.tensor([q for _, q in runs], dtype=torch.int64, device=dev)
+    dest = owner.index_select(0, torch.bucketize(ids, starts, right=True))
+
+    def several_runs(sizes: list[int]) -> Route:
         perm = torch.sort(dest.to(torch.uint8) if world < 256 else dest, stable=True).indices
-        sizes = torch.bincount(dest, minlength=world).tolist()
         per = torch.bincount(bags.bag_of_id() * world + dest, minlength=bags.num_bags * world)
         per = per.view(bags.num_bags, world)
         got = {}
@@ -159,6 +175,13 @@ def _partition(bags: Bags, runs: list[tuple[int, int]], world: int) -> Route:
             if q in owners:
                 got[q] = (perm[at : at + sizes[q]], per[:, q])
             at += sizes[q]
+        return _route(got, world)
+
+    return PendingRoute(torch.bincount(dest, minlength=world), several_runs)
+
+
+def _route(got: dict[int, tuple[torch.Tensor, torch.Tensor]], world: int) -> Route:
+    """A partition's route from each destination's (positions, per-bag counts)."""
     masks: list[bool | torch.Tensor | None] = []
     positions: list[torch.Tensor | None] = []
     per_bag: list[torch.Tensor | None] = []
@@ -171,8 +194,36 @@ def _partition(bags: Bags, runs: list[tuple[int, int]], world: int) -> Route:
                  True, tuple(per_bag))
 
 
+def resolve(planned: Sequence[Route | PendingRoute | None]) -> list[Route | None]:
+    """``planned`` with every :class:`PendingRoute` finished, their counts read in one host read per device
+    (one synchronisation on an accelerator for all tables)."""
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for k, p in enumerate(planned):
+        if isinstance(p, PendingRoute):
+            by_device.setdefault(p.counts.device, []).append((k, p.counts))
+    read: dict[int, list[int]] = {}
+    for members in by_device.values():
+        flat = torch.cat([c for _, c in members]).tolist()
+        at = 0
+        for k, c in members:
+            read[k] = flat[at : at + c.numel()]
+            at += c.numel()
+    out: list[Route | None] = []
+    for k, p in enumerate(planned):
+        out.append(p.finish(read[k]) if isinstance(p, PendingRoute) else p)
+    return out
+
+
 def route_for(layout: ShardLayout, bags: Bags, world: int, *, everyone: bool) -> Route:
     """This rank's route for one table; ``everyone``: every rank takes every id (``max_norm``)."""
+    route = resolve([plan_route(layout, bags, world, everyone=everyone)])[0]
+    assert route is not None, "a planned route"
+    return route
+
+
+def plan_route(layout: ShardLayout, bags: Bags, world: int, *, everyone: bool) -> Route | PendingRoute:
+    """:func:`route_for`, or a partition's route still waiting for its counts (:func:`resolve` reads every
+    table's at once)."""
     n = bags.ids.numel()
     if everyone:
         return Route((_ALL,) * world, (n,) * world)

@@ -22,7 +22,7 @@ from .algorithms import AFTER_AGREEMENT, LookupPlan, Strategy, pooled_lookup
 from .exchange import gather_bags
 from .renorm import renormalize
 from .plan import Bags, ResolvedTable
-from .route import Route, route_for
+from .route import PendingRoute, Route, plan_route, resolve
 from .validate import InputKind, RankInfo, RejectedArguments, TableCodes, agree
 
 __all__ = ["TableOptions", "agree_and_route", "finish", "psw_grad", "routes_for", "run_tables"]
@@ -50,14 +50,15 @@ class TableOptions:
 
 
 def routes_for(tables: list[ResolvedTable], bags: list[Bags], options: list[TableOptions]) -> list[Route | None]:
-    """Per table, where this rank's ids go (:mod:`.route`); ``None`` for a replicated table that needs none."""
-    out: list[Route | None] = []
+    """Per table, where this rank's ids go (:mod:`.route`); ``None`` for a replicated table that needs none.
+    The row partitions' id counts are read once for all tables."""
+    planned: list[Route | PendingRoute | None] = []
     for t, b, o in zip(tables, bags, options):
         if t.strategy is Strategy.LOCAL and o.max_norm is None:
-            out.append(None)
+            planned.append(None)
         else:
-            out.append(route_for(t.layout, b, t.group.size, everyone=o.max_norm is not None))
-    return out
+            planned.append(plan_route(t.layout, b, t.group.size, everyone=o.max_norm is not None))
+    return resolve(planned)
 
 
 def agree_and_route(
