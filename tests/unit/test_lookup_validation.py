@@ -9,6 +9,7 @@ from torchrec_dtensor_bridge.kernels import fbgemm, native
 from torchrec_dtensor_bridge.lookup.local import Pooling, pool, weight_grad
 from torchrec_dtensor_bridge.lookup.validate import RejectedArguments, bags_for_embedding, bags_from_input, check_options
 
+from .host_reads import count_host_reads
 from .random_bags import random_bags
 
 
@@ -195,12 +196,7 @@ def test_value_checks_read_the_device_once_per_call(monkeypatch):
     batches = [random_bags(g, 10, 6, 4) for _ in range(8)]
     batches[5] = (torch.tensor([1, 2, 10, 3]), torch.tensor([0, 2, 2, 4]))  # id 10 of 10 rows
     batches[6] = (torch.tensor([1, 2, 3]), torch.tensor([0, 2, 1, 3]))  # offsets backwards
-    reads: list[str] = []
-    for name in ("tolist", "item", "__int__", "__bool__", "__index__", "__float__"):
-        def counted(self, *args, _orig=getattr(torch.Tensor, name), _name=name, **kwargs):
-            reads.append(_name)
-            return _orig(self, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    reads = count_host_reads(monkeypatch)
 
     def bags(t: int, pending):
         ids, offsets = batches[t]

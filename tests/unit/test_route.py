@@ -12,6 +12,8 @@ from torchrec_dtensor_bridge.lookup.plan import Bags
 from torchrec_dtensor_bridge.lookup.exchange import _pick_all, side_by_side
 from torchrec_dtensor_bridge.lookup.route import route_for
 
+from .host_reads import count_host_reads
+
 
 def _bags(rows: int, seed: int) -> Bags:
     g = torch.Generator().manual_seed(seed)
@@ -149,12 +151,7 @@ def test_the_routes_of_several_row_wise_tables_read_their_counts_once(monkeypatc
                                                                                   ranks=[2, 0, 1]), 3)] * 4
     batches = [_bags(50, seed=k) for k in range(len(cases))]
     alone = [route_for(layout, bags, world, everyone=False) for (layout, world), bags in zip(cases, batches)]
-    reads: list[str] = []
-    for name in ("tolist", "item", "__int__", "__bool__", "__index__"):
-        def counted(self, *args, _orig=getattr(torch.Tensor, name), _name=name, **kwargs):
-            reads.append(_name)
-            return _orig(self, *args, **kwargs)
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    reads = count_host_reads(monkeypatch)
     planned = [plan_route(layout, bags, world, everyone=False) for (layout, world), bags in zip(cases, batches)]
     assert reads == [], reads
     together = resolve(planned)
