@@ -391,8 +391,9 @@ def test_row_cuts_over_several_tables_never_split_a_row():
     g = torch.Generator().manual_seed(3)
     parts = []
     for n in (3 * native._MIN_PER_THREAD, native._MIN_PER_THREAD // 2, 2 * native._MIN_PER_THREAD + 77):
-        runs = torch.randint(1, 4000, (n,), generator=g)
-        parts.append(torch.repeat_interleave(torch.arange(n, dtype=torch.int32), runs)[:n])
+        runs = torch.randint(1, 4000, (n // 500 + 2,), generator=g)
+        parts.append(torch.repeat_interleave(torch.arange(runs.numel(), dtype=torch.int32), runs)[:n])
+        assert parts[-1].numel() == n
     keys = torch.cat(parts)
     bounds = list(itertools.accumulate([p.numel() for p in parts], initial=0))
     inside = 0
