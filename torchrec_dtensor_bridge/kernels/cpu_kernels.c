@@ -74,15 +74,20 @@
 
 int tdb_version(void) { return 7; }
 
+/* Whether the tables * bags + 1 offsets run forward inside [0, n]. */
+static int tdb_offsets_in_order(const int64_t* offsets, int64_t last, int64_t n) {
+  if (offsets[0] < 0 || offsets[last] > n) return 0;
+  for (int64_t i = 0; i < last; ++i)
+    if (offsets[i + 1] < offsets[i]) return 0;
+  return 1;
+}
+
 /* Checks a batch over several tables (table t's bags t * bags .. (t + 1) * bags - 1 of offsets, tables *
    bags + 1 absolute positions in the n ids) without reading any row: returns 0, -1 when the offsets run
    backwards or outside [0, n], or -(t + 2) when an id of table t lies outside [0, rows[t]). */
 int tdb_check_tables(int64_t tables, const int64_t* rows, const int64_t* ids, int64_t n, const int64_t* offsets,
                      int64_t bags) {
-  int64_t last = tables * bags;
-  if (offsets[0] < 0 || offsets[last] > n) return -1;
-  for (int64_t i = 0; i < last; ++i)
-    if (offsets[i + 1] < offsets[i]) return -1;
+  if (!tdb_offsets_in_order(offsets, tables * bags, n)) return -1;
   for (int64_t t = 0; t < tables; ++t) {
     int64_t r = rows[t];
     for (int64_t p = offsets[t * bags]; p < offsets[(t + 1) * bags]; ++p)
@@ -137,10 +142,7 @@ static int tdb_group_one(const int64_t* ids, const int64_t* offsets, int64_t bag
 int tdb_group_tables(int64_t tables, const int64_t* rows, const int64_t* ids, int64_t n, const int64_t* offsets,
                      int64_t bags, int32_t* keys, int32_t* occ, int32_t* bag_of, int32_t* tmp_keys,
                      int32_t* tmp_occ) {
-  int64_t last = tables * bags;
-  if (offsets[0] < 0 || offsets[last] > n) return -1;
-  for (int64_t i = 0; i < last; ++i)
-    if (offsets[i + 1] < offsets[i]) return -1;
+  if (!tdb_offsets_in_order(offsets, tables * bags, n)) return -1;
   for (int64_t t = 0; t < tables; ++t)
     if (tdb_group_one(ids, offsets + t * bags, bags, rows[t], keys, occ, bag_of, tmp_keys, tmp_occ) != 0)
       return (int)(-2 - t);
@@ -364,6 +366,18 @@ static int tdb_apply(int kind, int decay, float* weight, int64_t ldw, int64_t di
    gradient at column goff[t] of grad, its bags' square sums (row-wise Adagrad) at bag_sq + t * bags; the
    grouped occurrences begin .. end - 1 of all tables (cut on row boundaries, so that ranges of them can
    run on threads). Returns 0, or TDB_BAD_ARGUMENTS (tdb_apply's -1). */
+/* tdb_apply on table t of the tables' arrays (as tdb_apply_tables takes them), occurrences [a, z). */
+static int tdb_apply_table(int kind, int decay, float* weights, int64_t t, const int64_t* woff, const int64_t* dims,
+                           float* state, const int64_t* soff, float* state2, const int64_t* s2off, const float* grad,
+                           int64_t ldg, const int64_t* goff, const float* psw, const int32_t* keys,
+                           const int32_t* occ, const int32_t* bag_of, const float* bag_sq, int64_t bags, int64_t a,
+                           int64_t z, const float* hp) {
+  int64_t lds = kind == TDB_ROWWISE_ADAGRAD ? 1 : dims[t];
+  return tdb_apply(kind, decay, weights + woff[t], dims[t], dims[t], state ? state + soff[t] : NULL,
+                   state2 ? state2 + s2off[t] : NULL, lds, grad + goff[t], ldg, psw, keys, occ, bag_of,
+                   bag_sq ? bag_sq + t * bags : NULL, a, z, hp) != 0 ? TDB_BAD_ARGUMENTS : 0;
+}
+
 int tdb_apply_tables(int kind, int decay, float* weights, int64_t tables, const int64_t* woff, const int64_t* dims,
                      float* state, const int64_t* soff, float* state2, const int64_t* s2off, const float* grad,
                      int64_t ldg, const int64_t* goff, const float* psw, const int32_t* keys, const int32_t* occ,
@@ -372,12 +386,9 @@ int tdb_apply_tables(int kind, int decay, float* weights, int64_t tables, const 
   for (int64_t t = 0; t < tables; ++t) {
     int64_t lo = offsets[t * bags], hi = offsets[(t + 1) * bags];
     int64_t a = lo > begin ? lo : begin, z = hi < end ? hi : end;
-    if (a >= z) continue;
-    int64_t lds = kind == TDB_ROWWISE_ADAGRAD ? 1 : dims[t];
-    int rc = tdb_apply(kind, decay, weights + woff[t], dims[t], dims[t], state ? state + soff[t] : NULL,
-                       state2 ? state2 + s2off[t] : NULL, lds, grad + goff[t], ldg, psw, keys, occ, bag_of,
-                       bag_sq ? bag_sq + t * bags : NULL, a, z, hp);
-    if (rc != 0) return TDB_BAD_ARGUMENTS;
+    if (a < z && tdb_apply_table(kind, decay, weights, t, woff, dims, state, soff, state2, s2off, grad, ldg, goff,
+                                 psw, keys, occ, bag_of, bag_sq, bags, a, z, hp) != 0)
+      return TDB_BAD_ARGUMENTS;
   }
   return 0;
 }
@@ -399,10 +410,8 @@ int tdb_update_tables(int kind, int decay, float* weights, int64_t tables, const
     if (off[bags] == off[0]) continue;
     tdb_group_one(ids, off, bags, rows[t], keys, occ, bag_of, tmp_keys, tmp_occ); /* checked above */
     if (bag_sq) tdb_bag_square_sums(grad + goff[t], ldg, dims[t], bags, bag_sq + t * bags);
-    int64_t lds = kind == TDB_ROWWISE_ADAGRAD ? 1 : dims[t];
-    if (tdb_apply(kind, decay, weights + woff[t], dims[t], dims[t], state ? state + soff[t] : NULL,
-                  state2 ? state2 + s2off[t] : NULL, lds, grad + goff[t], ldg, psw, keys, occ, bag_of,
-                  bag_sq ? bag_sq + t * bags : NULL, off[0], off[bags], hp) != 0)
+    if (tdb_apply_table(kind, decay, weights, t, woff, dims, state, soff, state2, s2off, grad, ldg, goff, psw, keys,
+                        occ, bag_of, bag_sq, bags, off[0], off[bags], hp) != 0)
       return TDB_BAD_ARGUMENTS;
   }
   return 0;
