@@ -44,7 +44,7 @@ from ..convert.groups import CommGroup, comm_group, of_group
 from ..layout import ShardLayout, ShardSpec
 
 __all__ = ["Bags", "Block", "LookupPlan", "ResolvedTable", "Strategy", "call_group", "partial_output",
-           "resolve_table", "strategy_for"]
+           "read_together", "resolve_table", "strategy_for"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,22 @@ class Bags:
         return torch.repeat_interleave(
             torch.arange(self.num_bags, device=self.ids.device), self.lengths, output_size=self.ids.numel()
         )
+
+
+def read_together(values: Sequence[torch.Tensor]) -> list[list[int]]:
+    """Each of ``values`` (small 1-D int64 tensors, e.g. several tables' facts) as a list of ints, read back to
+    the host in ONE read per device (one synchronisation on an accelerator, whatever their number)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for k, v in enumerate(values):
+        by_device.setdefault(v.device, []).append(k)
+    out: list[list[int]] = [[] for _ in values]
+    for members in by_device.values():
+        flat = torch.cat([values[k] for k in members]).tolist()
+        at = 0
+        for k in members:
+            out[k] = flat[at : at + values[k].numel()]
+            at += values[k].numel()
+    return out
 
 
 class Strategy(enum.Enum):

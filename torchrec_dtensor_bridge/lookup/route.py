@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layout import ShardLayout
-from .plan import Bags
+from .plan import Bags, read_together
 
 __all__ = ["PendingRoute", "Route", "plan_route", "resolve", "route_for"]
 
@@ -197,21 +197,9 @@ def _route(got: dict[int, tuple[torch.Tensor, torch.Tensor]], world: int) -> Rou
 def resolve(planned: Sequence[Route | PendingRoute | None]) -> list[Route | None]:
     """``planned`` with every :class:`PendingRoute` finished, their counts read in one host read per device
     (one synchronisation on an accelerator for all tables)."""
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    for k, p in enumerate(planned):
-        if isinstance(p, PendingRoute):
-            by_device.setdefault(p.counts.device, []).append((k, p.counts))
-    read: dict[int, list[int]] = {}
-    for members in by_device.values():
-        flat = torch.cat([c for _, c in members]).tolist()
-        at = 0
-        for k, c in members:
-            read[k] = flat[at : at + c.numel()]
-            at += c.numel()
-    out: list[Route | None] = []
-    for k, p in enumerate(planned):
-        out.append(p.finish(read[k]) if isinstance(p, PendingRoute) else p)
-    return out
+    pending = [p for p in planned if isinstance(p, PendingRoute)]
+    read = iter(read_together([p.counts for p in pending]))
+    return [p.finish(next(read)) if isinstance(p, PendingRoute) else p for p in planned]
 
 
 def route_for(layout: ShardLayout, bags: Bags, world: int, *, everyone: bool) -> Route:

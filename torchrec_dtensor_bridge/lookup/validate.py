@@ -32,7 +32,7 @@ from ..optim import FusedOptimizer
 from ..optim.kinds import OptimKind
 from ..agreement import RejectedArguments, float_code
 from ..convert.groups import CommGroup
-from .plan import Bags
+from .plan import Bags, read_together
 
 __all__ = [
     "InputKind", "RankInfo", "RejectedArguments", "TableCodes", "ValueCheck", "agree", "bags_from_input",
@@ -296,15 +296,8 @@ class ValueCheck:
 def check_values(checks: Sequence[ValueCheck]) -> None:
     """Reads every check's facts in one host synchronisation per device, then raises the first problem, in
     the order of ``checks``."""
-    by_device: dict[torch.device, list[int]] = {}
-    for k, c in enumerate(checks):
-        by_device.setdefault(c.facts.device, []).append(k)
-    read: dict[int, list[int]] = {}
-    for members in by_device.values():
-        for k, facts in zip(members, torch.stack([checks[k].facts for k in members]).tolist()):
-            read[k] = facts
-    for k, c in enumerate(checks):
-        c.raise_if_bad(read[k])
+    for c, facts in zip(checks, read_together([c.facts for c in checks])):
+        c.raise_if_bad(facts)
 
 
 def bags_for_embedding(fn: str, input: object, rows: int) -> Bags:
