@@ -98,8 +98,9 @@ def _fbgemm(kind, weight, grad, ids, offsets, psw, state):
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("psw", [False, True])
-def test_matches_reference_and_fbgemm(kernel, kind, strided, psw):
-    weight, grad, ids, offsets, weights = _case(300, 20, 64, seed=7, strided=strided, psw=psw)
+@pytest.mark.parametrize("dim", [20, 64, 128])  # 64 and 128: the walks with a constant width
+def test_matches_reference_and_fbgemm(kernel, kind, strided, psw, dim):
+    weight, grad, ids, offsets, weights = _case(300, dim, 64, seed=7, strided=strided, psw=psw)
     state = _state(kind, weight)
     w, s = weight.clone(), None if state is None else state.clone()
     kernel.update(KINDS[kind], w, grad, ids, offsets, weights, s, LR, EPS)
@@ -115,6 +116,30 @@ def test_matches_reference_and_fbgemm(kernel, kind, strided, psw):
         torch.testing.assert_close(w, fb_w)
         if state is not None:
             torch.testing.assert_close(s, fb_s)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "adam"])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("psw", [False, True])
+def test_constant_width_walk_equals_the_general_one(kernel, kind, dim, psw):
+    """Widths 64 and 128 are walked with the width a constant, others with it a variable: the element-wise
+    kinds update each column alone, so a table three columns wider (the general walk) must give the same
+    bits in the shared columns, rows and state alike."""
+    weight, grad, ids, offsets, weights = _case(300, dim + 3, 64, seed=21, strided=True, psw=psw)
+    code = {"sgd": native.SGD, "adagrad": native.ADAGRAD, "adam": native.ADAM}[kind]
+    state = None if kind == "sgd" else torch.rand_like(weight)
+    state2 = torch.rand_like(weight) if kind == "adam" else None
+    results = []
+    for width in (dim + 3, dim):
+        w = weight[:, :width].clone(memory_format=torch.contiguous_format)
+        s, s2 = (None if x is None else x[:, :width].clone(memory_format=torch.contiguous_format)
+                 for x in (state, state2))
+        kernel.update(code, w, grad[:, :width], ids, offsets, weights, s, LR, EPS, state2=s2, step=3)
+        results.append([x[:, :dim] for x in (w, s, s2) if x is not None])
+    general, constant = results
+    assert not torch.equal(constant[0], weight[:, :dim]), "the update changed nothing"
+    for a, b in zip(general, constant):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

@@ -71,8 +71,15 @@
 #else
 #define TDB_PREFETCHES static inline
 #endif
+/* tdb_walk is inlined into tdb_apply once per common width with that width a constant: its loops then have
+   fixed trip counts (unrolled), which made the update faster (BENCHMARKS.md, "This package's own CPU kernels"). */
+#if defined(__GNUC__)
+#define TDB_INLINE __attribute__((always_inline)) static inline
+#else
+#define TDB_INLINE static inline
+#endif
 
-int tdb_version(void) { return 7; }
+int tdb_version(void) { return 8; }
 
 /* Whether the tables * bags + 1 offsets run forward inside [0, n]. */
 static int tdb_offsets_in_order(const int64_t* offsets, int64_t last, int64_t n) {
@@ -155,11 +162,11 @@ static inline void tdb_axpy(float* restrict y, const float* restrict x, float a,
 
 static inline float tdb_square_sum(const float* restrict x, int64_t d) {
   float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t k = 0;
-  for (; k + 8 <= d; k += 8)
+  int64_t whole = d - d % 8;
+  for (int64_t k = 0; k < whole; k += 8)
     for (int j = 0; j < 8; ++j) part[j] += x[k + j] * x[k + j];
   float s = 0;
-  for (; k < d; ++k) s += x[k] * x[k];
+  for (int64_t k = whole; k < d; ++k) s += x[k] * x[k];
   for (int j = 0; j < 8; ++j) s += part[j];
   return s;
 }
@@ -271,25 +278,14 @@ void tdb_bag_square_sums_tables(const float* grad, int64_t ldg, int64_t tables, 
    caller). */
 enum { TDB_LR, TDB_EPS, TDB_WD, TDB_BETA1, TDB_BETA2, TDB_ADAM_STEP_SIZE, TDB_ADAM_BC2, TDB_HYPER };
 
-/* Returns 0, or -1 for an unknown kind or decay mode (decoupled is row-wise Adagrad's and Adam's only)
-   or a width above TDB_MAX_DIM. state: row-wise Adagrad's per-row momentum, Adagrad's or Adam's
-   element-wise momentum1 (lds a row); state2: Adam's momentum2. bag_sq: tdb_bag_square_sums of grad for
-   row-wise Adagrad without L2 decay (else unused, may be NULL). hp: TDB_HYPER floats. */
-TDB_CLONES
-static int tdb_apply(int kind, int decay, float* weight, int64_t ldw, int64_t dim, float* state, float* state2,
+/* tdb_apply's walk over occurrences [begin, end), its arguments checked (decay NONE when wd is 0); acc: a
+   scratch row of at least dim floats. */
+TDB_INLINE void tdb_walk(int kind, int decay, float* weight, int64_t ldw, int64_t dim, float* state, float* state2,
               int64_t lds, const float* grad, int64_t ldg, const float* psw, const int32_t* keys,
               const int32_t* occ, const int32_t* bag_of, const float* bag_sq, int64_t begin, int64_t end,
-              const float* hp) {
-  if (kind < TDB_SGD || kind > TDB_ADAM || dim > TDB_MAX_DIM) return -1;
-  if (decay < TDB_DECAY_NONE || decay > TDB_DECAY_DECOUPLED) return -1;
-  if (decay == TDB_DECAY_DECOUPLED && kind != TDB_ROWWISE_ADAGRAD && kind != TDB_ADAM) return -1;
-  if (decay == TDB_DECAY_L2 && kind == TDB_ADAM) return -1;
+              const float* hp, float* acc) {
   const float lr = hp[TDB_LR], eps = hp[TDB_EPS], wd = hp[TDB_WD];
-  if (wd == 0.0f) decay = TDB_DECAY_NONE;
   int l2 = decay == TDB_DECAY_L2;
-  if (kind == TDB_ROWWISE_ADAGRAD && !l2 && bag_sq == NULL) return -1;
-  if (dim <= 0) return 0;
-  float acc[TDB_MAX_DIM];
   int64_t i = begin;
   while (i < end) {
     if (i + TDB_PREFETCH < end) {
@@ -298,6 +294,8 @@ static int tdb_apply(int kind, int decay, float* weight, int64_t ldw, int64_t di
         tdb_prefetch_whole_row(weight + ahead * ldw, dim);
         tdb_prefetch_whole_row(state + ahead * lds, dim);
         if (kind == TDB_ADAM) tdb_prefetch_whole_row(state2 + ahead * lds, dim);
+      } else if (kind == TDB_SGD) {
+        for (int64_t k = 0; k < dim; k += 16) __builtin_prefetch(weight + ahead * ldw + k, 1, 0);
       } else {
         tdb_prefetch_row(weight + ahead * ldw, dim);
       }
@@ -358,6 +356,34 @@ static int tdb_apply(int kind, int decay, float* weight, int64_t ldw, int64_t di
     }
     i = j;
   }
+}
+
+/* Returns 0, or -1 for an unknown kind or decay mode (decoupled is row-wise Adagrad's and Adam's only)
+   or a width above TDB_MAX_DIM. state: row-wise Adagrad's per-row momentum, Adagrad's or Adam's
+   element-wise momentum1 (lds a row); state2: Adam's momentum2. bag_sq: tdb_bag_square_sums of grad for
+   row-wise Adagrad without L2 decay (else unused, may be NULL). hp: TDB_HYPER floats. Widths 64 and 128
+   walk with the width a constant (TDB_INLINE), others with it a variable: the same arithmetic. */
+TDB_CLONES
+static int tdb_apply(int kind, int decay, float* weight, int64_t ldw, int64_t dim, float* state, float* state2,
+              int64_t lds, const float* grad, int64_t ldg, const float* psw, const int32_t* keys,
+              const int32_t* occ, const int32_t* bag_of, const float* bag_sq, int64_t begin, int64_t end,
+              const float* hp) {
+  if (kind < TDB_SGD || kind > TDB_ADAM || dim > TDB_MAX_DIM) return -1;
+  if (decay < TDB_DECAY_NONE || decay > TDB_DECAY_DECOUPLED) return -1;
+  if (decay == TDB_DECAY_DECOUPLED && kind != TDB_ROWWISE_ADAGRAD && kind != TDB_ADAM) return -1;
+  if (decay == TDB_DECAY_L2 && kind == TDB_ADAM) return -1;
+  if (hp[TDB_WD] == 0.0f) decay = TDB_DECAY_NONE;
+  if (kind == TDB_ROWWISE_ADAGRAD && decay != TDB_DECAY_L2 && bag_sq == NULL) return -1;
+  if (dim <= 0) return 0;
+  float acc[TDB_MAX_DIM];
+#define TDB_WALK(d) tdb_walk(kind, decay, weight, ldw, d, state, state2, lds, grad, ldg, psw, keys, occ, bag_of, \
+                             bag_sq, begin, end, hp, acc)
+  switch (dim) {
+    case 64: TDB_WALK(64); break;
+    case 128: TDB_WALK(128); break;
+    default: TDB_WALK(dim);
+  }
+#undef TDB_WALK
   return 0;
 }
 

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 SGD, ROWWISE_ADAGRAD, ADAGRAD, ADAM = 0, 1, 2, 3
 DECAY_NONE, DECAY_L2, DECAY_DECOUPLED = 0, 1, 2  # as optim.kinds.WeightDecayMode
-_VERSION = 7
+_VERSION = 8
 _MAX_DIM = 8192
 _MIN_PER_THREAD = 16384  # occurrences: below this, one thread
 _BAD_ARGUMENTS = -1000000  # cpu_kernels.c's TDB_BAD_ARGUMENTS
