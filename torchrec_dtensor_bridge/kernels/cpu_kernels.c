@@ -172,7 +172,8 @@ static inline float tdb_square_sum(const float* restrict x, int64_t d) {
 }
 
 /* The row's first and last cache lines only: the hardware fetches the lines between, and this was faster
-   than prefetching every line (BENCHMARKS.md, "This package's own CPU kernels"). */
+   than prefetching every line (BENCHMARKS.md, "This package's own CPU kernels"; SGD's constant-width walk
+   now prefetches every line, see tdb_walk). */
 TDB_PREFETCHES void tdb_prefetch_row(const float* p, int64_t d) {
   __builtin_prefetch(p, 1, 3);
   __builtin_prefetch(p + d - 1, 1, 3);
@@ -294,7 +295,8 @@ TDB_INLINE void tdb_walk(int kind, int decay, float* weight, int64_t ldw, int64_
         tdb_prefetch_whole_row(weight + ahead * ldw, dim);
         tdb_prefetch_whole_row(state + ahead * lds, dim);
         if (kind == TDB_ADAM) tdb_prefetch_whole_row(state2 + ahead * lds, dim);
-      } else if (kind == TDB_SGD) {
+      } else if (kind == TDB_SGD) { /* every line, no cache-level hint: faster than the two ends once the
+                                       walk has a constant width (BENCHMARKS.md) */
         for (int64_t k = 0; k < dim; k += 16) __builtin_prefetch(weight + ahead * ldw + k, 1, 0);
       } else {
         tdb_prefetch_row(weight + ahead * ldw, dim);
