@@ -1,7 +1,9 @@
 """The native kernel cache (kernels/build.py): a private cache directory, reuse without compiling, refusal of
 directories and library files that others own or can write (or that are symlinks), a cache key that follows
 the source and the compiler's identity, and ``rebuild=True`` replacing a library that does not load. Real
-compiler, real files."""
+compiler, real files. The kernels' own source is built where it is the subject (a fresh cache, a one-byte
+change of it); elsewhere a one-function source (``stub``), which the cache treats alike and which compiles
+in a fraction of the time."""
 
 from __future__ import annotations
 
@@ -42,9 +44,18 @@ def _warnings(caplog, needle: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and needle in r.getMessage()]
 
 
-def _plain_target(cache: Path) -> Path:
-    """Where ``library(cache=cache)`` puts the library with the default compiler and source."""
-    return cache / f"cpu_kernels-{build.cache_key(build.SOURCE.read_bytes(), str(REAL_CC))}.so"
+def _plain_target(cache: Path, source: Path = build.SOURCE) -> Path:
+    """Where ``library(source, cache)`` puts the library with the default compiler."""
+    return cache / f"cpu_kernels-{build.cache_key(source.read_bytes(), str(REAL_CC))}.so"
+
+
+@pytest.fixture
+def stub(tmp_path) -> Path:
+    """A one-function kernel source (what ``_loads`` calls)."""
+    path = tmp_path / "stub" / "cpu_kernels.c"
+    path.parent.mkdir()
+    path.write_text("int tdb_version(void) { return 1; }\n")
+    return path
 
 
 def test_fresh_cache_dir_is_private_and_library_loads(tmp_path, monkeypatch):
@@ -58,15 +69,15 @@ def test_fresh_cache_dir_is_private_and_library_loads(tmp_path, monkeypatch):
     assert _loads(path)
 
 
-def test_second_call_reuses_without_compiling(tmp_path, monkeypatch):
+def test_second_call_reuses_without_compiling(tmp_path, monkeypatch, stub):
     log = tmp_path / "cc.log"
     monkeypatch.setenv("CC", str(_script(tmp_path / "logcc", f'echo "$*" >> {log}\nexec {REAL_CC} "$@"')))
-    first = build.library(cache=tmp_path / "c")
+    first = build.library(stub, cache=tmp_path / "c")
     compiles = [line for line in log.read_text().splitlines() if "-shared" in line]
     assert len(compiles) >= 1
     before = first.stat()
     build._compiler_version.cache_clear()  # as in a new process: the compiler is asked its version again
-    assert build.library(cache=tmp_path / "c") == first
+    assert build.library(stub, cache=tmp_path / "c") == first
     assert [line for line in log.read_text().splitlines() if "-shared" in line] == compiles, "compiled again"
     after = first.stat()
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
@@ -74,7 +85,7 @@ def test_second_call_reuses_without_compiling(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("spoil", "why"), [(0o770, "group-writable"), (0o777, "world-writable"),
                                             ("symlink", "a symlink")])
-def test_untrusted_cache_dir_is_refused(tmp_path, caplog, spoil, why):
+def test_untrusted_cache_dir_is_refused(tmp_path, caplog, spoil, why, stub):
     bad = tmp_path / "bad"
     if spoil == "symlink":
         (tmp_path / "real").mkdir(mode=0o700)
@@ -82,7 +93,7 @@ def test_untrusted_cache_dir_is_refused(tmp_path, caplog, spoil, why):
     else:
         bad.mkdir()
         bad.chmod(spoil)
-    path = build.library(cache=bad)
+    path = build.library(stub, cache=bad)
     assert path.parent != bad and bad not in path.parents and bad.resolve() not in path.parents
     assert list(bad.iterdir()) == []
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700 and path.parent.name.startswith("tdb-kernels-")
@@ -90,11 +101,11 @@ def test_untrusted_cache_dir_is_refused(tmp_path, caplog, spoil, why):
     (message,) = _warnings(caplog, str(bad))
     assert why in message
     caplog.clear()
-    assert build.library(cache=bad) == path, "the private directory is reused within the process"
+    assert build.library(stub, cache=bad) == path, "the private directory is reused within the process"
     assert _warnings(caplog, str(bad)) == [], "warned once"
 
 
-def test_cache_dir_owned_by_another_user_is_refused(tmp_path, caplog):
+def test_cache_dir_owned_by_another_user_is_refused(tmp_path, caplog, stub):
     if os.getuid() != 0:
         pytest.skip("giving a directory to another uid (chown) needs root")
     other = tmp_path / "other"
@@ -103,7 +114,7 @@ def test_cache_dir_owned_by_another_user_is_refused(tmp_path, caplog):
         os.chown(other, 12345, -1)
     except PermissionError as e:
         pytest.skip(f"chown to uid 12345 is not permitted here: {e}")
-    path = build.library(cache=other)
+    path = build.library(stub, cache=other)
     assert other not in path.parents and list(other.iterdir()) == []
     assert _loads(path)
     (message,) = _warnings(caplog, str(other))
@@ -111,11 +122,11 @@ def test_cache_dir_owned_by_another_user_is_refused(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("spoil", ["group-writable", "a symlink", "owned by uid 12345"])
-def test_untrusted_library_file_is_rebuilt_not_loaded(tmp_path, caplog, spoil):
+def test_untrusted_library_file_is_rebuilt_not_loaded(tmp_path, caplog, spoil, stub):
     """A refused library in a good directory is replaced in place (atomically) by a fresh build."""
     cache = tmp_path / "c"
     cache.mkdir(mode=0o700)
-    target, decoy = _plain_target(cache), tmp_path / "decoy.so"
+    target, decoy = _plain_target(cache, stub), tmp_path / "decoy.so"
     decoy.write_bytes(b"not a library")
     if spoil == "a symlink":
         target.symlink_to(decoy)
@@ -126,7 +137,7 @@ def test_untrusted_library_file_is_rebuilt_not_loaded(tmp_path, caplog, spoil):
             if os.getuid() != 0:
                 pytest.skip("giving a file to another uid (chown) needs root")
             os.chown(target, 12345, -1)
-    assert build.library(cache=cache) == target
+    assert build.library(stub, cache=cache) == target
     st = target.lstat()
     assert stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & 0o022 == 0
     assert target.read_bytes()[:4] == b"\x7fELF" and decoy.read_bytes() == b"not a library"
@@ -147,7 +158,7 @@ def test_source_change_builds_new_library(tmp_path):
     assert second.stat().st_mtime_ns >= first.stat().st_mtime_ns and _loads(second)
 
 
-def test_key_changes_with_compiler_identity(tmp_path, monkeypatch):
+def test_key_changes_with_compiler_identity(tmp_path, monkeypatch, stub):
     src = build.SOURCE.read_bytes()
     plain = build.cache_key(src, str(REAL_CC))
     assert len(plain) >= 16 and int(plain, 16) >= 0 and build.cache_key(src, str(REAL_CC)) == plain
@@ -161,17 +172,18 @@ def test_key_changes_with_compiler_identity(tmp_path, monkeypatch):
     build._compiler_version.cache_clear()
     assert build.cache_key(src, str(fake)) not in (plain, wrapped)
     monkeypatch.setenv("CC", str(fake))
-    assert build.library(cache=tmp_path / "c").name == f"cpu_kernels-{build.cache_key(src, str(fake))}.so"
+    assert build.library(stub, cache=tmp_path / "c").name == (
+        f"cpu_kernels-{build.cache_key(stub.read_bytes(), str(fake))}.so")
 
 
-def test_rebuild_replaces_a_library_that_does_not_load(tmp_path):
+def test_rebuild_replaces_a_library_that_does_not_load(tmp_path, stub):
     cache = tmp_path / "c"
-    path = build.library(cache=cache)
+    path = build.library(stub, cache=cache)
     path.write_bytes(path.read_bytes()[:100])  # truncated
     with pytest.raises(OSError):
         ctypes.CDLL(str(path))
-    assert build.library(cache=cache) == path and path.stat().st_size == 100, "a trusted file is used as is"
-    assert build.library(cache=cache, rebuild=True) == path
+    assert build.library(stub, cache=cache) == path and path.stat().st_size == 100, "a trusted file is used as is"
+    assert build.library(stub, cache=cache, rebuild=True) == path
     assert path.stat().st_size > 100 and _loads(path)
     assert [p.name for p in cache.iterdir()] == [path.name]
 
