@@ -81,11 +81,18 @@
 
 int tdb_version(void) { return 8; }
 
-/* Whether the tables * bags + 1 offsets run forward inside [0, n]. */
+/* Whether the last + 1 offsets run forward inside [0, n]. */
 static int tdb_offsets_in_order(const int64_t* offsets, int64_t last, int64_t n) {
   if (offsets[0] < 0 || offsets[last] > n) return 0;
   for (int64_t i = 0; i < last; ++i)
     if (offsets[i + 1] < offsets[i]) return 0;
+  return 1;
+}
+
+/* Whether ids[lo..hi) all lie inside [0, rows). */
+static int tdb_ids_inside(const int64_t* ids, int64_t lo, int64_t hi, int64_t rows) {
+  for (int64_t p = lo; p < hi; ++p)
+    if (ids[p] < 0 || ids[p] >= rows) return 0;
   return 1;
 }
 
@@ -95,11 +102,8 @@ static int tdb_offsets_in_order(const int64_t* offsets, int64_t last, int64_t n)
 int tdb_check_tables(int64_t tables, const int64_t* rows, const int64_t* ids, int64_t n, const int64_t* offsets,
                      int64_t bags) {
   if (!tdb_offsets_in_order(offsets, tables * bags, n)) return -1;
-  for (int64_t t = 0; t < tables; ++t) {
-    int64_t r = rows[t];
-    for (int64_t p = offsets[t * bags]; p < offsets[(t + 1) * bags]; ++p)
-      if (ids[p] < 0 || ids[p] >= r) return (int)(-2 - t);
-  }
+  for (int64_t t = 0; t < tables; ++t)
+    if (!tdb_ids_inside(ids, offsets[t * bags], offsets[(t + 1) * bags], rows[t])) return (int)(-2 - t);
   return 0;
 }
 
@@ -192,12 +196,9 @@ TDB_CLONES
 int tdb_pool_sum(const float* restrict weight, int64_t ldw, int64_t dim, int64_t rows, float* restrict out,
                  int64_t ldo, const int64_t* ids, int64_t n_ids, const int64_t* offsets, int64_t b0, int64_t b1,
                  const float* psw) {
-  if (dim > TDB_MAX_DIM || offsets[b0] < 0 || offsets[b1] > n_ids) return -1;
-  for (int64_t b = b0; b < b1; ++b)
-    if (offsets[b + 1] < offsets[b]) return -1;
+  if (dim > TDB_MAX_DIM || !tdb_offsets_in_order(offsets + b0, b1 - b0, n_ids)) return -1;
   int64_t n = offsets[b1];
-  for (int64_t p = offsets[b0]; p < n; ++p)
-    if (ids[p] < 0 || ids[p] >= rows) return -1;
+  if (!tdb_ids_inside(ids, offsets[b0], n, rows)) return -1;
   if (dim <= 0) return 0;
   float acc[TDB_MAX_DIM];
   if (!psw && dim % 64 == 0) {
