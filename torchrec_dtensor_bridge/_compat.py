@@ -6,7 +6,11 @@ group needs the private ``_init_backend`` flag; the mesh a sub-mesh was sliced
 from has no public accessor (torch 2.13: ``DeviceMesh._get_root_mesh``); DCP's
 ``.metadata`` pickles refer to two private classes of
 ``torch.distributed.checkpoint`` (``_StorageInfo``, ``_MEM_FORMAT_ENCODING``),
-which its restricted unpickler must resolve. ShardedTensor's own accessors
+which its restricted unpickler must resolve. Walking the nested arguments of an op uses ``torch.utils._pytree`` (no
+public home). The functional collectives name their group by a string, which only a
+private function resolves; DTensor lets a package take over an op only
+through its dispatcher's ``_custom_op_handlers`` table (as torch's own
+``loss_parallel`` does). ShardedTensor's own accessors
 (``.shape``, ``.dtype``: its ``__torch_function__``) warn that it is deprecated,
 about our internal use, on every call: :func:`shape_and_dtype` reads its
 metadata instead. Everything else in the package
@@ -15,7 +19,9 @@ imports these names from here, so an upstream move breaks exactly one module.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,9 +39,12 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec
 from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as DcpMemFormat
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.remote_device import _remote_device as RemoteDevice
+from torch.distributed.tensor import DTensor
+from torch.utils import _pytree as pytree
 
 __all__ = [
     "ChunkShardingSpec",
@@ -49,9 +58,12 @@ __all__ = [
     "ShardedTensorMetadata",
     "ShardedTensorProperties",
     "ShardedTensorShard",
+    "group_ranks",
     "make_sharded_tensor",
     "one_rank_mesh",
+    "pytree",
     "root_mesh",
+    "route_dtensor_op",
     "shard_placement",
     "sharded_tensor_process_group",
     "shape_and_dtype",
@@ -116,3 +128,33 @@ def shape_and_dtype(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
         md = t.metadata()
         return tuple(md.size), md.tensor_properties.dtype
     return tuple(t.shape), t.dtype
+
+
+def group_ranks(group_name: str) -> list[int]:
+    """The global ranks of the process group a functional collective names (``group_name``), in group order."""
+    return dist.get_process_group_ranks(_resolve_process_group(group_name))
+
+
+def route_dtensor_op(op: torch._ops.OpOverload, handler: Callable[[Any, tuple, dict], Any]) -> None:
+    """Let ``handler(op, args, kwargs)`` run ``op`` on DTensors before DTensor's own rules; where it returns
+    ``NotImplemented``, the handler that was there before (or DTensor's own path) runs. Idempotent per
+    handler."""
+    table = DTensor._op_dispatcher._custom_op_handlers
+    previous = table.get(op)
+    if getattr(previous, "_tdb_handler", None) is handler:
+        return
+
+    def run(op_call: Any, args: tuple, kwargs: dict) -> Any:
+        out = handler(op_call, args, kwargs)
+        if out is not NotImplemented:
+            return out
+        if previous is not None:
+            return previous(op_call, args, kwargs)
+        del table[op_call]  # DTensor's own path: dispatch again without this entry
+        try:
+            return op_call(*args, **kwargs)
+        finally:
+            table[op_call] = run
+
+    run._tdb_handler = handler  # type: ignore[attr-defined]
+    table[op] = run

@@ -289,6 +289,22 @@ class ShardLayout:
             return LayoutKind.COLUMN_WISE
         return LayoutKind.GRID
 
+    @cached_property
+    def cut_dims(self) -> frozenset[int]:
+        """The dims in which some non-empty block does not span the whole table."""
+        full = [s for s in self.shards if s.numel]
+        return frozenset(d for d in range(self.ndim) if any(s.sizes[d] != self.global_shape[d] for s in full))
+
+    @property
+    def nearest_shard_dim(self) -> int | None:
+        """The dim of the one ``Shard`` placement a DTensor of this layout carries when its placements cannot
+        describe it alone (its local tensor a :class:`LocalShardsWrapper`): 1 for a column cut, none for
+        replicas, else 0. DTensor reduces across ranks exactly along this dim."""
+        kind = self.kind
+        if kind is LayoutKind.REPLICATED:
+            return None
+        return 1 if kind is LayoutKind.COLUMN_WISE else 0
+
     def with_name(self, name: str) -> ShardLayout:
         return ShardLayout(self.global_shape, self.shards, self.dtype, name)
 

@@ -143,5 +143,6 @@ def placement_for_layout(
     for placements in candidates:
         if _same_blocks(layout_from_placements(mesh, placements, layout.global_shape), layout):
             return DTensorPlacement(mesh, placements, True)
-    nearest: Placement = {LayoutKind.COLUMN_WISE: Shard(1), LayoutKind.REPLICATED: Replicate()}.get(kind, Shard(0))
+    dim = layout.nearest_shard_dim
+    nearest: Placement = Replicate() if dim is None else Shard(dim)
     return DTensorPlacement(mesh, (nearest,) + tuple(Replicate() for _ in range(mesh.ndim - 1)), False)

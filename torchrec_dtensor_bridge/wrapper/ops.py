@@ -1,44 +1,23 @@
-"""The handlers of :class:`LocalShardsWrapper`'s ops: every op is applied shard by shard.
+"""The handlers of :class:`LocalShardsWrapper`'s ops named one by one: copies, views, fills, comparisons.
+
+The element-wise families are in ``elementwise.py``, reductions and the gather in ``reductions.py``.
 
 Registered once, at import, in the table of ``op_table`` (see there).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
+from .elementwise import like as _like
+from .elementwise import operand_part
 from .local_shards_wrapper import LocalShardsWrapper
 from .op_table import implements
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-
-
-def _like(w: LocalShardsWrapper, shards: list[torch.Tensor]) -> LocalShardsWrapper:
-    layout = w.layout_of_table
-    if layout is not None and shards and layout.dtype not in (None, shards[0].dtype):
-        layout = dataclasses.replace(layout, dtype=shards[0].dtype)
-    return w._like(shards, layout)
-
-
-def _per_shard_operand(w: LocalShardsWrapper, other: Any, op: Any) -> list[Any]:
-    """``other`` split to match ``w``'s shards: a same-layout wrapper, a tensor of
-    the wrapper's shape, or a scalar / 0-dim tensor broadcast to every shard."""
-    n = len(w.local_shards())
-    if isinstance(other, LocalShardsWrapper):
-        if other.local_offsets() != w.local_offsets() or other.local_sizes() != w.local_sizes():
-            raise ValueError(
-                f"{op}: wrappers differ in layout: offsets {[list(o) for o in w.local_offsets()]} "
-                f"sizes {[list(s) for s in w.local_sizes()]} vs offsets "
-                f"{[list(o) for o in other.local_offsets()]} sizes {[list(s) for s in other.local_sizes()]}"
-            )
-        return other.local_shards()
-    if isinstance(other, torch.Tensor) and other.dim() > 0:
-        return w.split_packed(other)
-    return [other] * n
 
 
 def _empty_like(w: LocalShardsWrapper, dtype: torch.dtype | None, device: torch.device | None) -> LocalShardsWrapper:
@@ -68,12 +47,6 @@ def _clone(func, args, kwargs):
     if fmt not in (None, torch.preserve_format, torch.contiguous_format):
         raise NotImplementedError(f"LocalShardsWrapper.clone does not support memory_format={fmt}")
     return _like(args[0], [s.clone() for s in args[0].local_shards()])
-
-
-@implements(aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default)
-def _like_op(func, args, kwargs):
-    w = args[0]
-    return _like(w, [func(s, **kwargs) for s in w.local_shards()])
 
 
 @implements(aten.new_empty.default, aten.new_zeros.default)
@@ -110,7 +83,8 @@ def _view(func, args, kwargs):
 @implements(aten.copy_.default)
 def _copy(func, args, kwargs):
     w, src = args[0], args[1]
-    for dst, part in zip(w.local_shards(), _per_shard_operand(w, src, func)):
+    parts = [operand_part(w, src, i, func) for i in range(len(w.local_shards()))]  # all checked first
+    for dst, part in zip(w.local_shards(), parts):
         dst.copy_(part, **kwargs)
     return w
 
@@ -144,23 +118,6 @@ def _zero(func, args, kwargs):
     for s in args[0].local_shards():
         s.zero_()
     return args[0]
-
-
-@implements(
-    aten.add_.Tensor, aten.add_.Scalar, aten.mul_.Tensor, aten.mul_.Scalar, aten.div_.Tensor, aten.div_.Scalar,
-    aten.sub_.Tensor, aten.sub_.Scalar,
-)
-def _inplace_binary(func, args, kwargs):
-    w = args[0]
-    for s, part in zip(w.local_shards(), _per_shard_operand(w, args[1], func)):
-        func(s, part, *args[2:], **kwargs)
-    return w
-
-
-@implements(c10d.all_gather_into_tensor.default)
-def _all_gather(func, args, kwargs):
-    # DTensor's own gather assumes one regular local tensor; hand it the packed shards.
-    return func(args[0].pack().contiguous(), *args[1:], **kwargs)
 
 
 @implements(c10d.wait_tensor.default)

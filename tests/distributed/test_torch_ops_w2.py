@@ -1,0 +1,247 @@
+"""Tables as DTensors to all of torch, on the layouts DTensor cannot express alone (2 gloo ranks).
+
+For each layout whose DTensor carries a ``LocalShardsWrapper`` (uneven rows, uneven columns, several
+blocks on one rank, a grid, a table held by one rank of the mesh): torch's optimizers (foreach and
+single-tensor), ``clip_grad_norm_``, pointwise ops (functional, in-place, ``out=``, with scalars, with a
+DTensor of the same layout, with a broadcast vector), reductions and ``nn.init`` give what they give on the
+unsharded table, which every rank computes itself as the reference (re-expressing the ideas of torch's
+``test/distributed/tensor/test_optimizers.py``, ``test_pointwise_ops.py`` and ``test_math_ops.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+import torchrec_dtensor_bridge as tdb
+from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
+from torchrec_dtensor_bridge.layout import ShardLayout
+
+from .checks import expect_raises
+from .harness import make_pool_fixture
+
+pool = make_pool_fixture(2)
+
+ROWS, DIM = 11, 6
+LAYOUTS = {
+    "row_wise_uneven": ShardLayout.row_wise((ROWS, DIM), [7, 4]),
+    "column_wise_uneven": ShardLayout.column_wise((ROWS, DIM), [1, 5]),
+    "two_blocks_on_a_rank": ShardLayout.row_wise((ROWS, DIM), [3, 5, 3], ranks=[0, 1, 0]),
+    "grid": ShardLayout.grid((ROWS, DIM), [4, 7], [2, 4], [0, 1, 1, 0]),
+    "one_rank_of_the_mesh": ShardLayout.table_wise((ROWS, DIM), 1),
+}
+OPTIMIZERS = {
+    "sgd": lambda ps, fe: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01, foreach=fe),
+    "sgd_dampening": lambda ps, fe: torch.optim.SGD(ps, lr=0.1, momentum=0.5, dampening=0.3, foreach=fe),
+    "adam": lambda ps, fe: torch.optim.Adam(ps, lr=0.1, weight_decay=0.01, foreach=fe),
+    "adamw": lambda ps, fe: torch.optim.AdamW(ps, lr=0.1, weight_decay=0.1, amsgrad=True, foreach=fe),
+    "adagrad": lambda ps, fe: torch.optim.Adagrad(ps, lr=0.1, initial_accumulator_value=0.1, foreach=fe),
+    "rmsprop": lambda ps, fe: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5, centered=True, foreach=fe),
+}
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _table(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(ROWS, DIM, generator=g)
+
+
+def _dt(layout: ShardLayout, full: torch.Tensor) -> DTensor:
+    """A DTensor of ``layout`` over copies of ``full``'s blocks; its local tensor must be our wrapper."""
+    rank = dist.get_rank()
+    dt = dtensor_from_local_shards(layout, [full[s.slices()].clone() for s in layout.shards_on(rank)],
+                                   device_mesh=_mesh())
+    assert isinstance(dt.to_local(), tdb.LocalShardsWrapper), layout
+    return dt
+
+
+def _close(got, want, what):
+    if isinstance(got, DTensor):
+        got = got.full_tensor()
+    torch.testing.assert_close(got, want, msg=lambda m: f"{what}: {m}")
+
+
+def _check_optimizers(rank, world_size, name):
+    layout = LAYOUTS[name]
+    grads = [_table(10 + k) for k in range(3)]
+    for kind, make in OPTIMIZERS.items():
+        for foreach in (False, True):
+            what = f"{name} {kind} foreach={foreach}"
+            ref = nn.Parameter(_table(1))
+            ref2 = nn.Parameter(_table(2))
+            p = nn.Parameter(_dt(layout, _table(1)))
+            p2 = nn.Parameter(_dt(layout, _table(2)))
+            opt_ref, opt = make([ref, ref2], foreach), make([p, p2], foreach)
+            for g in grads:
+                ref.grad, ref2.grad = g.clone(), (2 * g).clone()
+                p.grad, p2.grad = _dt(layout, g), _dt(layout, 2 * g)
+                opt_ref.step()
+                opt.step()
+            _close(p, ref.detach(), what)
+            _close(p2, ref2.detach(), what)
+            for key, value in opt_ref.state[ref].items():
+                mine = opt.state[p][key]
+                if key == "step":
+                    assert float(mine) == float(value), (what, mine, value)
+                else:
+                    assert isinstance(mine, DTensor) and isinstance(mine.to_local(), tdb.LocalShardsWrapper), what
+                    assert tdb.layout_of(mine).shards == layout.shards, (what, key)
+                    _close(mine, value, f"{what} state {key}")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_optimizers_equal_the_unsharded_table(pool, name):
+    pool.run(_check_optimizers, name)
+
+
+def _check_clip(rank, world_size, name):
+    layout = LAYOUTS[name]
+    for foreach in (False, True):
+        for norm_type in (2.0, 1.0, math.inf):
+            refs = [nn.Parameter(_table(1)), nn.Parameter(_table(2))]
+            ps = [nn.Parameter(_dt(layout, _table(1))), nn.Parameter(_dt(layout, _table(2)))]
+            for k, (r, p) in enumerate(zip(refs, ps)):
+                r.grad = _table(20 + k) * 3
+                p.grad = _dt(layout, r.grad)
+            want = torch.nn.utils.clip_grad_norm_(refs, 1.5, norm_type=norm_type, foreach=foreach)
+            got = torch.nn.utils.clip_grad_norm_(ps, 1.5, norm_type=norm_type, foreach=foreach)
+            what = f"{name} clip foreach={foreach} norm_type={norm_type}"
+            _close(got, want, what)
+            for r, p in zip(refs, ps):
+                _close(p.grad, r.grad, what)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_clip_grad_norm_equals_the_unsharded_table(pool, name):
+    pool.run(_check_clip, name)
+
+
+def _check_pointwise(rank, world_size, name):
+    layout = LAYOUTS[name]
+    a, b = _table(1), _table(2)
+    x, y = _dt(layout, a), _dt(layout, b)
+    _close(x * 2, a * 2, "mul scalar")
+    _close(x + y, a + b, "add")
+    _close(torch.sin(x), torch.sin(a), "sin")
+    _close(torch.where(x > y, x, y), torch.where(a > b, a, b), "where")
+    _close(torch.lerp(x, y, 0.3), torch.lerp(a, b, 0.3), "lerp")
+    _close(torch.addcdiv(x, y, y.abs() + 1, value=0.5), torch.addcdiv(a, b, b.abs() + 1, value=0.5), "addcdiv")
+    _close((x > 0).sum(), (a > 0).sum(), "comparison then sum")
+    out = _dt(layout, torch.zeros(ROWS, DIM))
+    torch.mul(x, y, out=out)
+    _close(out, a * b, "out=")
+    z = _dt(layout, a)
+    before = [s.data_ptr() for s in z.to_local().local_shards()]
+    z.add_(y, alpha=0.5).clamp_(min=-0.5).mul_(torch.tensor(3.0))
+    assert [s.data_ptr() for s in z.to_local().local_shards()] == before, "in place"
+    _close(z, (a + 0.5 * b).clamp(min=-0.5) * 3, "in place chain")
+    vec = torch.arange(DIM, dtype=torch.float32)
+    bvec = distribute_tensor(vec, _mesh(), [Replicate()])
+    if layout.nearest_shard_dim == 0:
+        _close(x * bvec, a * vec, "broadcast")
+    else:  # DTensor hands each rank an even chunk of the vector: no uneven column cut can be recovered
+        expect_raises(ValueError, "matches neither the table nor this rank's blocks", lambda: x * bvec)
+    # another layout of the same placement reaches the wrappers, which refuse it naming both layouts;
+    # one of another placement is refused by DTensor's move between Shard dims
+    rows, cols = ShardLayout.row_wise((ROWS, DIM), [5, 6]), ShardLayout.column_wise((ROWS, DIM), [4, 2])
+    same_dim = cols if layout.nearest_shard_dim == 1 else rows
+    expect_raises(ValueError, "wrappers differ in layout", lambda: x.add_(_dt(same_dim, b)))
+    other_dim = rows if layout.nearest_shard_dim == 1 else cols
+    y_other = _dt(other_dim, b)
+    try:  # refused where DTensor moves it (our gather is exact, its even re-split is not) or where it meets x
+        x.add_(y_other)
+    except (ValueError, NotImplementedError) as e:
+        assert "Give both operands" in str(e), e
+    else:
+        raise AssertionError(f"{name}: an operand of another placement was accepted")
+    _close(x, a, "a refused op leaves the table as it was")
+    for fn in (torch.zeros_like, torch.ones_like, lambda t: torch.full_like(t, 2.5)):
+        _close(fn(x), fn(a), "creation")
+    assert torch.empty_like(x).shape == x.shape
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pointwise_ops_equal_the_unsharded_table(pool, name):
+    pool.run(_check_pointwise, name)
+
+
+def _check_reductions(rank, world_size, name):
+    layout = LAYOUTS[name]
+    a = _table(3)
+    x = _dt(layout, a)
+    checks = {
+        "sum": lambda t: t.sum(), "mean": lambda t: t.mean(), "amax": lambda t: t.amax(),
+        "amin": lambda t: t.amin(), "max": lambda t: t.max(), "norm": lambda t: t.norm(),
+        "norm1": lambda t: torch.linalg.vector_norm(t, 1), "norm_inf": lambda t: torch.linalg.vector_norm(t, math.inf),
+        "sum_dtype": lambda t: t.sum(dtype=torch.float64),
+        "any": lambda t: (t > 2.0).any(), "all": lambda t: (t > -5.0).all(), "not_all": lambda t: (t > 0).all(),
+    }
+    cut = layout.cut_dims
+    p = layout.nearest_shard_dim
+    for dim in (0, 1):
+        if dim in cut and dim != p:
+            # a grid reduced along its columns alone: each rank holds only part of a row
+            expect_raises(NotImplementedError, "needs the blocks of other ranks", lambda: x.sum(dim=dim).full_tensor())
+            continue
+        checks.update({
+            f"sum{dim}": lambda t, d=dim: t.sum(dim=d), f"mean{dim}": lambda t, d=dim: t.mean(dim=d),
+            f"amax{dim}": lambda t, d=dim: t.amax(dim=d), f"norm{dim}": lambda t, d=dim: t.norm(dim=d),
+            f"mean{dim}_keepdim": lambda t, d=dim: t.mean(dim=d, keepdim=True),
+        })
+    for what, fn in checks.items():
+        _close(fn(x), fn(a), f"{name} {what}")
+    _close(x.full_tensor(), a, f"{name} DTensor.full_tensor")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_reductions_equal_the_unsharded_table(pool, name):
+    pool.run(_check_reductions, name)
+
+
+def _check_init(rank, world_size, name):
+    layout = LAYOUTS[name]
+    inits = {
+        "uniform_": lambda t: nn.init.uniform_(t, -0.5, 0.5),
+        "normal_": lambda t: nn.init.normal_(t, 0.0, 0.02),
+        "trunc_normal_": lambda t: nn.init.trunc_normal_(t, std=1.0, a=-0.5, b=0.5),
+        "xavier_uniform_": nn.init.xavier_uniform_,
+        "kaiming_normal_": nn.init.kaiming_normal_,
+        "constant_": lambda t: nn.init.constant_(t, 0.25),
+    }
+    for what, init in inits.items():
+        torch.manual_seed(7)
+        x = _dt(layout, torch.full((ROWS, DIM), math.nan))
+        init(x)
+        full = tdb.full_tensor(x)
+        assert not full.isnan().any(), (name, what, "an element left unwritten")
+        if what == "constant_":
+            _close(full, torch.full((ROWS, DIM), 0.25), what)
+            continue
+        if what in ("uniform_", "trunc_normal_"):
+            assert full.min() >= -0.5 and full.max() <= 0.5, (name, what, full.min(), full.max())
+        bound = math.sqrt(6.0 / (ROWS + DIM))  # xavier's, from the table's global fans
+        if what == "xavier_uniform_":
+            assert full.abs().max() <= bound, (name, full.abs().max(), bound)
+        # no two blocks draw the same stream: their first rows never repeat each other
+        firsts = [full[s.offsets[0], s.offsets[1]:s.offsets[1] + 1] for s in layout.unique_shards() if s.numel]
+        assert len({float(v) for v in firsts}) == len(firsts), (name, what, firsts)
+        # the same seed on every rank draws the same table again
+        torch.manual_seed(7)
+        again = _dt(layout, torch.zeros(ROWS, DIM))
+        init(again)
+        assert torch.equal(tdb.full_tensor(again), full), (name, what)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_init_fills_every_block_from_its_own_stream(pool, name):
+    pool.run(_check_init, name)

@@ -1,0 +1,326 @@
+"""The element-wise families of :class:`LocalShardsWrapper`'s ops: one handler for every op of a kind.
+
+An element-wise op on a table is the same op on each of its blocks, so every handler here runs the op
+once per local shard (a ``_foreach_*`` op: once for all the shards of all its tensors) and puts the
+results back together as wrappers of the same layout:
+
+- every op tagged ``torch.Tag.pointwise``: functional, in-place and ``out=``;
+- every ``_foreach_*`` op of a pointwise op (``torch.optim``'s and ``clip_grad_norm_``'s);
+- the ``*_like`` creation ops and the ops that draw random numbers (``uniform_``, ``normal_``,
+  ``rand_like``, ``bernoulli``, ``native_dropout``, ...). Random ops fill each shard from its own stream,
+  seeded from one draw of the caller's generator and the shard's offsets: ranks that share a seed
+  draw the same numbers for the same block, and no two blocks repeat a stream.
+
+The other operands are taken shard by shard (:func:`operand_part`): a wrapper of the same blocks gives
+its shard; a 0-dim tensor or a scalar is used as is; a tensor of the table's shape, or one broadcast
+against it, gives the slice of each block. A wrapper of other blocks, or a plain tensor that matches
+neither the table nor this rank's blocks (DTensor's even split of an operand of another layout), is
+refused with a ``ValueError`` naming both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._compat import pytree
+from ..layout import ShardLayout, chunk_span
+from .local_shards_wrapper import LocalShardsWrapper
+from .op_table import implements_family
+
+__all__ = ["blocks_of", "describe", "foreach_expand", "like", "operand_part", "rewrap"]
+
+aten = torch.ops.aten
+
+
+# --------------------------------------------------------------------------- shared helpers
+def blocks_of(w: LocalShardsWrapper) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """``(offsets, sizes)`` of each local shard: what two wrappers must share to be combined."""
+    return [(tuple(o), tuple(s.shape)) for o, s in zip(w.local_offsets(), w.local_shards())]
+
+
+def describe(w: LocalShardsWrapper) -> str:
+    lay = w.layout_of_table
+    name = f"table {lay.name!r}: " if lay is not None else ""
+    blocks = blocks_of(w)
+    return (f"{name}offsets {[list(o) for o, _ in blocks]} sizes {[list(s) for _, s in blocks]} "
+            f"of {list(w.global_shape)}")
+
+
+def like(w: LocalShardsWrapper, shards: list[torch.Tensor]) -> LocalShardsWrapper:
+    """A wrapper of ``w``'s blocks over ``shards`` (the layout's dtype follows the shards')."""
+    layout = w.layout_of_table
+    if layout is not None and shards and layout.dtype not in (None, shards[0].dtype):
+        layout = dataclasses.replace(layout, dtype=shards[0].dtype)
+    return w._like(shards, layout)
+
+
+def rewrap(w: LocalShardsWrapper, shards: list[torch.Tensor], dtype: torch.dtype | None = None,
+           device: torch.device | None = None) -> LocalShardsWrapper:
+    """:func:`like`, or, for a wrapper holding no shard, another one of the same table with ``dtype``."""
+    if shards or not w.is_empty_shard():
+        return like(w, shards)
+    layout = w.layout_of_table
+    dtype = dtype or w.dtype
+    if layout is not None and layout.dtype not in (None, dtype):
+        layout = dataclasses.replace(layout, dtype=dtype)
+    return LocalShardsWrapper([], [], w._global_shape, layout=layout, dtype=dtype, device=device or w.device)
+
+
+def _even_along(layout: ShardLayout | None, shard: int) -> bool:
+    """Whether ``layout``'s blocks are DTensor's own even split along its Shard dim, in rank order (then a
+    plain local tensor of this rank's block shape is the same block)."""
+    if layout is None:
+        return True
+    dim = layout.nearest_shard_dim
+    shards = layout.shards
+    if dim is None or len({s.rank for s in shards}) != len(shards) or list(shards) != sorted(
+            shards, key=lambda s: s.rank or 0):
+        return False
+    extent = layout.global_shape[dim]
+    return all(
+        (s.offsets[dim], s.sizes[dim]) == chunk_span(extent, len(shards), i)
+        and all(s.sizes[d] == layout.global_shape[d] for d in range(layout.ndim) if d != dim)
+        for i, s in enumerate(shards)
+    )
+
+
+def operand_part(w: LocalShardsWrapper, other: Any, i: int, op: Any) -> Any:
+    """The part of ``other`` that meets ``w``'s local shard ``i`` (see the module docstring)."""
+    if isinstance(other, LocalShardsWrapper):
+        if other is not w and blocks_of(other) != blocks_of(w):
+            raise ValueError(f"{op}: wrappers differ in layout: {describe(w)} vs {describe(other)}")
+        return other.local_shards()[i]
+    if not isinstance(other, torch.Tensor) or other.dim() == 0:
+        return other
+    shards = w.local_shards()
+    if other.shape == w.shape and len(shards) > 1:  # the shards packed along their stacked dim
+        return w.split_packed(other)[i]
+    shard, offsets = shards[i], w.local_offsets()[i]
+    if other.dim() > shard.dim():
+        raise ValueError(f"{op}: an operand of shape {list(other.shape)} has more dims than {describe(w)}")
+    if other.shape == shard.shape and len(shards) == 1 and _even_along(w.layout_of_table, i):
+        return other
+    lead = shard.dim() - other.dim()
+    index: list[slice] = []
+    for k, size in enumerate(other.shape):
+        d = lead + k
+        if size == 1:
+            index.append(slice(None))
+        elif size == w.global_shape[d]:
+            index.append(slice(offsets[d], offsets[d] + shard.shape[d]))
+        else:
+            raise ValueError(
+                f"{op}: an operand of shape {list(other.shape)} matches neither the table nor this rank's "
+                f"blocks ({describe(w)}); a DTensor of another layout? Give both operands one layout "
+                f"(tdb.to_dtensor / dtensor_from_local_shards with the table's layout)"
+            )
+    return other[tuple(index)]
+
+
+def _wrappers_in(tree: Any) -> list[LocalShardsWrapper]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, LocalShardsWrapper)]
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The inputs ``func`` writes and returns (in-place ``self``, ``out=``), in the order of its returns."""
+    schema = func._schema
+    by_set = {}
+    for pos, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is not None and info.is_write:
+            value = kwargs[arg.name] if arg.name in kwargs else (args[pos] if pos < len(args) else None)
+            for s in info.before_set:
+                by_set[s] = value
+    out = []
+    for ret in schema.returns:
+        info = ret.alias_info
+        if info is None or not info.is_write:
+            return []
+        out.append(next(by_set[s] for s in info.before_set))
+    return out
+
+
+def _rebuild_outputs(ref: LocalShardsWrapper, per_shard: list[Any], template: Any) -> Any:
+    """The results of one op per shard, put together: a wrapper of ``ref``'s blocks per tensor output."""
+    if not per_shard:
+        leaves, spec = pytree.tree_flatten(template)
+        return pytree.tree_unflatten(
+            [rewrap(ref, [], x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in leaves], spec)
+    flat = [pytree.tree_flatten(r) for r in per_shard]
+    leaves0, spec = flat[0]
+    out = []
+    for k, leaf in enumerate(leaves0):
+        if isinstance(leaf, torch.Tensor):
+            out.append(like(ref, [f[0][k] for f in flat]))
+        else:
+            out.append(leaf)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _stand_in(x: Any) -> Any:
+    """For a rank holding no shard: an empty tensor of the wrapper's dtype that keeps its dims."""
+    if isinstance(x, LocalShardsWrapper):
+        return torch.empty((0,) * x.dim(), dtype=x.dtype, device=x.device)
+    return x
+
+
+def _per_shard(func: Any, args: tuple, kwargs: dict, shard_kwargs: Any = None) -> Any:
+    """``func`` once per local shard of the first wrapper among its operands."""
+    wrappers = _wrappers_in((args, kwargs))
+    ref = wrappers[0]
+    written = _written(func, args, kwargs)
+    n = len(ref.local_shards())
+    for other in wrappers[1:]:
+        if blocks_of(other) != blocks_of(ref):
+            raise ValueError(f"{func}: wrappers differ in layout: {describe(ref)} vs {describe(other)}")
+    results = []
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    parts = [[operand_part(ref, x, i, func) for x in leaves] for i in range(n)]  # all checked before any write
+    for i in range(n):
+        a, k = pytree.tree_unflatten(parts[i], spec)
+        if shard_kwargs is not None:
+            k = {**k, **shard_kwargs(ref, i)}
+        results.append(func(*a, **k))
+    if written:
+        return written[0] if len(written) == 1 else tuple(written)
+    if n:
+        return _rebuild_outputs(ref, results, None)
+    try:
+        template = func(*pytree.tree_map(_stand_in, args), **pytree.tree_map(_stand_in, kwargs))
+    except RuntimeError:  # an operand that does not broadcast against the stand-in: keep the dtype
+        template = _stand_in(ref)
+    return _rebuild_outputs(ref, [], template)
+
+
+# --------------------------------------------------------------------------- creation and random ops
+_LIKE = {"empty_like", "zeros_like", "ones_like", "full_like"}
+
+
+def _is_random(func: Any) -> bool:
+    return any(a.name == "generator" for a in func._schema.arguments)
+
+
+def _is_like(func: Any) -> bool:
+    return func._schema.name.split("::")[-1] in _LIKE
+
+
+@implements_family("like", _is_like)
+def _like_op(func, args, kwargs):
+    return _per_shard(func, args, kwargs)
+
+
+def _shard_seed(base: int, offsets: Sequence[int]) -> int:
+    text = repr((base, tuple(int(o) for o in offsets))).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+@implements_family("random", _is_random)
+def _random(func, args, kwargs):
+    ref = _wrappers_in((args, kwargs))[0]
+    gen = kwargs.get("generator")
+    # one draw of the caller's stream (ranks that share a seed agree on it), then one stream per block
+    base = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device if gen is not None else "cpu"))
+    kwargs = {k: v for k, v in kwargs.items() if k != "generator"}
+
+    def seeded(w: LocalShardsWrapper, i: int) -> dict:
+        shard = w.local_shards()[i]
+        g = torch.Generator(device=shard.device)
+        g.manual_seed(_shard_seed(base, w.local_offsets()[i]))
+        return {"generator": g}
+
+    return _per_shard(func, args, kwargs, shard_kwargs=seeded)
+
+
+# --------------------------------------------------------------------------- pointwise ops
+def _is_pointwise(func: Any) -> bool:
+    return torch.Tag.pointwise in getattr(func, "tags", ())
+
+
+@implements_family("pointwise", _is_pointwise)
+def _pointwise(func, args, kwargs):
+    return _per_shard(func, args, kwargs)
+
+
+# --------------------------------------------------------------------------- _foreach_* ops
+def _foreach_base(func: Any) -> Any | None:
+    """The single-tensor op a ``_foreach_*`` op applies (``None``: not a foreach op)."""
+    name = func._schema.name.split("::")[-1]
+    if not name.startswith("_foreach_"):
+        return None
+    base = name[len("_foreach_"):]
+    packet = getattr(aten, base, None) or getattr(aten, base.rstrip("_"), None)
+    return packet
+
+
+def _is_foreach_pointwise(func: Any) -> bool:
+    base = _foreach_base(func)
+    if base is None:
+        return False
+    return any(torch.Tag.pointwise in getattr(base, o).tags for o in base.overloads()) or base in (
+        aten.copy_, aten.zero_)
+
+
+def _list_args(func: Any, args: tuple, kwargs: dict) -> list[tuple[int | str, list]]:
+    found: list[tuple[int | str, list]] = []
+    for pos, a in enumerate(args):
+        if isinstance(a, (list, tuple)):
+            found.append((pos, list(a)))
+    for name, a in kwargs.items():
+        if isinstance(a, (list, tuple)):
+            found.append((name, list(a)))
+    return found
+
+
+def foreach_expand(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[tuple[Any, int]]]:
+    """``args`` and ``kwargs`` with every list entry that is (or meets) a wrapper replaced by one entry per
+    local shard; and, per original entry, its reference wrapper (or ``None``) and how many entries it became.
+    Every operand is checked before anything runs."""
+    lists = _list_args(func, args, kwargs)
+    length = len(lists[0][1])
+    refs: list[Any] = []
+    for j in range(length):
+        ref = next((lst[j] for _, lst in lists if j < len(lst) and isinstance(lst[j], LocalShardsWrapper)),
+                   None)
+        refs.append(ref)
+    expanded = {}
+    for where, lst in lists:
+        out: list[Any] = []
+        for j, x in enumerate(lst):
+            ref = refs[j]
+            if ref is None:
+                out.append(x)
+            else:
+                if isinstance(x, LocalShardsWrapper) and len(x.local_shards()) != len(ref.local_shards()):
+                    raise ValueError(f"{func}: wrappers differ in layout: {describe(ref)} vs {describe(x)}")
+                out.extend(operand_part(ref, x, i, func) for i in range(len(ref.local_shards())))
+        expanded[where] = out
+    new_args = tuple(expanded.get(pos, a) for pos, a in enumerate(args))
+    new_kwargs = {k: expanded.get(k, v) for k, v in kwargs.items()}
+    counts = [(ref, 1 if ref is None else len(ref.local_shards())) for ref in refs]
+    return new_args, new_kwargs, counts
+
+
+@implements_family("foreach", _is_foreach_pointwise)
+def _foreach(func, args, kwargs):
+    new_args, new_kwargs, counts = foreach_expand(func, args, kwargs)
+    if not any(count for _, count in counts):  # only wrappers holding no shard: nothing to run
+        if func._schema.name.endswith("_"):
+            return None
+        return [rewrap(ref, []) for ref, _ in counts]
+    result = func(*new_args, **new_kwargs)
+    if not isinstance(result, (list, tuple)):  # in place: nothing returned
+        return result
+    out, at = [], 0
+    for ref, count in counts:
+        part = list(result[at:at + count])
+        at += count
+        if ref is None:
+            out.append(part[0])
+        else:
+            out.append(rewrap(ref, part))
+    return out

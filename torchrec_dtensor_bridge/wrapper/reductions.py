@@ -1,0 +1,277 @@
+"""Reductions and the gather of :class:`LocalShardsWrapper`: what DTensor asks of a table's local shards.
+
+A DTensor whose local tensor is a wrapper carries one ``Shard`` placement, on the layout's
+:attr:`~..layout.ShardLayout.nearest_shard_dim` ``p``. DTensor reduces across ranks along ``p`` only, so:
+
+1. a reduction over ``p`` (a full reduction included) gives one plain tensor of the result's whole shape,
+   each local block's partial result combined into its place and the identity elsewhere (0 for a sum or
+   a norm, -inf for a maximum): DTensor's ``Partial`` all-reduce then completes it;
+2. a reduction over dims no block is cut in gives a wrapper of the reduced blocks (offsets with the
+   reduced dims dropped): DTensor keeps its ``Shard`` placement;
+3. a reduction over a cut dim other than ``p`` (a grid reduced over its columns alone) would need the
+   blocks of other ranks: ``NotImplementedError`` saying so, never a partial answer.
+
+A mean is not a sum of means on an uneven cut: :func:`dtensor_mean` (run by DTensor for DTensors over a
+wrapper) takes the table's sum and divides by the table's count. ``_foreach_norm`` gives each table's
+norm from its shards' norms. The gather DTensor runs to replicate a table (``full_tensor()``,
+``redistribute``) assembles the table from every rank's blocks by the layout, so it is right for uneven
+cuts, several blocks per rank and grids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._compat import group_ranks
+from ..layout import ShardLayout, ShardSpec
+from .elementwise import _even_along, describe, foreach_expand
+from .local_shards_wrapper import LocalShardsWrapper
+from .op_table import implements
+
+__all__ = ["dtensor_mean"]
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+_KIND = {
+    aten.sum.default: "sum", aten.sum.dim_IntList: "sum",
+    aten.mean.default: "mean", aten.mean.dim: "mean",
+    aten.amax.default: "max", aten.max.default: "max",
+    aten.amin.default: "min", aten.min.default: "min",
+    aten.linalg_vector_norm.default: "norm",
+    aten.any.default: "max", aten.any.dim: "max", aten.any.dims: "max",
+    aten.all.default: "min", aten.all.dim: "min",
+}
+_FULL = (aten.sum.default, aten.mean.default, aten.max.default, aten.min.default, aten.any.default,
+         aten.all.default)
+
+
+def _arg(args: tuple, kwargs: dict, pos: int, name: str, default: Any) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[pos] if len(args) > pos else default
+
+
+def _dims_of(func: Any, args: tuple, kwargs: dict, ndim: int) -> tuple[list[int], bool]:
+    """The reduced dims (sorted, non-negative) and ``keepdim`` of a reduction call."""
+    if func in _FULL:
+        return list(range(ndim)), False
+    pos = 2 if func is aten.linalg_vector_norm.default else 1
+    dims = _arg(args, kwargs, pos, "dim", None)
+    keepdim = bool(_arg(args, kwargs, pos + 1, "keepdim", False))
+    if dims is None or (isinstance(dims, Sequence) and len(dims) == 0):
+        return list(range(ndim)), keepdim
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return sorted({d % ndim if ndim else 0 for d in dims}), keepdim
+
+
+def _reduced(offsets: Sequence[int], sizes: Sequence[int], dims: list[int], keepdim: bool):
+    off, size = [], []
+    for d, (o, s) in enumerate(zip(offsets, sizes)):
+        if d not in dims:
+            off.append(o)
+            size.append(s)
+        elif keepdim:
+            off.append(0)
+            size.append(1)
+    return tuple(off), tuple(size)
+
+
+def _result_dtype(func: Any, w: LocalShardsWrapper, args: tuple, kwargs: dict) -> torch.dtype:
+    one = torch.zeros((1,) * w.dim(), dtype=w.dtype, device="meta")
+    return func(one, *args[1:], **kwargs).dtype
+
+
+def _identity(kind: str, ord_: float, dtype: torch.dtype) -> float:
+    """What a rank holding nothing of a result element contributes (norms are never negative: 0)."""
+    if kind == "max":
+        return False if dtype is torch.bool else -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
+    if kind == "min" or (kind == "norm" and ord_ == -math.inf):
+        return True if dtype is torch.bool else math.inf if dtype.is_floating_point else torch.iinfo(dtype).max
+    return 0
+
+
+def combine_norms(norms: torch.Tensor, ord_: float, dim: int = 0) -> torch.Tensor:
+    """The norm of a whole from the norms of its parts (stacked along ``dim``)."""
+    if ord_ == math.inf:
+        return norms.amax(dim)
+    if ord_ == -math.inf:
+        return norms.amin(dim)
+    if ord_ == 0:
+        return norms.sum(dim)
+    return torch.linalg.vector_norm(norms, ord_, dim=dim)
+
+
+def _norm_ord(func: Any, args: tuple, kwargs: dict) -> float:
+    return float(_arg(args, kwargs, 1, "ord", 2))
+
+
+def _place(out: torch.Tensor, box, part: torch.Tensor, kind: str, ord_: float) -> None:
+    """Combine one block's partial result into ``out`` at ``box``."""
+    view = out[tuple(slice(o, o + s) for o, s in zip(*box))]
+    if kind == "max" or (kind == "norm" and ord_ == math.inf):
+        torch.maximum(view, part.to(view.dtype), out=view)
+    elif kind == "min" or (kind == "norm" and ord_ == -math.inf):
+        torch.minimum(view, part.to(view.dtype), out=view)
+    elif kind == "norm" and ord_ != 0:
+        view.add_(part.to(view.dtype).abs().pow(ord_))
+    else:
+        view.add_(part.to(view.dtype))
+
+
+@implements(*_KIND)
+def _reduce(func, args, kwargs):
+    w: LocalShardsWrapper = args[0]
+    kind = _KIND[func]
+    dims, keepdim = _dims_of(func, args, kwargs, w.dim())
+    layout = w.layout_of_table
+    p = (layout.nearest_shard_dim if layout is not None else w.stack_dim) if w.dim() else None
+    gshape = tuple(w.global_shape)
+    out_box = [_reduced(o, s.shape, dims, keepdim) for o, s in zip(w.local_offsets(), w.local_shards())]
+    out_shape = _reduced([0] * len(gshape), gshape, dims, keepdim)[1]
+    dtype = _result_dtype(func, w, args, kwargs)
+    ord_ = _norm_ord(func, args, kwargs) if kind == "norm" else 2.0
+    if p is not None and p in dims:  # 1. DTensor completes it with a Partial all-reduce
+        parts_func = aten.sum.dim_IntList if kind == "mean" else func
+        part_args = (dims, keepdim) if kind == "mean" else args[1:]
+        part_kwargs = {"dtype": kwargs.get("dtype")} if kind == "mean" else kwargs
+        out = torch.full(out_shape, _identity(kind, ord_, dtype), dtype=dtype, device=w.device)
+        count = torch.zeros(out_shape, dtype=torch.int64, device=w.device) if kind == "mean" else None
+        for shard, box in zip(w.local_shards(), out_box):
+            if shard.numel():
+                part = parts_func(shard, *part_args, **part_kwargs)
+                _place(out, box, part, kind, ord_)
+                if count is not None:
+                    count[tuple(slice(o, o + s) for o, s in zip(*box))] += math.prod(shard.shape[d] for d in dims)
+        if kind == "norm" and ord_ not in (0, math.inf, -math.inf):
+            out = out.pow(1.0 / ord_)
+        if count is not None:
+            out = out / count
+        return out
+    cut = layout.cut_dims if layout is not None else {
+        d for d in range(w.dim()) if len({o[d] for o in w.local_offsets()}) > 1}
+    if cut & set(dims):  # 3.
+        name = layout.name if layout is not None else "table"
+        raise NotImplementedError(
+            f"{func} over dims {dims} of table {name!r} (cut along dims {sorted(cut)}, spread over ranks along "
+            f"dim {p}) needs the blocks of other ranks; reduce over dim {p} too, or take "
+            f"tdb.full_tensor() first"
+        )
+    parts = [func(s, *args[1:], **kwargs) for s in w.local_shards()]  # 2.
+    red_layout = None
+    if layout is not None:
+        specs = tuple(ShardSpec(s.rank, *_reduced(s.offsets, s.sizes, dims, keepdim), s.device)
+                      for s in layout.shards)
+        red_layout = ShardLayout(out_shape, specs, dtype, layout.name)
+    return LocalShardsWrapper(parts, [b[0] for b in out_box], out_shape, layout=red_layout, dtype=dtype,
+                              device=w.device, _trusted=True)
+
+
+@implements(aten._foreach_norm.Scalar)
+def _foreach_norm(func, args, kwargs):
+    new_args, new_kwargs, counts = foreach_expand(func, args, kwargs)
+    norms = func(*new_args, **new_kwargs) if any(count for _, count in counts) else []
+    ord_ = _norm_ord(func, args, kwargs)
+    out, at = [], 0
+    for ref, count in counts:
+        part = list(norms[at:at + count])
+        at += count
+        if ref is None:
+            out.append(part[0])
+        elif part:
+            out.append(combine_norms(torch.stack(part), ord_))
+        else:
+            dtype = kwargs.get("dtype") or ref.dtype
+            out.append(torch.zeros((), dtype=dtype, device=ref.device))
+    return out
+
+
+def dtensor_mean(op: Any, args: tuple, kwargs: dict) -> Any:
+    """``aten.mean`` of a DTensor over a wrapper: the table's sum over the table's count (DTensor's own
+    mean averages the ranks' means, which is wrong for an uneven cut). ``NotImplemented`` for any other
+    DTensor (DTensor's own path runs)."""
+    x = args[0]
+    if not isinstance(getattr(x, "_local_tensor", None), LocalShardsWrapper):
+        return NotImplemented
+    dims, keepdim = _dims_of(op, args, kwargs, x.dim())
+    dtype = kwargs.get("dtype")
+    if dtype is None and not (x.dtype.is_floating_point or x.dtype.is_complex):
+        raise RuntimeError(f"mean(): could not infer output dtype. Input dtype must be either a floating point "
+                           f"or complex dtype. Got: {x.dtype}")
+    total = torch.sum(x, dim=dims, keepdim=keepdim, dtype=dtype)
+    return total / math.prod(x.shape[d] for d in dims)
+
+
+# ------------------------------------------------------------------------------------- gathers
+@implements(c10d.all_gather_into_tensor.default)
+def _all_gather(func, args, kwargs):
+    """DTensor's gather of a table along its Shard dim: the whole table, laid out as DTensor expects
+    (``ceil(n / ranks)``-long chunks of the Shard dim, padded, one after another along dim 0)."""
+    w, group_size, group_name = args[0], int(args[1]), args[2]
+    layout = w.layout_of_table
+    if layout is None or (_even_along(layout, 0) and len(layout.shards) == group_size):
+        # every rank's local tensor is its chunk of DTensor's own split (or the layout is unknown)
+        return func(w.pack().contiguous(), *args[1:], **kwargs)
+    ranks = group_ranks(group_name)
+    held = [layout.shards_on(r) for r in ranks]
+    boxes = {s.box for specs in held for s in specs if s.numel}
+    if sum(math.prod(b[1]) for b in boxes) != layout.numel:
+        raise ValueError(
+            f"table {layout.name!r}: the blocks on ranks {list(ranks)} do not cover the table "
+            f"{list(layout.global_shape)}; it cannot be gathered on that group"
+        )
+    counts = [sum(s.numel for s in specs) for specs in held]
+    width = max(counts) if counts else 0
+    mine = [s.reshape(-1) for s in w.local_shards()]
+    flat = torch.cat(mine) if mine else torch.empty(0, dtype=w.dtype, device=w.device)
+    buf = torch.zeros(width, dtype=w.dtype, device=w.device)
+    buf[: flat.numel()] = flat
+    gathered = c10d.wait_tensor(func(buf, group_size, group_name))
+    full = torch.empty(layout.global_shape, dtype=w.dtype, device=w.device)
+    for j, specs in enumerate(held):
+        at = j * width
+        for s in specs:
+            full[s.slices()] = gathered[at:at + s.numel].view(s.sizes)
+            at += s.numel
+    p = layout.nearest_shard_dim or 0
+    chunk = -(-layout.global_shape[p] // group_size)
+    pad = chunk * group_size - layout.global_shape[p]
+    if pad:
+        full = torch.cat([full, full.new_zeros(*full.shape[:p], pad, *full.shape[p + 1:])], dim=p)
+    return full if p == 0 else torch.cat(full.split(chunk, dim=p), dim=0)
+
+
+def _no_redistribution(w: LocalShardsWrapper, func: Any) -> NotImplementedError:
+    return NotImplementedError(
+        f"{describe(w)}: DTensor asked for {func} to move its local shards to another "
+        f"Shard dim (an op between DTensors of different placements); a table this layout carries moves "
+        f"only to Replicate (full_tensor()) or through tdb (checkpoint load / reshard into another layout). "
+        f"Give both operands the same layout"
+    )
+
+
+@implements(aten.constant_pad_nd.default, aten.pad.default)
+def _pad(func, args, kwargs):
+    """Padding along the Shard dim, which DTensor asks for right before it gathers along it: the gather
+    above assembles the table from the layout whatever the local sizes, so the shards stay as they are.
+    Any other padding (DTensor's move to another Shard dim) is refused."""
+    w, pad = args[0], list(args[1])
+    mode = "constant"
+    if func is aten.pad.default:
+        mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
+    layout = w.layout_of_table
+    p = layout.nearest_shard_dim if layout is not None else None
+    touched = {w.dim() - 1 - k // 2 for k, v in enumerate(pad) if v}
+    before = {w.dim() - 1 - k // 2 for k, v in enumerate(pad) if v and k % 2 == 0}
+    if p is not None and touched <= {p} and not before and mode == "constant":
+        return w._like(list(w.local_shards()))
+    raise _no_redistribution(w, func)
+
+
+@implements(c10d.all_to_all_single.default)
+def _all_to_all(func, args, kwargs):
+    raise _no_redistribution(args[0], func)
