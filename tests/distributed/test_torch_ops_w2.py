@@ -245,3 +245,61 @@ def _check_init(rank, world_size, name):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_init_fills_every_block_from_its_own_stream(pool, name):
     pool.run(_check_init, name)
+
+
+def _train(module, opt, steps, seed, ranks):
+    """``steps`` steps on the batches of ``ranks`` (a sharded module: this rank's own; the unsharded
+    reference: every rank's, whose gradients the sharded lookup sums)."""
+    for k in range(steps):
+        loss = 0
+        for r in ranks:
+            ids = torch.randint(0, ROWS, (8,), generator=torch.Generator().manual_seed(1000 * r + seed + k))
+            out = module(ids, torch.tensor([0, 3, 5]))
+            loss = loss + (out * out).sum()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+
+
+def _check_optimizer_state_resumes_on_another_layout(rank, world_size, path, foreach):
+    """Adam state saved under one layout loads under another (and into the unsharded module); training goes
+    on equal to the run that was never interrupted."""
+    torch.manual_seed(0)
+    base = nn.EmbeddingBag(ROWS, DIM, mode="sum")
+    reference = nn.EmbeddingBag(ROWS, DIM, mode="sum")
+    reference.load_state_dict(base.state_dict())
+    ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05, foreach=foreach)
+    _train(reference, ref_opt, 4, seed=100, ranks=range(world_size))  # uninterrupted: 2 steps, then 2 more
+
+    first = tdb.shard_module(nn.EmbeddingBag(ROWS, DIM, mode="sum"), {"weight": LAYOUTS["row_wise_uneven"]},
+                             _mesh())
+    first.load_state_dict({"weight": _dt(LAYOUTS["row_wise_uneven"], base.weight.detach())})
+    opt = torch.optim.Adam(first.parameters(), lr=0.05, foreach=foreach)
+    _train(first, opt, 2, seed=100, ranks=[rank])
+    tdb.checkpoint.save({"model": first, "optim": opt}, path)
+
+    for target in ("grid", "unsharded"):
+        if target == "grid":
+            module = tdb.shard_module(nn.EmbeddingBag(ROWS, DIM, mode="sum"), {"weight": LAYOUTS["grid"]}, _mesh())
+        else:
+            module = nn.EmbeddingBag(ROWS, DIM, mode="sum")
+        resumed = torch.optim.Adam(module.parameters(), lr=0.01, foreach=foreach)  # lr comes from the checkpoint
+        tdb.checkpoint.load({"model": module, "optim": resumed}, path)
+        assert resumed.param_groups[0]["lr"] == 0.05, resumed.param_groups[0]["lr"]
+        if target == "grid":
+            state = resumed.state[module.weight]["exp_avg_sq"]
+            assert tdb.layout_of(state).shards == LAYOUTS["grid"].shards
+            _train(module, resumed, 2, seed=102, ranks=[rank])
+            _close(module.weight, reference.weight.detach(), f"resumed on {target}")
+        else:  # the unsharded module trains without a process group's lookups
+            w = module.weight
+            ref_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in resumed.state[w].items()}
+            _train(module, resumed, 2, seed=102, ranks=range(world_size))
+            _close(w.detach(), reference.weight.detach(), f"resumed on {target}")
+            assert float(ref_state["step"]) == 2.0
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_optimizer_state_resumes_on_another_layout(pool, tmp_path, foreach):
+    pool.run(_check_optimizer_state_resumes_on_another_layout, str(tmp_path / "ckpt"), foreach)

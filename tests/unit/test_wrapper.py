@@ -108,8 +108,10 @@ def test_no_shards(gshape, shape):
     w = LocalShardsWrapper([], [], gshape, dtype=torch.float16)
     assert w.shape == torch.Size(shape)
     assert w.is_empty_shard()
-    assert w.local_shards() == [] and w.local_offsets() == []
-    assert w.local_sizes() == [torch.Size([0] * len(shape))]  # one all-zero size, as torch's and TorchRec's
+    assert w.local_shards() == []
+    # one all-zero size at one all-zero offset, as TorchRec's: the two lists pair up
+    assert w.local_sizes() == [torch.Size([0] * len(shape))]
+    assert w.local_offsets() == [torch.Size([0] * len(shape))]
     assert w.local_chunks == []
     assert w.dtype == torch.float16
     if gshape is not None:
@@ -622,3 +624,88 @@ def test_dcp_load_into_a_different_layout(tmp_path):
     dst = LocalShardsWrapper([torch.zeros(s) for _, s in dst_boxes], [o for o, _ in dst_boxes], (8, 16))
     dcp.load({"w": dst}, checkpoint_id=str(tmp_path), no_dist=True)
     _assert_shards_equal(dst, [full[_box(o, s)] for o, s in dst_boxes])
+
+
+# ------------------------------------------------------- flatten / unflatten (torch.compile)
+@pytest.mark.parametrize("case", OP_CASES)
+def test_flatten_unflatten_round_trip_keeps_offsets_and_layout(case):
+    gshape, boxes, _, _ = CASES[case]
+    full = _table(gshape)
+    layout = ShardLayout.from_shards(gshape, [(0, o, s) for o, s in boxes], dtype=torch.float32,
+                                     validate=False)
+    w = LocalShardsWrapper([full[_box(o, s)].clone() for o, s in boxes], [o for o, _ in boxes], gshape,
+                           layout=layout)
+    names, meta = w.__tensor_flatten__()
+    back = LocalShardsWrapper.__tensor_unflatten__({n: getattr(w, n) for n in names}, meta, w.shape, w.stride())
+    assert [tuple(o) for o in back.local_offsets()] == [tuple(o) for o, _ in boxes]
+    assert back.layout_of_table == layout and back.global_shape == torch.Size(gshape)
+    assert back.shape == w.shape and back.stride() == w.stride()
+    _assert_shards_equal(back, [full[_box(o, s)] for o, s in boxes])
+
+
+# ------------------------------------------------------- the element-wise families and reductions
+@pytest.mark.parametrize("case", OP_CASES)
+def test_pointwise_functional_inplace_and_out(case):
+    w, full = _make(case, seed=8)
+    v, _ = _make(case, seed=9)
+    _, boxes, _, _ = CASES[case]
+    plain = [full[_box(o, s)] for o, s in boxes]
+    other = [s.clone() for s in v.local_shards()]
+    _assert_shards_equal(torch.sin(w), [torch.sin(p) for p in plain])
+    _assert_shards_equal(torch.addcmul(w, v, v, value=0.5), [torch.addcmul(p, q, q, value=0.5)
+                                                          for p, q in zip(plain, other)])
+    _assert_shards_equal(w > v, [p > q for p, q in zip(plain, other)])
+    out = torch.zeros_like(w)
+    ptrs = [s.data_ptr() for s in out.local_shards()]
+    assert torch.mul(w, v, out=out) is out
+    assert [s.data_ptr() for s in out.local_shards()] == ptrs
+    _assert_shards_equal(out, [p * q for p, q in zip(plain, other)])
+    _assert_shards_equal(torch.full_like(w, 2.5), [torch.full_like(p, 2.5) for p in plain])
+
+
+@pytest.mark.parametrize("case", OP_CASES)
+def test_foreach_ops_run_once_over_every_shard(case):
+    a, fa = _make(case, seed=10)
+    b, fb = _make(case, seed=11)
+    _, boxes, _, _ = CASES[case]
+    pa = [fa[_box(o, s)].clone() for o, s in boxes]
+    pb = [fb[_box(o, s)].clone() for o, s in boxes]
+    plain_extra = torch.ones(3)
+    torch._foreach_mul_([a, plain_extra], 3.0)
+    torch._foreach_lerp_([a], [b], 0.25)
+    _assert_shards_equal(a, [torch.lerp(p * 3.0, q, 0.25) for p, q in zip(pa, pb)])
+    assert torch.equal(plain_extra, torch.full((3,), 3.0))
+    sq = torch._foreach_sqrt([b.abs()])
+    _assert_shards_equal(sq[0], [q.abs().sqrt() for q in pb])
+    norms = torch._foreach_norm([b, plain_extra], 2)
+    torch.testing.assert_close(norms[0], torch.linalg.vector_norm(torch.cat([q.reshape(-1) for q in pb])))
+    torch.testing.assert_close(norms[1], torch.linalg.vector_norm(plain_extra))
+
+
+@pytest.mark.parametrize("case", OP_CASES)
+def test_local_reductions(case):
+    w, full = _make(case, seed=12)
+    _, boxes, _, _ = CASES[case]
+    flat = torch.cat([full[_box(o, s)].reshape(-1) for o, s in boxes])
+    torch.testing.assert_close(w.sum(), flat.sum())
+    torch.testing.assert_close(w.amax(), flat.amax())
+    torch.testing.assert_close(w.norm(), flat.norm())
+    torch.testing.assert_close(w.mean(), flat.mean())
+
+
+def test_random_init_gives_each_shard_its_own_stream_and_repeats_with_the_seed():
+    w, _ = _make("rows")
+    torch.manual_seed(3)
+    w.uniform_(-1, 1)
+    first = [s.clone() for s in w.local_shards()]
+    assert not torch.equal(first[0][:2], first[1][:2])
+    torch.manual_seed(3)
+    w.uniform_(-1, 1)
+    _assert_shards_equal(w, first)
+    assert all(((s >= -1) & (s <= 1)).all() for s in first)
+
+
+def test_empty_wrapper_sizes_and_offsets_pair_up():
+    w = LocalShardsWrapper([], [], (8, 4))
+    assert len(w.local_sizes()) == len(w.local_offsets())
+    assert w.local_chunks == [] and w.__create_chunk_list__() == []

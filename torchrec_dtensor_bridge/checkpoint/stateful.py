@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from .agree import Kind, Problem
 
@@ -88,12 +89,14 @@ def _create_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     One ``step()`` with a zero gradient on exactly those parameters (the others get
     none, so their state is untouched); every parameter's value and gradient is
     restored afterwards, so only the optimizer's state changes. An optimizer over
-    anything but plain tensors (TorchRec's fused optimizers, whose state exists from
-    the start and whose ``step()`` reconfigures their kernel) is left alone.
+    anything but plain tensors and DTensors (TorchRec's fused optimizers, whose state
+    exists from the start and whose ``step()`` reconfigures their kernel) is left alone;
+    over DTensors the step is collective where the optimizer's math is (a DTensor over a
+    :class:`LocalShardsWrapper` takes every op of ``torch.optim``'s).
     """
     params = _params(opt)
     lacking = [p for p in params if p.requires_grad and p not in opt.state]
-    if not lacking or any(type(p) not in (torch.Tensor, nn.Parameter) for p in params):
+    if not lacking or any(type(p) not in (torch.Tensor, nn.Parameter, DTensor) for p in params):
         return []
     wanted = {id(p) for p in lacking}
     grads = [p.grad for p in params]

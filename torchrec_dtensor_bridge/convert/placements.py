@@ -10,6 +10,7 @@ true shape and stride given explicitly.
 from __future__ import annotations
 
 import atexit
+import gc
 import itertools
 from dataclasses import dataclass
 from functools import lru_cache
@@ -67,11 +68,12 @@ def _mesh_ranks(mesh: DeviceMesh) -> torch.Tensor:
 def clear_caches() -> None:
     """Drop the cached meshes (and through them, process groups).
 
-    Runs automatically at interpreter exit: a gloo group kept alive by a cache
-    past ``destroy_process_group`` is otherwise torn down during interpreter
-    finalisation, which now and then aborts the process ("terminate called
-    without an active exception"). Call it yourself after destroying and
-    re-creating the default process group in one process.
+    Runs automatically at interpreter exit, followed by a garbage collection
+    (:func:`_release_at_exit`): a gloo group kept alive by a cache or a
+    reference cycle past ``destroy_process_group`` is otherwise torn down
+    during interpreter finalisation, which now and then aborts the process
+    ("terminate called without an active exception"). Call it yourself after
+    destroying and re-creating the default process group in one process.
     """
     _mesh_for_group.cache_clear()
     one_rank_mesh.cache_clear()
@@ -79,7 +81,19 @@ def clear_caches() -> None:
     _MESH_RANKS.clear()
 
 
-atexit.register(clear_caches)
+def _release_at_exit() -> None:
+    """Drop the caches, then collect what ``destroy_process_group()`` left in reference cycles.
+
+    A process group referenced only from a cycle outlives ``destroy_process_group()``; without this it is
+    freed during the interpreter's finalisation, where its gloo threads can no longer take the GIL and the
+    process now and then aborts ("terminate called without an active exception", SIGABRT). Run at exit
+    (registered once, at import), while the interpreter is still whole.
+    """
+    clear_caches()
+    gc.collect()
+
+
+atexit.register(_release_at_exit)
 
 
 def layout_from_placements(

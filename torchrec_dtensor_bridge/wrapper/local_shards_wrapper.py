@@ -126,7 +126,14 @@ class LocalShardsWrapper(torch.Tensor):
         return self._local_shards
 
     def local_offsets(self) -> list[torch.Size]:
-        """Global offsets of each local shard."""
+        """Global offsets of each local shard.
+
+        A wrapper with no shard reports one all-zero offset, paired with the one all-zero size of
+        :meth:`local_sizes` (TorchRec's convention: a rank holding nothing holds one empty block at the
+        origin); :meth:`local_shards` and :attr:`local_chunks` stay empty, so DCP sees no phantom chunk.
+        """
+        if not self._local_shards:
+            return [torch.Size([0] * self.dim())]
         return list(self._offsets)
 
     def local_sizes(self) -> list[torch.Size]:
