@@ -39,7 +39,7 @@ from torch.distributed._shard.sharded_tensor.metadata import (
 )
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec
 from torch.distributed.checkpoint.filesystem import _StorageInfo as DcpStorageInfo
-from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as DcpMemFormat
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.remote_device import _remote_device as RemoteDevice
@@ -132,7 +132,7 @@ def shape_and_dtype(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
 
 def group_ranks(group_name: str) -> list[int]:
     """The global ranks of the process group a functional collective names (``group_name``), in group order."""
-    return dist.get_process_group_ranks(_resolve_process_group(group_name))
+    return dist.get_process_group_ranks(_resolve_process_group(GroupName(group_name)))
 
 
 def route_dtensor_op(op: torch._ops.OpOverload, handler: Callable[[Any, tuple, dict], Any]) -> None:

@@ -216,3 +216,12 @@ def test_quickstart_runs_on_two_ranks():
     assert "quickstart: every check passed on 2 ranks" in res.stdout, res.stdout
     for step in ("tour:", "lookups:", "training:", "interop:", "checkpoints:"):
         assert step in res.stdout, f"step {step!r} did not report\n{res.stdout}"
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT + 20)
+def test_ordinary_torch_example_runs_on_two_ranks():
+    argv = readme_command("examples/ordinary_torch.py")
+    assert "--nproc_per_node=2" in argv and argv[0] == ".venv/bin/python", argv
+    res = run_python(argv[1:], timeout=LAUNCH_TIMEOUT)
+    assert res.returncode == 0, f"exit {res.returncode}\n--- stdout\n{res.stdout}\n--- stderr\n{res.stderr[-6000:]}"
+    assert "ordinary torch: every check passed on 2 ranks" in res.stdout, res.stdout

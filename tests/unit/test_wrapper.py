@@ -316,8 +316,9 @@ def test_copy_from_packed_plain_tensor(case):
 
 def test_copy_from_plain_tensor_of_wrong_shape():
     dst, _ = _make("rows")
-    with pytest.raises(ValueError, match=re.escape("an operand of shape [4, 5] matches neither the table nor "
-                                                   "this rank's blocks (offsets [[0, 0], [5, 0]] sizes [[2, 4], [3, 4]]")):
+    message = ("an operand of shape [4, 5] matches neither the table nor this rank's blocks "
+               "(offsets [[0, 0], [5, 0]] sizes [[2, 4], [3, 4]]")
+    with pytest.raises(ValueError, match=re.escape(message)):
         dst.copy_(torch.zeros(4, 5))
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,10 @@ from ..layout import ShardLayout, chunk_span
 from .local_shards_wrapper import LocalShardsWrapper
 from .op_table import implements_family
 
-__all__ = ["blocks_of", "describe", "foreach_expand", "like", "operand_part", "rewrap"]
+__all__ = [
+    "blocks_of", "describe", "dtensor_even_split", "foreach_expand", "foreach_regroup", "like", "operand_part",
+    "rewrap",
+]
 
 aten = torch.ops.aten
 
@@ -71,7 +74,7 @@ def rewrap(w: LocalShardsWrapper, shards: list[torch.Tensor], dtype: torch.dtype
     return LocalShardsWrapper([], [], w._global_shape, layout=layout, dtype=dtype, device=device or w.device)
 
 
-def _even_along(layout: ShardLayout | None, shard: int) -> bool:
+def dtensor_even_split(layout: ShardLayout | None) -> bool:
     """Whether ``layout``'s blocks are DTensor's own even split along its Shard dim, in rank order (then a
     plain local tensor of this rank's block shape is the same block)."""
     if layout is None:
@@ -103,7 +106,7 @@ def operand_part(w: LocalShardsWrapper, other: Any, i: int, op: Any) -> Any:
     shard, offsets = shards[i], w.local_offsets()[i]
     if other.dim() > shard.dim():
         raise ValueError(f"{op}: an operand of shape {list(other.shape)} has more dims than {describe(w)}")
-    if other.shape == shard.shape and len(shards) == 1 and _even_along(w.layout_of_table, i):
+    if other.shape == shard.shape and len(shards) == 1 and dtensor_even_split(w.layout_of_table):
         return other
     lead = shard.dim() - other.dim()
     index: list[slice] = []
@@ -315,12 +318,16 @@ def _foreach(func, args, kwargs):
     result = func(*new_args, **new_kwargs)
     if not isinstance(result, (list, tuple)):  # in place: nothing returned
         return result
+    return foreach_regroup(result, counts, rewrap)
+
+
+def foreach_regroup(results: Sequence[Any], counts: list[tuple[Any, int]],
+                    combine: Callable[[LocalShardsWrapper, list[Any]], Any]) -> list[Any]:
+    """The results of a foreach op over :func:`foreach_expand`'s lists, one per original entry:
+    ``combine(wrapper, its shards' results)`` for a wrapper's entries, the result itself for any other."""
     out, at = [], 0
     for ref, count in counts:
-        part = list(result[at:at + count])
+        part = list(results[at:at + count])
         at += count
-        if ref is None:
-            out.append(part[0])
-        else:
-            out.append(rewrap(ref, part))
+        out.append(part[0] if ref is None else combine(ref, part))
     return out

@@ -28,7 +28,7 @@ import torch
 
 from .._compat import group_ranks
 from ..layout import ShardLayout, ShardSpec
-from .elementwise import _even_along, describe, foreach_expand
+from .elementwise import describe, dtensor_even_split, foreach_expand, foreach_regroup
 from .local_shards_wrapper import LocalShardsWrapper
 from .op_table import implements
 
@@ -176,18 +176,13 @@ def _foreach_norm(func, args, kwargs):
     new_args, new_kwargs, counts = foreach_expand(func, args, kwargs)
     norms = func(*new_args, **new_kwargs) if any(count for _, count in counts) else []
     ord_ = _norm_ord(func, args, kwargs)
-    out, at = [], 0
-    for ref, count in counts:
-        part = list(norms[at:at + count])
-        at += count
-        if ref is None:
-            out.append(part[0])
-        elif part:
-            out.append(combine_norms(torch.stack(part), ord_))
-        else:
-            dtype = kwargs.get("dtype") or ref.dtype
-            out.append(torch.zeros((), dtype=dtype, device=ref.device))
-    return out
+
+    def table_norm(ref: LocalShardsWrapper, parts: list[torch.Tensor]) -> torch.Tensor:
+        if parts:
+            return combine_norms(torch.stack(parts), ord_)
+        return torch.zeros((), dtype=kwargs.get("dtype") or ref.dtype, device=ref.device)  # holds nothing
+
+    return foreach_regroup(norms, counts, table_norm)
 
 
 def dtensor_mean(op: Any, args: tuple, kwargs: dict) -> Any:
@@ -213,7 +208,7 @@ def _all_gather(func, args, kwargs):
     (``ceil(n / ranks)``-long chunks of the Shard dim, padded, one after another along dim 0)."""
     w, group_size, group_name = args[0], int(args[1]), args[2]
     layout = w.layout_of_table
-    if layout is None or (_even_along(layout, 0) and len(layout.shards) == group_size):
+    if layout is None or (dtensor_even_split(layout) and len(layout.shards) == group_size):
         # every rank's local tensor is its chunk of DTensor's own split (or the layout is unknown)
         return func(w.pack().contiguous(), *args[1:], **kwargs)
     ranks = group_ranks(group_name)
