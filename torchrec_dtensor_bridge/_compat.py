@@ -150,7 +150,7 @@ def route_dtensor_op(op: torch._ops.OpOverload, handler: Callable[[Any, tuple, d
             return out
         if previous is not None:
             return previous(op_call, args, kwargs)
-        del table[op_call]  # DTensor's own path: dispatch again without this entry
+        table.pop(op_call, None)  # DTensor's own path: dispatch again without this entry
         try:
             return op_call(*args, **kwargs)
         finally:

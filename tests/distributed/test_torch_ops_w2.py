@@ -10,6 +10,7 @@ unsharded table, which every rank computes itself as the reference (re-expressin
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -303,3 +304,58 @@ def _check_optimizer_state_resumes_on_another_layout(rank, world_size, path, for
 @pytest.mark.parametrize("foreach", [False, True])
 def test_optimizer_state_resumes_on_another_layout(pool, tmp_path, foreach):
     pool.run(_check_optimizer_state_resumes_on_another_layout, str(tmp_path / "ckpt"), foreach)
+
+
+def _check_dcp_state_dict_helpers(rank, world_size):
+    """torch's ``get_/set_model_state_dict`` and ``get_/set_optimizer_state_dict``, sharded and full, on modules
+    whose parameters are our DTensors; a full state dict set into another layout trains on equal to the run
+    that was never interrupted."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+        set_optimizer_state_dict)
+
+    full_opts = StateDictOptions(full_state_dict=True)
+    torch.manual_seed(0)
+    base = nn.EmbeddingBag(ROWS, DIM, mode="sum")
+
+    def sharded(name):
+        m = tdb.shard_module(nn.EmbeddingBag(ROWS, DIM, mode="sum"), {"weight": LAYOUTS[name]}, _mesh())
+        m.load_state_dict({"weight": _dt(LAYOUTS[name], base.weight.detach())})
+        return m, torch.optim.Adam(m.parameters(), lr=0.05)
+
+    m, opt = sharded("row_wise_uneven")
+    _train(m, opt, 2, seed=300, ranks=[rank])
+    # copies: the sharded state dicts alias the live state, and the optimizer loads them as they are
+    osd, msd = copy.deepcopy(get_optimizer_state_dict(m, opt)), copy.deepcopy(get_model_state_dict(m))
+    assert isinstance(osd["state"]["weight"]["exp_avg"].to_local(), tdb.LocalShardsWrapper)
+    full_osd = copy.deepcopy(get_optimizer_state_dict(m, opt, options=full_opts))  # its "step" is opt's own
+    full_msd = get_model_state_dict(m, options=full_opts)
+    _close(full_osd["state"]["weight"]["exp_avg"], tdb.full_tensor(opt.state[m.weight]["exp_avg"]), "full state")
+    _close(full_msd["weight"], tdb.full_tensor(m.weight), "full model")
+
+    same, same_opt = sharded("row_wise_uneven")  # sharded state dicts into the same layout
+    set_model_state_dict(same, msd)
+    set_optimizer_state_dict(same, same_opt, osd)
+    other, other_opt = sharded("grid")  # full state dicts into another layout
+    set_model_state_dict(other, full_msd, options=full_opts)
+    set_optimizer_state_dict(other, other_opt, full_osd, options=full_opts)
+    _close(other.weight, tdb.full_tensor(m.weight), "full model set into a grid")
+    for module, optimizer in ((m, opt), (same, same_opt), (other, other_opt)):
+        _train(module, optimizer, 2, seed=302, ranks=[rank])
+    state = other_opt.state[other.weight]["exp_avg_sq"]
+    assert tdb.layout_of(state).shards == LAYOUTS["grid"].shards, "the state follows the parameter's layout"
+    _close(same.weight, tdb.full_tensor(m.weight), "resumed from sharded state dicts")
+    _close(other.weight, tdb.full_tensor(m.weight), "resumed from full state dicts on a grid")
+
+    # copy_ between two layouts of one table moves the overlaps, both ways
+    a = _table(5)
+    x = _dt(LAYOUTS["two_blocks_on_a_rank"], torch.zeros(ROWS, DIM))
+    x.copy_(distribute_tensor(a, _mesh(), [Replicate()]).redistribute(_mesh(), x.placements))
+    _close(x, a, "copy_ from DTensor's even split")
+    even = distribute_tensor(torch.zeros(ROWS, DIM), _mesh(), x.placements)
+    even.copy_(x)
+    _close(even, a, "copy_ into DTensor's even split")
+
+
+def test_dcp_state_dict_helpers_and_copy_between_layouts(pool):
+    pool.run(_check_dcp_state_dict_helpers)

@@ -1,5 +1,6 @@
 """Converters: ShardedTensor <-> layout + local shards <-> DTensor <-> DCP metadata."""
 
+from . import between_layouts as _between_layouts  # noqa: F401  (routes DTensor's copy_ between layouts)
 from .dtensor import (
     dtensor_from_local_shards,
     layout_of,
