@@ -359,3 +359,19 @@ def _check_dcp_state_dict_helpers(rank, world_size):
 
 def test_dcp_state_dict_helpers_and_copy_between_layouts(pool):
     pool.run(_check_dcp_state_dict_helpers)
+
+
+def _check_errors_name_the_key(rank, world_size):
+    """Ranks that call full_tensor on different tables (keys met in another order) are told which key."""
+    sd = tdb.state_dict_to_dtensor({
+        "ebc.t0.weight": _dt(LAYOUTS["row_wise_uneven"], _table(1)),
+        "ebc.t1.weight": _dt(LAYOUTS["two_blocks_on_a_rank"], _table(2)),
+    })
+    mine = ["ebc.t0.weight", "ebc.t1.weight"][rank]
+    sd = {k: tdb.to_dtensor(v, name=k) for k, v in sd.items()}
+    assert tdb.layout_of(sd[mine]).name == mine
+    expect_raises(ValueError, f"table {mine!r}", lambda: tdb.full_tensor(sd[mine]))
+
+
+def test_errors_name_the_state_dict_key(pool):
+    pool.run(_check_errors_name_the_key)

@@ -146,7 +146,12 @@ def _with_layout(t: DTensor, name: str) -> DTensor:
     """``t`` with its local tensor our wrapper carrying the whole layout (zero-copy; see :func:`to_dtensor`)."""
     local: Any = t._local_tensor
     if isinstance(local, LocalShardsWrapper) and local.layout_of_table is not None:
-        return t
+        if local.layout_of_table.name == name or name == "table":
+            return t
+        # the same shards under the table's name (its state_dict key): what errors and pictures say
+        renamed = local._like(local.local_shards(), local.layout_of_table.with_name(name))
+        return DTensor.from_local(renamed, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                  stride=t.stride())
     layout = layout_of(t, name=name)
     if layout.dtype is None:
         layout = ShardLayout(layout.global_shape, layout.shards, t.dtype, layout.name)
@@ -167,10 +172,17 @@ def _is_shards_wrapper(t: Any) -> bool:
     return callable(getattr(t, "local_shards", None)) and callable(getattr(t, "local_offsets", None))
 
 
+def carried_name(t: Any) -> str | None:
+    """The table name a DTensor's or wrapper's carried layout records (``None``: it carries none)."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    layout = local.layout_of_table if isinstance(local, LocalShardsWrapper) else None
+    return None if layout is None else layout.name
+
+
 def layout_of(
     t: DTensor | ShardedTensor | LocalShardsWrapper,
     *,
-    name: str = "table",
+    name: str | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> ShardLayout:
     """The layout of a DTensor, ShardedTensor or layout-carrying wrapper; ranks are global ranks.
@@ -214,6 +226,7 @@ def layout_of(
         >>> tdb.layout_of(dt).kind
         <LayoutKind.ROW_WISE: 'row_wise'>
     """
+    name = name or carried_name(t) or "table"
     if isinstance(t, ShardedTensor):
         return layout_from_sharded_tensor(t, name=name)
     if isinstance(t, LocalShardsWrapper):

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from .._compat import ShardedTensor, shape_and_dtype
 from .. import agreement  # a module import: agreement itself imports convert.groups
 from ..layout import LayoutKind, ShardLayout
-from .dtensor import gather_layout, layout_of, local_shards_of, needs_layout_gather
+from .dtensor import carried_name, gather_layout, layout_of, local_shards_of, needs_layout_gather
 from .groups import CommGroup, comm_group
 from .metadata import layout_to_storage_metadata
 
@@ -95,7 +95,7 @@ def _detail() -> bool:
 
 
 def full_tensor(
-    t: DTensor | ShardedTensor, *, process_group: dist.ProcessGroup | None = None, name: str = "table"
+    t: DTensor | ShardedTensor, *, process_group: dist.ProcessGroup | None = None, name: str | None = None
 ) -> torch.Tensor:
     """The whole table on every rank of ``t``'s group; *collective* over that group.
 
@@ -135,7 +135,8 @@ def full_tensor(
     Args:
         t: a DTensor or ShardedTensor.
         process_group: the group to gather on (default: the tensor's own).
-        name: the table's name, for error messages.
+        name: the table's name, for error messages (default: the name its carried layout records, which
+            the package's own tables take from their state_dict key).
 
     Returns:
         A new tensor: the whole table.
@@ -154,6 +155,7 @@ def full_tensor(
     """
     if not isinstance(t, (DTensor, ShardedTensor)):
         raise TypeError(f"full_tensor expects a DTensor or ShardedTensor, got {type(t).__name__}")
+    name = name or carried_name(t) or "table"
     try:
         group = comm_group(t, process_group)
     except ValueError as e:  # a rank outside the DTensor's mesh
