@@ -263,16 +263,21 @@ def _train(module, opt, steps, seed, ranks):
         opt.zero_grad()
 
 
-def _check_optimizer_state_resumes_on_another_layout(rank, world_size, path, foreach):
-    """Adam state saved under one layout loads under another (and into the unsharded module); training goes
-    on equal to the run that was never interrupted."""
+def _uninterrupted(world_size, foreach):
+    """The initial table and the unsharded run of 4 steps on every rank's batches."""
     torch.manual_seed(0)
     base = nn.EmbeddingBag(ROWS, DIM, mode="sum")
     reference = nn.EmbeddingBag(ROWS, DIM, mode="sum")
     reference.load_state_dict(base.state_dict())
     ref_opt = torch.optim.Adam(reference.parameters(), lr=0.05, foreach=foreach)
-    _train(reference, ref_opt, 4, seed=100, ranks=range(world_size))  # uninterrupted: 2 steps, then 2 more
+    _train(reference, ref_opt, 4, seed=100, ranks=range(world_size))  # 2 steps, then 2 more
+    return base, reference
 
+
+def _check_optimizer_state_resumes_on_another_layout(rank, world_size, path, foreach):
+    """Adam state saved under one layout loads under another (and into the unsharded module); training goes
+    on equal to the run that was never interrupted."""
+    base, reference = _uninterrupted(world_size, foreach)
     first = tdb.shard_module(nn.EmbeddingBag(ROWS, DIM, mode="sum"), {"weight": LAYOUTS["row_wise_uneven"]},
                              _mesh())
     first.load_state_dict({"weight": _dt(LAYOUTS["row_wise_uneven"], base.weight.detach())})
@@ -304,6 +309,14 @@ def _check_optimizer_state_resumes_on_another_layout(rank, world_size, path, for
 @pytest.mark.parametrize("foreach", [False, True])
 def test_optimizer_state_resumes_on_another_layout(pool, tmp_path, foreach):
     pool.run(_check_optimizer_state_resumes_on_another_layout, str(tmp_path / "ckpt"), foreach)
+    # and in this process, with no process group at all: the 2-rank job's weights and Adam state, one table
+    _, reference = _uninterrupted(2, foreach)
+    module = nn.EmbeddingBag(ROWS, DIM, mode="sum")
+    resumed = torch.optim.Adam(module.parameters(), lr=0.01, foreach=foreach)
+    tdb.checkpoint.load({"model": module, "optim": resumed}, tmp_path / "ckpt")
+    assert float(resumed.state[module.weight]["step"]) == 2.0
+    _train(module, resumed, 2, seed=102, ranks=range(2))
+    _close(module.weight.detach(), reference.weight.detach(), "resumed in one process")
 
 
 def _check_dcp_state_dict_helpers(rank, world_size):

@@ -201,11 +201,22 @@ def _per_shard(func: Any, args: tuple, kwargs: dict, shard_kwargs: Any = None) -
 
 
 # --------------------------------------------------------------------------- creation and random ops
+def _is_pointwise(func: Any) -> bool:
+    return torch.Tag.pointwise in getattr(func, "tags", ())
+
+
 _LIKE = {"empty_like", "zeros_like", "ones_like", "full_like"}
 
 
+_RANDOM_FILLS = {"uniform_", "normal_", "normal", "random_", "exponential_", "geometric_", "log_normal_",
+                 "cauchy_", "bernoulli_", "bernoulli"}
+
+
 def _is_random(func: Any) -> bool:
-    return any(a.name == "generator" for a in func._schema.arguments)
+    """An element-wise op drawing random numbers (not, say, ``multinomial``, which draws per row)."""
+    if not any(a.name == "generator" for a in func._schema.arguments):
+        return False
+    return _is_pointwise(func) or func._schema.name.split("::")[-1] in _RANDOM_FILLS
 
 
 def _is_like(func: Any) -> bool:
@@ -240,10 +251,6 @@ def _random(func, args, kwargs):
 
 
 # --------------------------------------------------------------------------- pointwise ops
-def _is_pointwise(func: Any) -> bool:
-    return torch.Tag.pointwise in getattr(func, "tags", ())
-
-
 @implements_family("pointwise", _is_pointwise)
 def _pointwise(func, args, kwargs):
     return _per_shard(func, args, kwargs)
