@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItemType
 
@@ -625,6 +626,25 @@ def test_dcp_load_into_a_different_layout(tmp_path):
     dst = LocalShardsWrapper([torch.zeros(s) for _, s in dst_boxes], [o for o, _ in dst_boxes], (8, 16))
     dcp.load({"w": dst}, checkpoint_id=str(tmp_path), no_dist=True)
     _assert_shards_equal(dst, [full[_box(o, s)] for o, s in dst_boxes])
+
+
+@pytest.mark.filterwarnings(NO_DIST_WARNING)
+def test_a_wrapper_holding_part_of_a_table_loads_through_tdb_checkpoint(tmp_path):
+    """Plain ``dcp.load`` compares a bare wrapper's own (packed) size with the table's and refuses one that
+    holds part of the table (rows 0-2 and 5-7 of 8: [6, 16] against [8, 16]); ``tdb.checkpoint.load`` loads
+    it by its blocks."""
+    import torchrec_dtensor_bridge as tdb
+
+    full = _table((8, 16), seed=12)
+    tdb.checkpoint.save({"w": _wrapper_over(full, (8, 16), [((0, 0), (8, 16))])}, tmp_path / "c")
+    boxes = [((0, 0), (3, 16)), ((5, 0), (3, 16))]
+    dst = LocalShardsWrapper([torch.zeros(s) for _, s in boxes], [o for o, _ in boxes], (8, 16))
+    with pytest.raises(CheckpointException) as refused:  # DCP wraps its ValueError
+        dcp.load({"w": dst}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    causes = [refused.value, *getattr(refused.value, "failures", {}).values()]
+    assert any("Size mismatch" in str(c) for c in causes), causes
+    tdb.checkpoint.load({"w": dst}, tmp_path / "c")
+    _assert_shards_equal(dst, [full[_box(o, s)] for o, s in boxes])
 
 
 # ------------------------------------------------------- flatten / unflatten (torch.compile)
