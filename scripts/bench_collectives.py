@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-from bench_results import join_ranks, record, spawn_ranks
+from bench_results import join_ranks, record, reported, spawn_ranks, time_interleaved
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
@@ -35,7 +33,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
 
     from torchrec_dtensor_bridge.lookup.exchange import share_flat, sum_into
 
-    try:
+    with reported(rank, out):
         result: dict[str, Any] = {"rank": rank, "sizes": {}}
         for mib in cfg["mib"]:
             n = int(mib * 2**20) // 4  # fp32 elements per rank and destination
@@ -69,23 +67,9 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
                 raise AssertionError(f"{mib} MiB: share_flat differs from gloo's all_gather")
             paths = {"reduce_scatter gloo": gloo_reduce_scatter, "reduce_scatter ours": ours_reduce_scatter,
                      "all_gather gloo": gloo_all_gather, "all_gather ours": ours_all_gather}
-            times: dict[str, list[float]] = {k: [] for k in paths}
-            for rep in range(cfg["warmup"] + cfg["reps"]):
-                for name in (list(paths) if rep % 2 == 0 else list(reversed(paths))):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    paths[name]()
-                    dt = time.perf_counter() - t0
-                    if rep >= cfg["warmup"]:
-                        times[name].append(dt * 1e3)
-            result["sizes"][str(mib)] = times
+            result["sizes"][str(mib)] = time_interleaved(paths, warmup=cfg["warmup"], reps=cfg["reps"],
+                                                         sync=dist.barrier)
         out.put(result)
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        out.put({"rank": rank, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def summarize(ranks: list[dict], cfg: dict) -> dict[str, Any]:

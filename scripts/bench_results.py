@@ -14,12 +14,14 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-__all__ = ["join_ranks", "record", "spawn_ranks"]
+__all__ = ["join_ranks", "record", "reported", "spawn_ranks", "time_interleaved"]
 
 
 def record(out: Path, key: str, result: Any) -> None:
@@ -81,3 +83,37 @@ def join_ranks(rank: int, world: int, port: int, *, timeout_s: float = 900) -> N
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
+
+
+def time_interleaved(paths: dict[str, Callable[[], Any]], *, warmup: int, reps: int,
+                     sync: Callable[[], Any] | None = None) -> dict[str, list[float]]:
+    """Milliseconds of each of ``paths`` per repetition, run side by side: every repetition runs each path
+    once, the order alternating (forwards, then backwards); ``sync()`` (a barrier) before each run;
+    the first ``warmup`` repetitions are not kept."""
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    for rep in range(warmup + reps):
+        for name in (list(paths) if rep % 2 == 0 else list(reversed(paths))):
+            if sync is not None:
+                sync()
+            t0 = time.perf_counter()
+            paths[name]()
+            dt = time.perf_counter() - t0
+            if rep >= warmup:
+                times[name].append(dt * 1e3)
+    return times
+
+
+@contextmanager
+def reported(rank: int, out: Any) -> Iterator[None]:
+    """Around a worker's body: a failure is put on ``out`` with the rank and traceback (the parent reports
+    it) and ends the worker with status 1; the process group is destroyed either way."""
+    import torch.distributed as dist
+
+    try:
+        yield
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out.put({"rank": rank, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

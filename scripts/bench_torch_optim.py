@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-from bench_results import join_ranks, record, spawn_ranks
+from bench_results import join_ranks, record, reported, spawn_ranks, time_interleaved
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
@@ -38,7 +36,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
     import torchrec_dtensor_bridge as tdb
     from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
 
-    try:
+    with reported(rank, out):
         torch.set_num_threads(1)
         mesh = init_device_mesh("cpu", (world,))
         rows, dim, n = cfg["rows"], cfg["dim"], cfg["tables"]
@@ -86,22 +84,12 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
             step(name)
         for p, q in zip(setups["ours"][0], setups["plain"][0]):
             torch.testing.assert_close(p.to_local().local_shards()[0], q.detach())
-        times: dict[str, list[float]] = {k: [] for k in setups}
-        for rep in range(cfg["warmup"] + cfg["reps"]):
-            for name in (list(setups) if rep % 2 == 0 else list(reversed(setups))):
-                dist.barrier()
-                t0 = time.perf_counter()
-                step(name)
-                dist.barrier()
-                if rep >= cfg["warmup"]:
-                    times[name].append((time.perf_counter() - t0) * 1e3)
+        def stepped(name: str) -> Any:
+            return lambda: (step(name), dist.barrier())  # timed until every rank is done
+
+        times = time_interleaved({k: stepped(k) for k in setups}, warmup=cfg["warmup"], reps=cfg["reps"],
+                                 sync=dist.barrier)
         out.put({"rank": rank, "times": times})
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        out.put({"rank": rank, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
-        raise SystemExit(1) from None
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def summarize(ranks: list[dict], cfg: dict) -> dict[str, Any]:
