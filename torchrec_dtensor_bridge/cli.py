@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import checkpoint
@@ -59,17 +60,27 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
-        if args.command == "inspect":
-            if args.json:
-                print(json.dumps(checkpoint.inspect(args.path), indent=2))
-            else:
-                print(checkpoint.format_report(args.path))
-        else:
-            summary = checkpoint.migrate(args.src, args.dst, progress=not args.no_progress,
-                                         trusted_pickles=args.trusted_pickles)
-            print(f"migrated {summary['keys']} keys ({format_mib(summary['bytes'])} MiB of tensors) from "
-                  f"{summary['source']} {args.src} to {args.dst} (save id {summary['save_id']})")
+        text = _run(args)
     except (ValueError, TypeError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    try:
+        print(text)
+        sys.stdout.flush()  # a reader that went away is found here, not at the interpreter's exit
+    except BrokenPipeError:
+        # the reader stopped reading (``inspect ... | head``): it has what it wanted; say nothing more, and
+        # keep the interpreter's own flush at exit from failing on the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _run(args: argparse.Namespace) -> str:
+    """What the command prints."""
+    if args.command == "inspect":
+        if args.json:
+            return json.dumps(checkpoint.inspect(args.path), indent=2)
+        return checkpoint.format_report(args.path)
+    summary = checkpoint.migrate(args.src, args.dst, progress=not args.no_progress,
+                                 trusted_pickles=args.trusted_pickles)
+    return (f"migrated {summary['keys']} keys ({format_mib(summary['bytes'])} MiB of tensors) from "
+            f"{summary['source']} {args.src} to {args.dst} (save id {summary['save_id']})")

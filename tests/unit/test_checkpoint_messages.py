@@ -253,3 +253,41 @@ def test_inspect_of_a_saved_checkpoint_counts_its_ranks(tmp_path):
     tdb.checkpoint.save(_state(), tmp_path / "ck")
     report = tdb.checkpoint.format_report(tmp_path / "ck")
     assert "written by 1 rank(s)" in report and "None" not in report, report
+
+
+def test_inspect_gives_every_key_the_same_fields_and_names_objects(tmp_path):
+    """Objects have ``shape`` and ``dtype`` (``None``) like tensors, their pickle's bytes, and what ``save``
+    recorded of them: their type, and the value of a plain scalar or short string (nothing is unpickled)."""
+    state = {"w": reference_table((30, 4), seed=1), "step": 100, "run": "seven", "lr": 0.05,
+             "cfg": {"long": "x" * 200}, "when": ReadStats}
+    tdb.checkpoint.save(state, tmp_path / "ck")
+    info = tdb.checkpoint.inspect(tmp_path / "ck")
+    for key, rec in info.items():
+        assert {"type", "shape", "dtype", "shards", "bytes"} <= set(rec), (key, rec)
+    assert info["w"]["dtype"] == "float32" and info["step"]["dtype"] is None and info["step"]["shape"] is None
+    assert info["step"]["object_type"] == "int" and info["step"]["value"] == "100"
+    assert info["run"]["value"] == "'seven'" and info["lr"]["value"] == "0.05"
+    assert info["cfg.long"]["object_type"] == "str" and "value" not in info["cfg.long"]  # too long to show
+    assert info["when"]["object_type"] == "type" and "value" not in info["when"]
+    assert all(info[k]["bytes"] > 0 for k in ("step", "run", "lr"))
+    report = tdb.checkpoint.format_report(tmp_path / "ck")
+    assert re.search(r"^step\s+object \(int\)\s+-\s+= 100\s+-$", report, re.M), report
+    assert "4 keys" not in report and "6 keys, 0.00 MiB of tensors" in report, report
+
+
+def test_inspect_piped_into_a_reader_that_stops_early_exits_quietly(tmp_path):
+    """``python -m torchrec_dtensor_bridge inspect --json PATH | head -1``: no traceback, no 'Broken pipe',
+    status 0 (the reader has what it wanted)."""
+    import subprocess
+    import sys
+
+    tdb.checkpoint.save({f"t{i:04d}": torch.zeros(2) for i in range(600)}, tmp_path / "ck")  # > 64 KiB of JSON
+    proc = subprocess.Popen([sys.executable, "-m", "torchrec_dtensor_bridge", "inspect", "--json",
+                             str(tmp_path / "ck")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what `head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, err
+    assert first.strip() == b"{" and "Broken pipe" not in err and "Traceback" not in err, err

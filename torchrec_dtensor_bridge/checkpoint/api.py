@@ -66,7 +66,7 @@ from ..agreement import gather_objects
 from ..convert.groups import CommGroup
 from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_gathered
 from .commit import DirLock, SaveLock, commit, generation_dir, prepare_generation, prune, sweep, writable_parent
-from .common import dcp_failures, default_process_group, dtype_of, global_shape, leaves, run_dcp
+from .common import dcp_failures, default_process_group, dtype_of, global_shape, leaves, object_summary, run_dcp
 from .errors import CheckpointError
 from .loading import SafeObjectPlanner, open_agreed
 from .manifest import Checksums, write_manifest
@@ -211,7 +211,7 @@ def save(
         _stage("checksummed")
         outcome: str | None = None
         if rank == 0:
-            outcome = _commit(path, gen, sums, world, keep_spare, gen_lock)
+            outcome = _commit(path, gen, sums, world, keep_spare, gen_lock, object_summary(state_dict))
             gen_lock = None
         outcome = from_rank0(outcome, g)
         if outcome:
@@ -246,7 +246,8 @@ def _write_generation(state_dict: Mapping[str, Any], gen: Path, g: CommGroup, wh
     return writer.file_sums
 
 
-def _commit(path: Path, gen: Path, sums: list[Any], world: int, keep_spare: bool, gen_lock: DirLock | None) -> str | None:
+def _commit(path: Path, gen: Path, sums: list[Any], world: int, keep_spare: bool, gen_lock: DirLock | None,
+            objects: dict[str, dict[str, str]]) -> str | None:
     """Rank 0: manifest, rename, sweep; the failure message or ``None``. Releases ``gen_lock`` once committed."""
     committed = False
     try:
@@ -256,8 +257,8 @@ def _commit(path: Path, gen: Path, sums: list[Any], world: int, keep_spare: bool
         prune(gen, {".metadata", *files})  # leftovers of a reused generation (e.g. more ranks)
         merged = {rel: fs for part in sums for rel, fs in part.items() if rel in files}
         dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
-        write_manifest(gen, gen.name.rsplit(".tdb-", 1)[1], md, merged, {"world_size": world, "dcp_save_id": dcp_id},
-                       metadata=md_bytes)
+        write_manifest(gen, gen.name.rsplit(".tdb-", 1)[1], md, merged,
+                       {"world_size": world, "dcp_save_id": dcp_id, "objects": objects}, metadata=md_bytes)
         _stage("manifest_written")
         previous = commit(path, gen)
         committed = True

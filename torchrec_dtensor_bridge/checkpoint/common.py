@@ -109,6 +109,25 @@ def leaves(sd: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
 
 
 
+_SHOWN = (bool, int, float, str, type(None))
+_MAX_SHOWN = 80
+
+
+def object_summary(sd: Any) -> dict[str, dict[str, str]]:
+    """Per non-tensor leaf of ``sd`` (keys as DCP flattens them): its type's name, and its ``repr`` when it
+    is a plain scalar or string of at most 80 characters (what ``inspect`` shows without unpickling)."""
+    out: dict[str, dict[str, str]] = {}
+    for fqn, v in leaves(sd):
+        if isinstance(v, torch.Tensor):
+            continue
+        kind = type(v)
+        rec = {"type": kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"}
+        if isinstance(v, _SHOWN) and len(repr(v)) <= _MAX_SHOWN:
+            rec["value"] = repr(v)
+        out[fqn] = rec
+    return out
+
+
 def global_shape(v: torch.Tensor) -> tuple[int, ...]:
     return tuple(v.global_shape) if isinstance(v, LocalShardsWrapper) else shape_and_dtype(v)[0]
 

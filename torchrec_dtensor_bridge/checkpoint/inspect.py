@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from .commit import resolve
 from .common import format_mib, tensor_bytes
@@ -16,9 +16,12 @@ __all__ = ["format_report", "inspect"]
 
 
 def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
-    """Per saved key: ``shape``, ``dtype``, ``shards`` (``offsets``, ``sizes``) and ``bytes``.
+    """Per saved key: ``type`` (``"tensor"`` or ``"object"``), ``shape``, ``dtype``, ``shards`` (``offsets``,
+    ``sizes``) and ``bytes``.
 
-    Non-tensor entries appear with ``{"type": "object"}``. Works on checkpoints
+    A non-tensor entry has ``shape`` and ``dtype`` ``None``, no shards, the bytes of its pickle, and, where
+    :func:`save` recorded them, ``object_type`` (its Python type's name) and ``value`` (the ``repr`` of a
+    plain scalar or short string). Works on checkpoints
     written by :func:`save` and on plain DCP directories. Read-only and safe on
     untrusted checkpoints: the manifest and ``.metadata`` are verified and parsed
     without running code (:mod:`.manifest`, :mod:`.validate`); nothing else is read.
@@ -29,12 +32,16 @@ def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
         [1000, 64]
     """
     root = resolve(Path(path).absolute())
-    md = read_metadata(root, read_manifest(root))
+    manifest = read_manifest(root)
+    md = read_metadata(root, manifest)
+    objects = _recorded_objects(manifest)
     out: dict[str, dict[str, Any]] = {}
     for fqn in sorted(md.state_dict_metadata):
         m = md.state_dict_metadata[fqn]
         if not isinstance(m, TensorStorageMetadata):
-            out[fqn] = {"type": "object"}
+            stored = md.storage_data.get(MetadataIndex(fqn)) if isinstance(md.storage_data, dict) else None
+            out[fqn] = {"type": "object", "shape": None, "dtype": None, "shards": [],
+                        "bytes": getattr(stored, "length", 0), **objects.get(fqn, {})}
             continue
         shards = sorted(
             ({"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks),
@@ -50,6 +57,22 @@ def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _recorded_objects(manifest: dict[str, Any] | None) -> dict[str, dict[str, str]]:
+    """What :func:`save` recorded of the non-tensor entries (``object_type``, ``value``); entries of any
+    other shape are ignored (the manifest may come from elsewhere: nothing here is trusted)."""
+    recorded = manifest.get("objects") if manifest is not None else None
+    if not isinstance(recorded, dict):
+        return {}
+    out = {}
+    for fqn, rec in recorded.items():
+        if isinstance(rec, dict) and isinstance(rec.get("type"), str):
+            entry = {"object_type": rec["type"][:200]}
+            if isinstance(rec.get("value"), str):
+                entry["value"] = rec["value"][:200]
+            out[fqn] = entry
+    return out
+
+
 def format_report(path: str | Path) -> str:
     """``inspect(path)`` as a table a person reads, with totals (MiB = 2**20 bytes) and the commit state."""
     root = resolve(Path(path).absolute())
@@ -60,7 +83,8 @@ def format_report(path: str | Path) -> str:
     total = 0
     for fqn, rec in info.items():
         if rec["type"] != "tensor":
-            rows.append([fqn, "object", "-", "-", "-"])
+            kind = f"object ({rec['object_type']})" if "object_type" in rec else "object"
+            rows.append([fqn, kind, "-", f"= {rec['value']}" if "value" in rec else "-", "-"])
             continue
         total += rec["bytes"]
         cuts = _describe_cuts(rec)

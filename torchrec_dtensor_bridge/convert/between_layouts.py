@@ -69,9 +69,11 @@ def align_optimizer_state(opt: torch.optim.Optimizer, args: Any = None, kwargs: 
     for group in opt.param_groups:
         for p in group["params"]:
             state = opt.state.get(p) if _carries_layout(p) else None
-            for key, value in (state or {}).items():
+            if not state:
+                continue
+            for key, value in list(state.items()):
                 if isinstance(value, DTensor) and value.shape == p.shape and not _same_blocks(value, p):
-                    moved = torch.zeros_like(p, dtype=value.dtype, requires_grad=False)
+                    moved: Any = torch.zeros_like(p, dtype=value.dtype, requires_grad=False)  # p's layout
                     name = layout_of(p).name
                     copy_into(layout_of(moved, name=name), local_shards_of(moved), value, name=f"{name}.{key}")
                     state[key] = moved
