@@ -19,7 +19,9 @@ imports these names from here, so an upstream move breaks exactly one module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -61,6 +63,7 @@ __all__ = [
     "group_ranks",
     "make_sharded_tensor",
     "one_rank_mesh",
+    "quiet_sharded_tensor_deprecation",
     "pytree",
     "root_mesh",
     "route_dtensor_op",
@@ -158,3 +161,13 @@ def route_dtensor_op(op: torch._ops.OpOverload, handler: Callable[[Any, tuple, d
 
     run._tdb_handler = handler  # type: ignore[attr-defined]
     table[op] = run
+
+
+@contextmanager
+def quiet_sharded_tensor_deprecation() -> Iterator[None]:
+    """Silence ShardedTensor's deprecation warning ("Please use DTensor instead") inside a call of ours:
+    DCP touches the ShardedTensors a TorchRec module's ``state_dict()`` holds, and the warning is not the
+    user's to act on (this package is what moves them to DTensor). Other warnings pass."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield

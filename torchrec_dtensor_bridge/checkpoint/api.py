@@ -62,6 +62,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .._compat import quiet_sharded_tensor_deprecation
 from ..agreement import gather_objects
 from ..convert.groups import CommGroup
 from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_gathered
@@ -230,7 +231,8 @@ def _write_generation(state_dict: Mapping[str, Any], gen: Path, g: CommGroup, wh
     writer = ChecksummingWriter(gen, sync_files=True)
     problems: list[Problem] = []
     try:
-        dcp.save(state_dict, storage_writer=writer, process_group=g.group)
+        with quiet_sharded_tensor_deprecation():
+            dcp.save(state_dict, storage_writer=writer, process_group=g.group)
     except CheckpointException as e:
         local = writer.os_errors
         problems += [problem_from(err, f"writing {name}") for name, err in local]

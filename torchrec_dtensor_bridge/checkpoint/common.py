@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from .._compat import root_mesh, shape_and_dtype
+from .._compat import quiet_sharded_tensor_deprecation, root_mesh, shape_and_dtype
 from ..convert.groups import group_of_mesh
 from ..wrapper import LocalShardsWrapper
 from .errors import CheckpointError
@@ -52,7 +52,8 @@ def run_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
     out as itself, not wrapped in DCP's per-rank report.
     """
     try:
-        return fn(*args, **kwargs)
+        with quiet_sharded_tensor_deprecation():
+            return fn(*args, **kwargs)
     except CheckpointException as e:
         ours = dcp_failures(e)
         if ours and all(isinstance(x, CheckpointError) for x in ours):

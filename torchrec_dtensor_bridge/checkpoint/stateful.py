@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from .._compat import shape_and_dtype
 from .agree import Kind, Problem
 
 __all__ = ["Expanded", "expand"]
@@ -95,8 +96,10 @@ def _create_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     :class:`LocalShardsWrapper` takes every op of ``torch.optim``'s).
     """
     params = _params(opt)
+    if any(type(p) not in (torch.Tensor, nn.Parameter, DTensor) for p in params):
+        return []
     lacking = [p for p in params if p.requires_grad and p not in opt.state]
-    if not lacking or any(type(p) not in (torch.Tensor, nn.Parameter, DTensor) for p in params):
+    if not lacking:
         return []
     wanted = {id(p) for p in lacking}
     grads = [p.grad for p in params]
@@ -286,11 +289,12 @@ class _Expander:
             return
         for name, per in states.items():
             param = opt.params.get(name)
-            if not isinstance(per, Mapping) or param is None or len(param.size()) != 2:
+            shape = shape_and_dtype(param)[0] if isinstance(param, torch.Tensor) else ()
+            if not isinstance(per, Mapping) or len(shape) != 2:
                 continue
             for what, v in per.items():
-                if isinstance(v, torch.Tensor) and v.dim() == 1:
-                    self.out.hints[f"{key}.state.{name}.{what}"] = _row_state_hint(int(param.size()[0]))
+                if isinstance(v, torch.Tensor) and len(shape_and_dtype(v)[0]) == 1:
+                    self.out.hints[f"{key}.state.{name}.{what}"] = _row_state_hint(int(shape[0]))
 
 
 def _row_state_hint(rows: int) -> Hint:
