@@ -260,3 +260,32 @@ def test_disk_full_keeps_errno_and_the_previous_checkpoint(small_disk):
     assert sorted(p.name for p in small_disk.iterdir()) == before, "the failed generation was left on disk"
     err, dest = _try_load(path)
     assert err is None and _equal(dest, want)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["directory", "symlink", "fifo"])
+def test_a_manifest_that_is_not_a_regular_file_is_corrupt_for_load_inspect_and_migrate(tmp_path, kind):
+    """Not ``NotACheckpointError`` (the directory is a checkpoint) nor its base class alone: exactly
+    ``CorruptCheckpointError``, from every reader, without opening it (a FIFO would block an ``open``)."""
+    path = tmp_path / "ck"
+    tdb.checkpoint.save(_state(3), path)
+    f = path.resolve() / "tdb_manifest.json"
+    body = f.read_bytes()
+    f.unlink()
+    if kind == "directory":
+        f.mkdir()
+    elif kind == "symlink":
+        (tmp_path / "elsewhere.json").write_bytes(body)
+        f.symlink_to(tmp_path / "elsewhere.json")
+    else:
+        os.mkfifo(f)
+    calls = {
+        "load": lambda: tdb.checkpoint.load(_blank(), path),
+        "inspect": lambda: tdb.checkpoint.inspect(path),
+        "migrate": lambda: tdb.checkpoint.migrate(path, tmp_path / "migrated", progress=False),
+    }
+    for what, call in calls.items():
+        with pytest.raises(tdb.checkpoint.CheckpointError) as info:
+            call()
+        assert type(info.value) is tdb.checkpoint.CorruptCheckpointError, (what, type(info.value), info.value)
+        assert "tdb_manifest.json" in str(info.value) and "not a regular file" in str(info.value), (what, info.value)
