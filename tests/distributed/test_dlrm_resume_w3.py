@@ -48,7 +48,7 @@ def _key(table: str) -> str:
     return f"sparse_arch.embedding_bag_collection.embedding_bags.{table}.weight"
 
 
-def _dmp(plan: dict[str, tuple], group: dist.ProcessGroup):
+def _dmp(plan: dict[str, tuple], group: dist.ProcessGroup, optimizer: str = "EXACT_ROWWISE_ADAGRAD"):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed import sharding_plan as sp
@@ -66,7 +66,7 @@ def _dmp(plan: dict[str, tuple], group: dist.ProcessGroup):
     model = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[5, DIM],
                  over_arch_layer_sizes=[4, 1])
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3})
+        fused_params={"optimizer": getattr(EmbOptimType, optimizer), "learning_rate": 0.1, "eps": 1e-3})
     make = {"row_wise": lambda: sp.row_wise(compute_kernel="fused"),
             "table_wise": lambda rank: sp.table_wise(rank=rank, compute_kernel="fused"),
             "column_wise": lambda ranks: sp.column_wise(ranks=ranks, compute_kernel="fused")}
@@ -248,3 +248,23 @@ def test_a_column_wise_rowwise_adagrad_target_is_refused_on_every_rank_with_noth
     key = f"fused.state.{_key('t2')}.t2.momentum1"
     assert f"key {key!r}: saved shape [9], destination shape [18]" in message, message
     assert "one value per row for each of 2 column shards" in message, message
+
+
+def _other_kind_target(rank: int, world: int, path: str) -> str:
+    """Tables trained with element-wise Adagrad, saved, loaded into the same model under row-wise Adagrad."""
+    group = dist.group.WORLD
+    elementwise = _dmp(AFTER, group, "EXACT_ADAGRAD")
+    tdb.checkpoint.save({"model": elementwise, "fused": elementwise.fused_optimizer}, path)
+    rowwise = _dmp(AFTER, group)
+    with pytest.raises(ValueError) as refused:
+        tdb.checkpoint.load({"model": rowwise, "fused": rowwise.fused_optimizer}, path)
+    return str(refused.value)
+
+
+def test_state_of_another_optimizer_kind_is_refused_saying_the_optimizer_changed(pool, tmp_path):
+    messages = pool.run(_other_kind_target, str(tmp_path / "adagrad"))
+    assert messages[0] == messages[1] == messages[2], messages
+    key = f"fused.state.{_key('t0')}.t0.momentum1"
+    assert f"key {key!r}: saved shape [11, 8], destination shape [11]" in messages[0], messages[0]
+    assert "the optimizer changed between the save and the load" in messages[0], messages[0]
+    assert "one value per element ([11, 8])" in messages[0] and "column" not in messages[0], messages[0]

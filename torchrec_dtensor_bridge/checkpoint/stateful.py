@@ -305,7 +305,15 @@ def _row_state_hint(rows: int) -> Hint:
             return f"one value per row for each of {n // rows} column shards"
         return f"{n} values"
 
+    def kept(shape: tuple[int, ...]) -> str:
+        return holds(shape[0]) if len(shape) == 1 else f"one value per element ({list(shape)})"
+
     def why(saved: tuple[int, ...], dest: tuple[int, ...]) -> str:
+        if len(saved) != len(dest):  # per element against per row: another optimizer kind
+            return (f" (optimizer state of a {rows}-row table: the checkpoint holds {kept(saved)}, the destination "
+                    f"{kept(dest)}: the optimizer changed between the save and the load (element-wise Adagrad "
+                    "keeps a value per element, row-wise Adagrad one per row), and its state does not convert; "
+                    "load with the optimizer kind that saved it, or leave the optimizer out of the load)")
         return (f" (row-wise optimizer state of a {rows}-row table: the checkpoint holds {holds(saved[0])}, the "
                 f"destination {holds(dest[0])}; TorchRec's row-wise Adagrad keeps a separate per-row state for "
                 "each column shard of a column-wise table, which converts only into the same column cut)")
