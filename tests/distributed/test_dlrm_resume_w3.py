@@ -39,6 +39,7 @@ TABLES = {"t0": 11, "t1": 7, "t2": 9}  # name -> rows
 DIM, DENSE_IN, GLOBAL_BATCH = 8, 3, 6
 SAVE_AT, STEPS = 2, 4  # train steps 0-1, save, then steps 2-3 (uninterrupted, and resumed)
 DENSE_LR = 0.05
+FUSED_LR = 0.04  # set after the DMP is built (its fused_params say 0.1)
 BEFORE = {"t0": ("row_wise",), "t1": ("table_wise", 1), "t2": ("table_wise", 0)}  # on 2 ranks
 AFTER = {"t0": ("table_wise", 2), "t1": ("row_wise",), "t2": ("table_wise", 1)}  # on 3 ranks (t1: 3+3+1 rows)
 COLUMN_WISE = dict(AFTER, t2=("column_wise", [0, 1]))
@@ -109,6 +110,7 @@ def _batch(step: int, rank: int, world: int):
 def _step(dmp, dense_opt, step: int, group: dist.ProcessGroup) -> float:
     """One training step; the global batch's mean loss."""
     dense, kjt, labels = _batch(step, group.rank(), group.size())
+    dmp.fused_optimizer.zero_grad()  # where TorchRec hands its fused kernel the param groups' lr
     loss = F.binary_cross_entropy_with_logits(dmp(dense, kjt).squeeze(1), labels)
     loss.backward()  # the fused tables are updated here
     dense_opt.step()
@@ -154,6 +156,8 @@ def _train_and_save(rank: int, world: int, path: str) -> tuple[dict[str, torch.T
     if rank not in (0, 1):
         return None
     dmp = _dmp(BEFORE, group)
+    for g in dmp.fused_optimizer.param_groups:  # not the 0.1 every DMP here is built with: the resume must
+        g["lr"] = FUSED_LR                      # take it from the checkpoint
     adam = torch.optim.Adam(_dense_params(dmp).values(), lr=DENSE_LR)
     for step in range(SAVE_AT):
         _step(dmp, adam, step, group)
@@ -175,6 +179,7 @@ def _resume(rank: int, world: int, path: str, saved: dict[str, torch.Tensor], lo
     with _no_sharded_tensor_deprecation():
         tdb.checkpoint.load(state, path)  # one call: resharded to 3 ranks and another plan
     assert state["step"] == SAVE_AT
+    assert [g["lr"] for g in dmp.fused_optimizer.param_groups] == [FUSED_LR] * len(dmp.fused_optimizer.param_groups)
     got = _snapshot(state, group)
     assert sorted(got) == sorted(saved), sorted(set(got) ^ set(saved))
     assert any(".t1.momentum1" in k for k in got) and any(".exp_avg_sq" in k for k in got), sorted(got)

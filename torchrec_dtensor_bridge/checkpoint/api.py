@@ -196,15 +196,17 @@ def save(
             _, gen_lock = prepare_generation(path, gen, reuse=keep_spare)
         except Exception as e:  # reported to every rank
             problems.append(problem_from(e, f"cannot prepare {gen.name}"))
-    everyone = gather_objects((save_id, problems, _signature(state_dict)), g)
+    everyone = gather_objects((save_id, problems, _signature(state_dict), expanded.local_records()), g)
     save_id = everyone[0][0]
     gen = generation_dir(path, save_id)
-    disagree = _disagreements([s for _, _, s in everyone], g)
+    disagree = _disagreements([s for _, _, s, _ in everyone], g)
+    if not disagree:
+        expanded.merge_records([r for _, _, _, r in everyone])
     try:
-        if disagree or any(p for _, p, _ in everyone):
+        if disagree or any(p for _, p, _, _ in everyone):
             if rank == 0 and gen_lock is not None:
                 shutil.rmtree(gen, ignore_errors=True)
-            raise_gathered(what + " refused, nothing was written", [p for _, p, _ in everyone], g, disagree)
+            raise_gathered(what + " refused, nothing was written", [p for _, p, _, _ in everyone], g, disagree)
         _stage("prepared")
         local_sums = _write_generation(state_dict, gen, g, what)
         _stage("dcp_saved")

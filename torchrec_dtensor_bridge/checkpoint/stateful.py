@@ -31,6 +31,7 @@ optimizers use the same names), else by their positions as
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +136,9 @@ class Expanded:
         view: what DCP saves or loads: the caller's mappings, those holding a Stateful copied.
         problems: this rank's refusals (a ``state_dict()`` that is not a mapping, ...), to agree on.
         created: state created for a load (:meth:`drop` removes what the checkpoint lacks).
+        extras: (flattened key, its removal from the view) of entries older checkpoints do not hold.
+        records: (mapping, key) of per-rank records that a save merges across ranks (DCP writes one rank's
+            objects): tuples of ``(name, value)`` pairs, each rank's about its own tables.
         hints: per flattened key, why a shape mismatch cannot convert (appended to the refusal).
         loads: each Stateful's ``load_state_dict()`` with its view, in the state_dict's order.
         writeback: (the caller's mapping, its copy in the view, the keys of plain values in it).
@@ -143,14 +147,28 @@ class Expanded:
     view: dict[str, Any]
     problems: list[Problem] = field(default_factory=list)
     created: list[_Created] = field(default_factory=list)
+    extras: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
+    records: list[tuple[dict[str, Any], str]] = field(default_factory=list)
     hints: dict[str, Hint] = field(default_factory=dict)
     loads: list[Callable[[], None]] = field(default_factory=list)
     writeback: list[tuple[Mapping[str, Any], dict[str, Any], list[str]]] = field(default_factory=list)
 
     @property
     def optional(self) -> tuple[str, ...]:
-        """The flattened keys of :attr:`created`: loaded where the checkpoint holds them, else dropped."""
-        return tuple(c.key for c in self.created)
+        """The flattened keys of :attr:`created` and :attr:`extras`: loaded where the checkpoint holds them,
+        else dropped."""
+        return tuple(c.key for c in self.created) + tuple(k for k, _ in self.extras)
+
+    def local_records(self) -> list[Any]:
+        """This rank's :attr:`records`, in order (every rank of a save has the same entries)."""
+        return [mapping.get(key) for mapping, key in self.records]
+
+    def merge_records(self, every_rank: list[list[Any]]) -> None:
+        """Set each record to the union of every rank's (one sorted tuple, the same on every rank)."""
+        for i, (mapping, key) in enumerate(self.records):
+            merged = {pair for ranks in every_rank if i < len(ranks) and isinstance(ranks[i], tuple)
+                      for pair in ranks[i]}
+            mapping[key] = tuple(sorted(merged))
 
     def drop(self, absent: frozenset[str]) -> None:
         """Remove the created state the checkpoint does not hold (keys ``absent``) from the view and the optimizers."""
@@ -162,6 +180,10 @@ class Expanded:
             else:
                 keep.append(c)
         self.created = keep
+        for key, remove in self.extras:
+            if key in absent:
+                remove()
+        self.extras = [(k, r) for k, r in self.extras if k not in absent]
 
     def rollback(self) -> None:
         """Undo :func:`expand`: remove every state it created (a refused or failed load)."""
@@ -234,10 +256,30 @@ class _Expander:
             for part, p in created:
                 part.state.pop(p, None)
             return None
-        if _is_keyed(obj):
-            self.keyed_optimizer(key, obj, view, created)
-        self.out.loads.append(lambda: obj.load_state_dict(view))
-        return view
+        if not _is_keyed(obj):
+            self.out.loads.append(lambda: obj.load_state_dict(view))
+            return view
+        self.keyed_optimizer(key, obj, view, created)
+        return self.with_hyperparameters(key, obj, view)
+
+    def with_hyperparameters(self, key: str, opt: Any, view: Mapping[str, Any]) -> dict[str, Any]:
+        """``view`` and, under :data:`HYPERPARAMETERS`, each parameter's hyper-parameters (its group's ``lr``,
+        ...): TorchRec's keyed optimizers keep them out of ``state_dict()``, so a resume would otherwise run
+        with the learning rate the new job was built with. After the load each parameter group takes its
+        parameters' saved values, where they agree (a new plan may group tables another way); a checkpoint
+        written without them loads as before (the key is optional)."""
+        full = {**view, HYPERPARAMETERS: _hyperparameters(opt)}
+        self.out.extras.append((f"{key}.{HYPERPARAMETERS}", lambda: full.pop(HYPERPARAMETERS, None)))
+        self.out.records.append((full, HYPERPARAMETERS))  # each rank knows its own tables: merged on save
+
+        def load() -> None:
+            saved = full.get(HYPERPARAMETERS)
+            opt.load_state_dict({k: v for k, v in full.items() if k != HYPERPARAMETERS})
+            if saved is not None:
+                _apply_hyperparameters(key, opt, saved)
+
+        self.out.loads.append(load)
+        return full
 
     def create(self, opt: torch.optim.Optimizer) -> list[tuple[torch.optim.Optimizer, torch.Tensor]]:
         return [(part, p) for part in _parts(opt) for p in _create_state(part)]
@@ -295,6 +337,45 @@ class _Expander:
             for what, v in per.items():
                 if isinstance(v, torch.Tensor) and len(shape_and_dtype(v)[0]) == 1:
                     self.out.hints[f"{key}.state.{name}.{what}"] = _row_state_hint(int(shape[0]))
+
+
+HYPERPARAMETERS = "hyperparameters"
+"""The key, beside a keyed optimizer's ``state``, of its parameters' hyper-parameters."""
+
+
+def _hyperparameters(opt: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
+    """Per parameter name, its group's plain hyper-parameters (numbers, strings, tuples of numbers); one
+    picklable leaf (tuples, not dicts: DCP keeps it one object)."""
+    names = {id(p): n for n, p in opt.params.items()}
+    out = []
+    for group in opt.param_groups:
+        values = tuple(sorted((k, v) for k, v in group.items() if k != "params" and _plain(v)))
+        out += [(names[id(p)], values) for p in group["params"] if id(p) in names]
+    return tuple(sorted(out))
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, tuple):
+        return all(_plain(x) for x in v)
+    return isinstance(v, (bool, int, float, str))
+
+
+def _apply_hyperparameters(key: str, opt: Any, saved: Any) -> None:
+    """Each parameter group of ``opt`` takes its parameters' saved hyper-parameters where they agree; a
+    group whose tables saved different values keeps its own, with a warning naming them."""
+    by_name = {n: dict(v) for n, v in saved} if isinstance(saved, tuple) else {}
+    names = {id(p): n for n, p in opt.params.items()}
+    for group in opt.param_groups:
+        mine = [names[id(p)] for p in group["params"] if id(p) in names and names[id(p)] in by_name]
+        values = {tuple(sorted(by_name[n].items())) for n in mine}
+        if len(values) > 1:
+            warnings.warn(f"{key}: the tables {mine} now share one parameter group but were saved with different "
+                          f"hyper-parameters {[by_name[n] for n in mine]}; the group keeps {group.get('lr')!r} "
+                          "as its lr and its other values", stacklevel=3)
+            continue
+        for k, v in (dict(values.pop()) if values else {}).items():
+            if k in group:
+                group[k] = v
 
 
 def _row_state_hint(rows: int) -> Hint:
