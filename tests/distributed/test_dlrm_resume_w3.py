@@ -273,3 +273,22 @@ def test_state_of_another_optimizer_kind_is_refused_saying_the_optimizer_changed
     assert f"key {key!r}: saved shape [11, 8], destination shape [11]" in messages[0], messages[0]
     assert "the optimizer changed between the save and the load" in messages[0], messages[0]
     assert "one value per element ([11, 8])" in messages[0] and "column" not in messages[0], messages[0]
+
+
+def _without_hyperparameters(rank: int, world: int, path: str) -> list[float]:
+    """A checkpoint that holds no hyper-parameters (TorchRec's state_dict() saved as it is, as before they were
+    recorded) loads into the fused optimizer as a Stateful; its groups keep their own lr."""
+    group = dist.group.WORLD
+    dmp = _dmp(AFTER, group)
+    for g in dmp.fused_optimizer.param_groups:
+        g["lr"] = FUSED_LR
+    tdb.checkpoint.save({"model": dmp, "fused": dmp.fused_optimizer.state_dict()}, path)
+    assert not any("hyperparameters" in k for k in tdb.checkpoint.inspect(path))
+    fresh = _dmp(AFTER, group)
+    tdb.checkpoint.load({"model": fresh, "fused": fresh.fused_optimizer}, path)
+    return [g["lr"] for g in fresh.fused_optimizer.param_groups]
+
+
+def test_a_checkpoint_without_hyperparameters_loads_and_keeps_the_groups_lr(pool, tmp_path):
+    for lrs in pool.run(_without_hyperparameters, str(tmp_path / "old")):
+        assert lrs and all(abs(lr - 0.1) < 1e-6 for lr in lrs), lrs
