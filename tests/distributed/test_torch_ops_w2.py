@@ -388,3 +388,17 @@ def _check_errors_name_the_key(rank, world_size):
 
 def test_errors_name_the_state_dict_key(pool):
     pool.run(_check_errors_name_the_key)
+
+
+def _check_dtype_change_on_another_layout(rank, world_size, path):
+    """An fp32 uneven table saved, loaded into an fp16 grid with ``convert_dtypes=True`` (refused without)."""
+    a = _table(6)
+    tdb.checkpoint.save({"w": _dt(LAYOUTS["row_wise_uneven"], a)}, path)
+    half = _dt(LAYOUTS["grid"], torch.zeros(ROWS, DIM)).to(torch.float16)
+    expect_raises(ValueError, "convert_dtypes=True", lambda: tdb.checkpoint.load({"w": half}, path))
+    tdb.checkpoint.load({"w": half}, path, convert_dtypes=True)
+    assert torch.equal(tdb.full_tensor(half), a.to(torch.float16))
+
+
+def test_a_dtype_change_loads_into_another_layout_when_asked(pool, tmp_path):
+    pool.run(_check_dtype_change_on_another_layout, str(tmp_path / "fp32"))

@@ -291,3 +291,22 @@ def test_inspect_piped_into_a_reader_that_stops_early_exits_quietly(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 0, err
     assert first.strip() == b"{" and "Broken pipe" not in err and "Traceback" not in err, err
+
+
+def test_a_dtype_change_loads_only_when_asked(tmp_path):
+    """An fp32 checkpoint into fp16 tables: refused, naming the opt-in, nothing modified; converted with
+    ``convert_dtypes=True`` exactly as ``Tensor.to`` rounds; an integer into a float table stays refused."""
+    saved = {"w": reference_table((30, 4), seed=1) / 7, "n": torch.arange(5)}
+    tdb.checkpoint.save(saved, tmp_path / "ck")
+    dest = {"w": torch.full((30, 4), -1.0, dtype=torch.float16), "n": torch.arange(5)}
+    err = _raised(lambda: tdb.checkpoint.load(dest, tmp_path / "ck"))
+    assert isinstance(err, ValueError), err
+    assert "key 'w': saved dtype torch.float32, destination dtype torch.float16; load(..., convert_dtypes=True)" \
+        in str(err), err
+    assert torch.equal(dest["w"], torch.full((30, 4), -1.0, dtype=torch.float16)), "a refused load wrote"
+    tdb.checkpoint.load(dest, tmp_path / "ck", convert_dtypes=True)
+    assert torch.equal(dest["w"], saved["w"].to(torch.float16))
+    floats = {"w": saved["w"], "n": torch.zeros(5)}
+    err = _raised(lambda: tdb.checkpoint.load(floats, tmp_path / "ck", convert_dtypes=True))
+    assert isinstance(err, ValueError) and "key 'n': saved dtype torch.int64, destination dtype torch.float32" \
+        in str(err) and "convert_dtypes" not in str(err), err

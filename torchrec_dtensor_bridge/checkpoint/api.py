@@ -292,6 +292,7 @@ def load(
     staging_bytes: int | None = DEFAULT_STAGING_BYTES,
     trusted_pickles: bool = False,
     process_group: dist.ProcessGroup | None = None,
+    convert_dtypes: bool = False,
 ) -> ReadStats:
     """Load the checkpoint at ``path`` in place into ``state_dict``; *collective*.
 
@@ -330,6 +331,9 @@ def load(
             run code: only for checkpoints you trust). By default they load with
             ``weights_only=True`` (tensors, containers, numbers, strings).
         process_group: the group to load over; ``None``: see :func:`.common.default_process_group`.
+        convert_dtypes: load a floating-point tensor saved in another floating-point dtype (an fp32
+            checkpoint into fp16 tables: a routine memory saving), rounding as ``Tensor.copy_`` does. Off by
+            default: a dtype mismatch is refused (plain DCP converts silently).
 
     Returns:
         What this rank read (:class:`.reader.ReadStats`): ``bytes_read`` from data files (every pass),
@@ -357,7 +361,7 @@ def load(
         extra.append(Problem(Kind.VALUE, f"staging_bytes must be a non-negative int or None, got {staging_bytes!r}"))
     try:
         opened = open_agreed(path, expanded.view, strict, verify, member_group(group, what), what, extra,
-                             optional=expanded.optional, hints=expanded.hints)
+                             optional=expanded.optional, hints=expanded.hints, convert_dtypes=convert_dtypes)
         try:
             expanded.drop(opened.absent)
             checksums = Checksums(opened.manifest) if verify and opened.manifest is not None else None

@@ -84,7 +84,8 @@ def _under(fqn: str, keys: frozenset[str]) -> bool:
 
 
 def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mapping[str, Hint] | None = None,
-                absent: frozenset[str] = frozenset()) -> tuple[list[Problem], list[tuple[str, Any]]]:
+                absent: frozenset[str] = frozenset(), *, convert_dtypes: bool = False,
+                ) -> tuple[list[Problem], list[tuple[str, Any]]]:
     problems: list[Problem] = []
     flat = [(fqn, v) for fqn, v in leaves(sd) if not (absent and _under(fqn, absent))]
     saved = md.state_dict_metadata
@@ -102,9 +103,13 @@ def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mappin
                 problems.append(Problem(
                     Kind.VALUE,
                     f"key {fqn!r}: saved shape {list(m.size)}, destination shape {list(global_shape(value))}{why}"))
-            if m.properties.dtype != dtype_of(value):
+            if m.properties.dtype != dtype_of(value) and not (convert_dtypes and _convertible(m.properties.dtype,
+                                                                                                dtype_of(value))):
+                how = ("; load(..., convert_dtypes=True) converts it" if _convertible(m.properties.dtype, dtype_of(value))
+                       else "")
                 problems.append(Problem(
-                    Kind.VALUE, f"key {fqn!r}: saved dtype {m.properties.dtype}, destination dtype {dtype_of(value)}"))
+                    Kind.VALUE,
+                    f"key {fqn!r}: saved dtype {m.properties.dtype}, destination dtype {dtype_of(value)}{how}"))
     if strict:
         extra = sorted(set(saved) - {fqn for fqn, _ in flat})
         if extra:
@@ -185,8 +190,13 @@ class Opened:
     absent: frozenset[str] = frozenset()  # the optional keys the checkpoint holds nothing under
 
 
+def _convertible(saved: torch.dtype, dest: torch.dtype) -> bool:
+    """Floating point to floating point (fp32 <-> fp16 / bf16 / fp64): what a table's dtype change is."""
+    return saved.is_floating_point and dest.is_floating_point
+
+
 def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool, verify: bool, rank: int,
-             optional: tuple[str, ...], hints: Mapping[str, Hint] | None,
+             optional: tuple[str, ...], hints: Mapping[str, Hint] | None, convert_dtypes: bool = False,
              ) -> tuple[DirLock | None, dict[str, Any] | None, Metadata | None, list[Problem], str | None]:
     """One rank's look at generation ``name``: lock it, read and check everything short of the data."""
     try:
@@ -205,7 +215,8 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
             raise CorruptCheckpointError(f"manifest {root / 'tdb_manifest.json'} is from save {manifest['save_id']}, "
                                          f"not from the generation {name}")
         md = read_metadata(root, manifest)
-        key_problems, flat = _check_keys(state_dict, md, strict, hints, _absent(md, optional))
+        key_problems, flat = _check_keys(state_dict, md, strict, hints, _absent(md, optional),
+                                         convert_dtypes=convert_dtypes)
         problems += key_problems
         if verify and not key_problems:
             if manifest is None:
@@ -224,7 +235,7 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
 
 def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify: bool,
                 g: CommGroup, what: str, extra: list[Problem], *, optional: tuple[str, ...] = (),
-                hints: Mapping[str, Hint] | None = None) -> Opened:
+                hints: Mapping[str, Hint] | None = None, convert_dtypes: bool = False) -> Opened:
     """Resolve ``path`` once (rank 0), lock and examine that generation on every rank, agree; *collective*.
 
     Steps 1-3 of the module docstring. On success every rank holds a shared lock on the same generation
@@ -241,6 +252,7 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
         optional: keys of ``state_dict`` (with everything below them) that the checkpoint need not hold:
             those it holds nothing under are not checked, and are listed in ``Opened.absent``.
         hints: per key, why a shape mismatch cannot convert (appended to its refusal).
+        convert_dtypes: accept a floating-point destination of another floating-point dtype than the saved one.
 
     Returns:
         The generation every rank agreed to read, its lock, manifest and metadata, and the absent optional keys.
@@ -259,7 +271,8 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
         if first is not None:
             raise first.error(f"{what} refused, nothing was modified:\n  {first.message} (rank {g.members[0]})")
         assert name is not None
-        lock, manifest, md, problems, ident = _examine(path, name, state_dict, strict, verify, rank, optional, hints)
+        lock, manifest, md, problems, ident = _examine(path, name, state_dict, strict, verify, rank, optional, hints,
+                                                       convert_dtypes)
         everyone = gather_objects((lock is None and not problems, problems + extra, ident), g)
         if any(moved for moved, _, _ in everyone):
             if lock is not None:
