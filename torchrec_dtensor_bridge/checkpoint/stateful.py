@@ -397,6 +397,8 @@ def _row_state_hint(rows: int) -> Hint:
                     "load with the optimizer kind that saved it, or leave the optimizer out of the load)")
         return (f" (row-wise optimizer state of a {rows}-row table: the checkpoint holds {holds(saved[0])}, the "
                 f"destination {holds(dest[0])}; TorchRec's row-wise Adagrad keeps a separate per-row state for "
-                "each column shard of a column-wise table, which converts only into the same column cut)")
+                "each column shard of a column-wise table, which converts only into the same column cut: plan the "
+                "table with the same column cut to resume it, or leave its optimizer out of the load to start "
+                "that state afresh)")
 
     return why
