@@ -41,9 +41,9 @@ aten = torch.ops.aten
 
 
 # --------------------------------------------------------------------------- shared helpers
-def blocks_of(w: LocalShardsWrapper) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def blocks_of(w: LocalShardsWrapper) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     """``(offsets, sizes)`` of each local shard: what two wrappers must share to be combined."""
-    return [(tuple(o), tuple(s.shape)) for o, s in zip(w.local_offsets(), w.local_shards())]
+    return w.block_key()
 
 
 def describe(w: LocalShardsWrapper) -> str:
@@ -95,9 +95,9 @@ def dtensor_even_split(layout: ShardLayout | None) -> bool:
 def operand_part(w: LocalShardsWrapper, other: Any, i: int, op: Any) -> Any:
     """The part of ``other`` that meets ``w``'s local shard ``i`` (see the module docstring)."""
     if isinstance(other, LocalShardsWrapper):
-        if other is not w and blocks_of(other) != blocks_of(w):
+        if other is not w and other.block_key() != w.block_key():
             raise ValueError(f"{op}: wrappers differ in layout: {describe(w)} vs {describe(other)}")
-        return other.local_shards()[i]
+        return other._local_shards[i]
     if not isinstance(other, torch.Tensor) or other.dim() == 0:
         return other
     shards = w.local_shards()
@@ -304,10 +304,12 @@ def foreach_expand(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, l
             ref = refs[j]
             if ref is None:
                 out.append(x)
-            else:
-                if isinstance(x, LocalShardsWrapper) and len(x.local_shards()) != len(ref.local_shards()):
+            elif isinstance(x, LocalShardsWrapper):  # its shards, once its blocks match
+                if x is not ref and x.block_key() != ref.block_key():
                     raise ValueError(f"{func}: wrappers differ in layout: {describe(ref)} vs {describe(x)}")
-                out.extend(operand_part(ref, x, i, func) for i in range(len(ref.local_shards())))
+                out.extend(x._local_shards)
+            else:
+                out.extend(operand_part(ref, x, i, func) for i in range(len(ref._local_shards)))
         expanded[where] = out
     new_args = tuple(expanded.get(pos, a) for pos, a in enumerate(args))
     new_kwargs = {k: expanded.get(k, v) for k, v in kwargs.items()}

@@ -125,6 +125,15 @@ class LocalShardsWrapper(torch.Tensor):
         """This rank's shards (the real storage, not copies)."""
         return self._local_shards
 
+    def block_key(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        """``(offsets, sizes)`` of each local shard, computed once: what two wrappers share when an op may
+        combine them shard by shard (shards keep their shapes)."""
+        key = self.__dict__.get("_blocks")
+        if key is None:
+            key = tuple((tuple(o), tuple(s.shape)) for o, s in zip(self._offsets, self._local_shards))
+            self.__dict__["_blocks"] = key
+        return key
+
     def local_offsets(self) -> list[torch.Size]:
         """Global offsets of each local shard.
 
