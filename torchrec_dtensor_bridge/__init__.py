@@ -1,6 +1,6 @@
 """torchrec_dtensor_bridge: TorchRec sharded embedding tables as DTensors, zero-copy.
 
-Public API (see ``shared/API.md``)::
+Public API (the README's API tour)::
 
     import torchrec_dtensor_bridge as tdb
     dt = tdb.to_dtensor(sharded_tensor)      # zero-copy, every TorchRec layout

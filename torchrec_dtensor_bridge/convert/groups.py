@@ -69,9 +69,6 @@ class CommGroup:
         me = _global_rank()
         return self.members.index(me) if me in self.members else None
 
-    def global_rank(self, group_rank: int) -> int:
-        return self.members[group_rank]
-
     def __repr__(self) -> str:
         return f"CommGroup(ranks={list(self.members)}, device={self.device})"
 

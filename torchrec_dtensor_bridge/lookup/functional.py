@@ -2,7 +2,7 @@
 
 Order of work on every rank (the same on all ranks, so nothing can hang):
 
-1. validate the arguments locally (SPEC §4), recording - not raising - a failure;
+1. validate the arguments locally, recording - not raising - a failure;
 0. resolve the weight once (:mod:`.plan`: layout, local shards, the call's
    group - the weight's mesh, its sharding axis on a 2-D mesh, or
    ``process_group`` - and strategy), collective-free;
@@ -335,7 +335,7 @@ def sharded_embedding_bag(
 
     Raises:
         TypeError, ValueError, NotImplementedError: on every rank, when any rank's
-            arguments are invalid (SPEC §4), the ranks disagree on an option, on
+            arguments are invalid, the ranks disagree on an option, on
             the weight's layout or on the input's kind or (replicated) values.
 
     Example::

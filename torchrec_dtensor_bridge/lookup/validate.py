@@ -1,6 +1,6 @@
 """Argument checks for the sharded lookups, and the lookups' agreement step.
 
-Every check of SPEC §4 runs locally first and never raises directly: a rank
+Every argument check of the lookups runs locally first and never raises directly: a rank
 that finds a problem records it, and :func:`agree` then runs the package's
 agreement step (:mod:`..agreement`: ONE small ``all_gather`` on the lookup's
 group) in which every rank reports its verdict, its batch sizes, its options,

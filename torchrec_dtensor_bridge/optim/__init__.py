@@ -2,8 +2,10 @@
 
 Modules: ``optimizer`` (the public :class:`FusedOptimizer`), ``kinds`` (kinds and
 hyper-parameters), ``state`` (a table's state on this rank and its layouts),
-``update`` (the math on touched rows) and ``backward`` (what backward does for
-a table with an optimizer: sparse gradients, one exchange, the update).
+``update`` (the math on touched rows) and ``torchrec_state`` (TorchRec's fused
+optimizer state in and out). What backward does for a table with an optimizer
+(sparse gradients, one exchange, the update in one pass) is driven from
+``lookup/local.py``; this package imports nothing of ``kernels``.
 """
 
 from .optimizer import FusedOptimizer

@@ -1,4 +1,4 @@
-"""``shard_module`` (SPEC §5): embedding tables of a module as DTensor-sharded parameters.
+"""``shard_module``: embedding tables of a module as DTensor-sharded parameters.
 
 Modules: ``api`` (the entry point), ``checks`` (local checks and the
 cross-rank agreement), ``scatter`` (point-to-point block scatter from the
