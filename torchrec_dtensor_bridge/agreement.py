@@ -15,7 +15,7 @@ API, in the order a caller uses it:
 2. :class:`Rejected` - the exception a local check raises to hand its Problem to
    the caller (``Rejected(ValueError, "...")`` or ``Rejected.of(problem)``);
    ``RejectedArguments`` is the same class.
-3. Collectives, on a :class:`~torchrec_dtensor_bridge.convert.groups.CommGroup`
+3. Collectives, on a :class:`~torchrec_dtensor_bridge.groups.CommGroup`
    or a process group (``None``: the default group); their tensors live on the
    group's device (CUDA for NCCL):
 
@@ -67,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .convert.groups import CommGroup, of_group
+from .groups import CommGroup, of_group
 
 __all__ = [
     "Problem",

@@ -198,7 +198,7 @@ def _check_checkpoint(rank: int, scenario: str, form: str, owner_form: str, path
     dest = _scenario(rank, scenario, form, owner_form, zero=True)
     tdb.checkpoint.load({name: dt for name, dt, _ in dest}, path)
     for name, dt, table in dest:  # the loaded values, read back on the members of each table's group
-        from torchrec_dtensor_bridge.convert.groups import comm_group
+        from torchrec_dtensor_bridge.groups import comm_group
 
         if rank in comm_group(dt).members:
             assert torch.equal(tdb.full_tensor(dt), table), f"{name}: loaded values differ"

@@ -14,7 +14,7 @@ module adds is checkpoint-specific only:
 - :func:`problem_from`: the Problem of an exception caught on this rank;
 - :func:`raise_if_any` / :func:`raise_gathered`: the agreement's, raising
   :class:`.CheckpointError` when the ranks' problems are of different kinds;
-- :func:`member_group`: the :class:`~..convert.groups.CommGroup` a step runs
+- :func:`member_group`: the :class:`~..groups.CommGroup` a step runs
   on, refused (ValueError) on a rank that is not one of its members;
 - :func:`from_rank0`: a decision rank 0 of the group took, on every rank.
 
@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .. import agreement
 from ..agreement import ProblemKind
-from ..convert.groups import CommGroup, of_group
+from ..groups import CommGroup, of_group
 from .errors import (
     CheckpointBusyError,
     CheckpointError,
@@ -141,7 +141,7 @@ def from_rank0(obj: Any, group: CommGroup | dist.ProcessGroup | None) -> Any:
 
 
 def member_group(group: dist.ProcessGroup | None, what: str) -> CommGroup:
-    """The :class:`~..convert.groups.CommGroup` of ``group`` (``None``: the default group); no collective.
+    """The :class:`~..groups.CommGroup` of ``group`` (``None``: the default group); no collective.
 
     Raises:
         ValueError: this rank is not a member (a rank outside a group takes no part in its collectives).

@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .._compat import quiet_sharded_tensor_deprecation
 from ..agreement import gather_objects
-from ..convert.groups import CommGroup
+from ..groups import CommGroup
 from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_gathered
 from .commit import DirLock, SaveLock, commit, generation_dir, prepare_generation, prune, sweep, writable_parent
 from .common import dcp_failures, default_process_group, dtype_of, global_shape, leaves, object_summary, run_dcp

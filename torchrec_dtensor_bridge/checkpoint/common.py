@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .._compat import quiet_sharded_tensor_deprecation, root_mesh, shape_and_dtype
-from ..convert.groups import group_of_mesh
+from ..groups import group_of_mesh
 from ..wrapper import LocalShardsWrapper
 from .errors import CheckpointError
 

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from .._compat import ShardedTensor
 from ..agreement import gather_objects
 from ..convert import layout_of
-from ..convert.groups import CommGroup
+from ..groups import CommGroup
 from ..wrapper import LocalShardsWrapper
 from .agree import Kind, Problem, from_rank0, problem_from, raise_gathered
 from .commit import DirLock, committed_name, lock_generation

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from .._compat import ShardedTensor, make_sharded_tensor, sharded_tensor_process_group
 from ..layout import LayoutKind, ShardLayout, ShardSpec, contiguous_strides
 from ..wrapper import LocalShardsWrapper
-from .groups import CommGroup, comm_group, of_group, sharding_axis
+from ..groups import CommGroup, comm_group, of_group, sharding_axis
 from .metadata import layout_from_sharded_tensor, layout_to_sharded_tensor_metadata
 from .placements import layout_from_placements, placement_for_layout, world_mesh
 
@@ -190,7 +190,7 @@ def layout_of(
     Collective-free, except for ONE case, which is documented collective: a
     DTensor of several ranks whose local tensor is a shards wrapper without a
     layout (TorchRec's own wrapper, torch's ``LocalShardsWrapper``). Then
-    every rank of its group (:func:`.groups.comm_group`: the mesh's sharding
+    every rank of its group (:func:`..groups.comm_group`: the mesh's sharding
     axis, or ``process_group``) must call it, in the same order, and the
     offsets are gathered on that group; blocks of other replica groups of a
     2-D mesh are taken to be the same (the replica axis holds identical data).
@@ -209,7 +209,7 @@ def layout_of(
     Args:
         t: the tensor.
         name: the table's name, for the layout and error messages.
-        process_group: the group a layout gather runs on (default: :func:`.groups.comm_group`).
+        process_group: the group a layout gather runs on (default: :func:`..groups.comm_group`).
 
     Returns:
         The whole table's layout.
@@ -304,7 +304,7 @@ def gather_layout(
 ) -> ShardLayout:
     """The layout made of every group member's ``blocks``; *collective* over ``t``'s group.
 
-    Every member of the group (:func:`.groups.comm_group` of ``t`` and
+    Every member of the group (:func:`..groups.comm_group` of ``t`` and
     ``process_group``) calls it, in the same order, with its own blocks
     (``(offsets, sizes)`` in the order of its local shards; none where it holds
     nothing). On a mesh of more axes than the group's, the other lines hold

@@ -12,10 +12,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from .._compat import ShardedTensor, shape_and_dtype
-from .. import agreement  # a module import: agreement itself imports convert.groups
+from .. import agreement
 from ..layout import LayoutKind, ShardLayout
 from .dtensor import carried_name, gather_layout, layout_of, local_shards_of, needs_layout_gather
-from .groups import CommGroup, comm_group
+from ..groups import CommGroup, comm_group
 from .metadata import layout_to_storage_metadata
 
 __all__ = ["full_tensor", "storage_metadata"]
@@ -101,7 +101,7 @@ def full_tensor(
 
     The group is ``process_group`` if given, else the group of the DTensor's
     mesh - its sharding axis on a 2-D mesh, whose replica axis must hold
-    identical data - or the ShardedTensor's (:func:`.groups.comm_group`; a
+    identical data - or the ShardedTensor's (:func:`..groups.comm_group`; a
     DTensor on a one-rank mesh, a table held by one rank, has none of its own
     and uses the default group: every rank calls it, and every rank gets the
     table, whatever its form of "nothing on this rank" - an empty plain

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
 from .._compat import one_rank_mesh
-from .groups import clear_group_cache
+from ..groups import clear_group_cache
 from ..layout import LayoutKind, ShardLayout, ShardSpec, chunk_span
 
 __all__ = ["DTensorPlacement", "clear_caches", "layout_from_placements", "placement_for_layout", "world_mesh"]

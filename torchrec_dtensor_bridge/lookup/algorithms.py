@@ -38,7 +38,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..agreement import timeouts_named
-from ..convert.groups import of_group
+from ..groups import of_group
 from ..wrapper import LocalShardsWrapper
 from .columns import columns_backward, exchange_columns
 from .local import Pooling, pool, weight_grad

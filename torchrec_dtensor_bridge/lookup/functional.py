@@ -69,7 +69,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from ..convert.dtensor import dtensor_from_local_shards
-from ..convert.groups import CommGroup, comm_group
+from ..groups import CommGroup, comm_group
 from ..layout import ShardLayout, chunk_sizes, contiguous_strides
 from .algorithms import LookupPlan, Strategy, pooled_lookup
 from .renorm import renormalize

@@ -12,7 +12,7 @@ every rank before validation and agreement, so a rank that fails a check
 later still meets the others in the agreement step.
 
 The group of a call (:func:`call_group`) is ``process_group`` when given, else
-the group of the weights' meshes (:func:`..convert.groups.comm_group`: on a
+the group of the weights' meshes (:func:`..groups.comm_group`: on a
 2-D mesh the sharding axis' group, whose replica axis must hold identical
 data; weights on one-rank meshes take the group of the others, or the
 default group when every weight is held by one rank). Inside a lookup, rank
@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from ..agreement import Rejected
 from ..convert.dtensor import layout_of, local_shards_of, needs_layout_gather
-from ..convert.groups import CommGroup, comm_group, of_group
+from ..groups import CommGroup, comm_group, of_group
 from ..layout import ShardLayout, ShardSpec
 
 __all__ = ["Bags", "Block", "LookupPlan", "ResolvedTable", "Strategy", "call_group", "partial_output",

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..agreement import timeouts_named
-from ..convert.groups import CommGroup
+from ..groups import CommGroup
 from .algorithms import AFTER_AGREEMENT, LookupPlan, Strategy, pooled_lookup
 from .exchange import gather_bags
 from .renorm import renormalize

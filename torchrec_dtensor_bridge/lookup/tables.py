@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 
 import torch.distributed as dist
 
-from ..convert.groups import CommGroup
+from ..groups import CommGroup
 from .plan import Bags, ResolvedTable, call_group, resolve_table
 from .run import TableOptions, agree_and_route, finish, psw_grad, run_tables
 from .validate import (RejectedArguments, TableCodes, ValueCheck, bags_from_input, bind_optimizer, check_options,

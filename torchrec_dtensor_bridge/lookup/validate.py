@@ -31,7 +31,7 @@ from .. import agreement, kernels
 from ..optim import FusedOptimizer
 from ..optim.kinds import OptimKind
 from ..agreement import RejectedArguments, float_code
-from ..convert.groups import CommGroup
+from ..groups import CommGroup
 from .plan import Bags, read_together
 
 __all__ = [

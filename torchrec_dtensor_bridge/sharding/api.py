@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..agreement import RejectedArguments
 from ..convert.dtensor import dtensor_from_local_shards
-from ..convert.groups import CommGroup
+from ..groups import CommGroup
 from ..layout import LayoutKind, ShardLayout
 from .checks import PlanEntry, agree, mesh_group, resolve_plan
 from .ebc import ebc_forward, ebc_owners

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import agreement
 from ..agreement import RejectedArguments
-from ..convert.groups import CommGroup, of_group
+from ..groups import CommGroup, of_group
 from ..layout import ShardLayout
 
 __all__ = ["PlanEntry", "agree", "mesh_group", "resolve_plan"]

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from .._compat import ShardedTensor, sharded_tensor_process_group
+from ._compat import ShardedTensor, sharded_tensor_process_group
 
 __all__ = ["CommGroup", "comm_group", "group_of_mesh", "sharding_axis"]
 
