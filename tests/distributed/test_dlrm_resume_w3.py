@@ -292,3 +292,37 @@ def _without_hyperparameters(rank: int, world: int, path: str) -> list[float]:
 def test_a_checkpoint_without_hyperparameters_loads_and_keeps_the_groups_lr(pool, tmp_path):
     for lrs in pool.run(_without_hyperparameters, str(tmp_path / "old")):
         assert lrs and all(abs(lr - 0.1) < 1e-6 for lr in lrs), lrs
+
+
+CW_BEFORE = {"t0": ("table_wise", 2), "t1": ("row_wise",), "t2": ("column_wise", [0, 1])}  # t2: 2 blocks of 4
+
+
+def _column_wise_into_whole_rows(rank: int, world: int, path: str) -> None:
+    """t2 trained column-wise with row-wise Adagrad (one per-row state per column block), saved, resumed
+    table-wise: its state is the blocks' states weighted by their widths (each block's is the mean of g^2
+    over its own columns, so this is the mean over all of them), exactly; every other key as saved."""
+    group = dist.group.WORLD
+    before = _dmp(CW_BEFORE, group)
+    adam = torch.optim.Adam(_dense_params(before).values(), lr=DENSE_LR)
+    for step in range(SAVE_AT):
+        _step(before, adam, step, group)
+    state = {"model": before, "fused": before.fused_optimizer}
+    saved = _snapshot(state, group)
+    tdb.checkpoint.save(state, path)
+    key = f"fused.state.{_key('t2')}.t2.momentum1"
+    assert tdb.checkpoint.inspect(path)[key]["shape"] == [2 * TABLES["t2"]]
+    after = _dmp(AFTER, group)  # t2 table-wise on rank 1: one value per row
+    resumed = {"model": after, "fused": after.fused_optimizer}
+    tdb.checkpoint.load(resumed, path)
+    got = _snapshot(resumed, group)
+    rows = TABLES["t2"]
+    per_block = saved[key].view(2, rows).double()
+    want = ((per_block[0] * 4 + per_block[1] * 4) / 8).float()  # widths 4 and 4 (DIM 8 in two blocks)
+    assert got[key].shape == (rows,) and torch.equal(got[key], want), (got[key], want)
+    for k, v in saved.items():
+        if k != key:
+            assert torch.equal(got[k], v), k
+
+
+def test_a_column_wise_rowwise_adagrad_state_resumes_whole_rows_exactly(pool, tmp_path):
+    pool.run(_column_wise_into_whole_rows, str(tmp_path / "cw"))

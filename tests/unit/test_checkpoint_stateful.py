@@ -122,3 +122,29 @@ def test_a_stateful_inside_a_list_is_refused(tmp_path):
     opt = torch.optim.SGD(_model(0).parameters(), lr=0.1)
     with pytest.raises(TypeError, match=r"key 'opts': a list holding objects with state_dict\(\)"):
         tdb.checkpoint.save({"opts": [opt]}, tmp_path / "ck")
+
+
+def test_per_block_row_states_combine_weighted_by_the_blocks_widths():
+    """Blocks of 3 and 5 columns (TorchRec cuts evenly; other cuts need not): each row's value is
+    (3 * a + 5 * b) / 8, the mean over all 8 columns; the destination is put back in the view."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
+
+    from torchrec_dtensor_bridge.checkpoint.stateful import Expanded
+
+    rows = 6
+    dest = torch.full((rows,), -1.0)
+    holder = {"s": dest}
+    ex = Expanded(view={"opt": holder}, row_states={"opt.s": (holder, "s")})
+    md = Metadata(state_dict_metadata={"opt.s": TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32), torch.Size([2 * rows]), [])})
+    combine, undo = ex.combine_row_states({"opt.s": (3, 5)}, md)
+    buf = holder["s"]
+    assert buf is not dest and buf.shape == (2 * rows,)
+    a, b = torch.arange(rows, dtype=torch.float32), torch.arange(rows, dtype=torch.float32) * 10 + 1
+    buf.copy_(torch.cat([a, b]))  # what the load reads: block 0's rows, then block 1's
+    combine()
+    assert holder["s"] is dest
+    assert torch.equal(dest, ((3 * a.double() + 5 * b.double()) / 8).float()), dest
+    combine2, undo2 = ex.combine_row_states({"opt.s": (3, 5)}, md)
+    undo2()
+    assert holder["s"] is dest  # a failed load puts the destination back untouched

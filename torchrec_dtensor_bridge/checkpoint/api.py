@@ -69,7 +69,7 @@ from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_
 from .commit import DirLock, SaveLock, commit, generation_dir, prepare_generation, prune, sweep, writable_parent
 from .common import dcp_failures, default_process_group, dtype_of, global_shape, leaves, object_summary, run_dcp
 from .errors import CheckpointError
-from .loading import SafeObjectPlanner, open_agreed
+from .loading import ROW_STATE_COLUMNS, SafeObjectPlanner, open_agreed
 from .manifest import Checksums, write_manifest
 from .reader import ReadStats, VerifiedReader
 from .stateful import Expanded, expand
@@ -196,17 +196,19 @@ def save(
             _, gen_lock = prepare_generation(path, gen, reuse=keep_spare)
         except Exception as e:  # reported to every rank
             problems.append(problem_from(e, f"cannot prepare {gen.name}"))
-    everyone = gather_objects((save_id, problems, _signature(state_dict), expanded.local_records()), g)
+    everyone = gather_objects((save_id, problems, _signature(state_dict), expanded.local_records(),
+                               expanded.column_widths), g)
     save_id = everyone[0][0]
     gen = generation_dir(path, save_id)
-    disagree = _disagreements([s for _, _, s, _ in everyone], g)
+    disagree = _disagreements([s for _, _, s, _, _ in everyone], g)
     if not disagree:
-        expanded.merge_records([r for _, _, _, r in everyone])
+        expanded.merge_records([r for _, _, _, r, _ in everyone])
+    widths = {k: list(v) for *_, cuts in everyone for k, v in cuts.items()}  # each rank knows its own tables
     try:
-        if disagree or any(p for _, p, _, _ in everyone):
+        if disagree or any(p for _, p, _, _, _ in everyone):
             if rank == 0 and gen_lock is not None:
                 shutil.rmtree(gen, ignore_errors=True)
-            raise_gathered(what + " refused, nothing was written", [p for _, p, _, _ in everyone], g, disagree)
+            raise_gathered(what + " refused, nothing was written", [p for _, p, _, _, _ in everyone], g, disagree)
         _stage("prepared")
         local_sums = _write_generation(state_dict, gen, g, what)
         _stage("dcp_saved")
@@ -214,7 +216,8 @@ def save(
         _stage("checksummed")
         outcome: str | None = None
         if rank == 0:
-            outcome = _commit(path, gen, sums, world, keep_spare, gen_lock, object_summary(state_dict))
+            outcome = _commit(path, gen, sums, world, keep_spare, gen_lock,
+                              {"objects": object_summary(state_dict), ROW_STATE_COLUMNS: widths})
             gen_lock = None
         outcome = from_rank0(outcome, g)
         if outcome:
@@ -251,7 +254,7 @@ def _write_generation(state_dict: Mapping[str, Any], gen: Path, g: CommGroup, wh
 
 
 def _commit(path: Path, gen: Path, sums: list[Any], world: int, keep_spare: bool, gen_lock: DirLock | None,
-            objects: dict[str, dict[str, str]]) -> str | None:
+            records: dict[str, Any]) -> str | None:
     """Rank 0: manifest, rename, sweep; the failure message or ``None``. Releases ``gen_lock`` once committed."""
     committed = False
     try:
@@ -262,7 +265,7 @@ def _commit(path: Path, gen: Path, sums: list[Any], world: int, keep_spare: bool
         merged = {rel: fs for part in sums for rel, fs in part.items() if rel in files}
         dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
         write_manifest(gen, gen.name.rsplit(".tdb-", 1)[1], md, merged,
-                       {"world_size": world, "dcp_save_id": dcp_id, "objects": objects}, metadata=md_bytes)
+                       {"world_size": world, "dcp_save_id": dcp_id, **records}, metadata=md_bytes)
         _stage("manifest_written")
         previous = commit(path, gen)
         committed = True
@@ -364,12 +367,18 @@ def load(
                              optional=expanded.optional, hints=expanded.hints, convert_dtypes=convert_dtypes)
         try:
             expanded.drop(opened.absent)
+            combine, undo = expanded.combine_row_states(opened.row_states, opened.metadata)
             checksums = Checksums(opened.manifest) if verify and opened.manifest is not None else None
             reader = VerifiedReader(opened.root, checksums=checksums, process_group=group,
                                     staging_bytes=staging_bytes, what=what, metadata=opened.metadata,
                                     trusted_pickles=trusted_pickles)
-            run_dcp(dcp.load, expanded.view, storage_reader=reader, planner=SafeObjectPlanner(trusted_pickles),
-                    process_group=group)
+            try:
+                run_dcp(dcp.load, expanded.view, storage_reader=reader,
+                        planner=SafeObjectPlanner(trusted_pickles), process_group=group)
+            except BaseException:
+                undo()
+                raise
+            combine()
         finally:
             opened.lock.release()
     except BaseException:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +83,38 @@ def _under(fqn: str, keys: frozenset[str]) -> bool:
     return any(fqn == k or fqn.startswith(k + ".") for k in keys)
 
 
+ROW_STATE_COLUMNS = "row_state_columns"
+"""The manifest's record, per flattened key of a column-cut table's per-row optimizer state, of the table's
+column blocks' widths (written by a save; what lets a load combine the blocks' states into one per row)."""
+
+
+def row_state_conversions(flat: list[tuple[str, Any]], md: Metadata, manifest: dict[str, Any] | None,
+                          convertible: Mapping[str, Any] | None) -> dict[str, tuple[int, ...]]:
+    """Per key of ``flat`` that ``convertible`` names (a keyed optimizer's per-row state): the saved column
+    blocks' widths, when the checkpoint holds one value per row and block (``rows x blocks``) and the
+    destination one per row. Only widths the manifest recorded count (whole numbers, at least two)."""
+    recorded = manifest.get(ROW_STATE_COLUMNS) if manifest is not None else None
+    if not isinstance(recorded, dict) or not convertible:
+        return {}
+    out: dict[str, tuple[int, ...]] = {}
+    for fqn, value in flat:
+        widths, m = recorded.get(fqn), md.state_dict_metadata.get(fqn)
+        if fqn not in convertible or not isinstance(value, torch.Tensor) or not isinstance(m, TensorStorageMetadata):
+            continue
+        if not (isinstance(widths, list) and len(widths) > 1 and all(type(w) is int and w > 0 for w in widths)):
+            continue
+        dest = global_shape(value)
+        if len(dest) == 1 and tuple(m.size) == (dest[0] * len(widths),):
+            out[fqn] = tuple(widths)
+    return out
+
+
 def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mapping[str, Hint] | None = None,
                 absent: frozenset[str] = frozenset(), *, convert_dtypes: bool = False,
-                ) -> tuple[list[Problem], list[tuple[str, Any]]]:
+                manifest: dict[str, Any] | None = None) -> tuple[list[Problem], list[tuple[str, Any]]]:
     problems: list[Problem] = []
     flat = [(fqn, v) for fqn, v in leaves(sd) if not (absent and _under(fqn, absent))]
+    combined = row_state_conversions(flat, md, manifest, hints)
     saved = md.state_dict_metadata
     for fqn, value in flat:
         m = saved.get(fqn)
@@ -98,7 +125,7 @@ def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mappin
             if not isinstance(m, TensorStorageMetadata):
                 problems.append(Problem(Kind.VALUE, f"key {fqn!r} was saved as an object, the destination is a tensor"))
                 continue
-            if tuple(m.size) != global_shape(value):
+            if tuple(m.size) != global_shape(value) and fqn not in combined:
                 why = hints[fqn](tuple(m.size), global_shape(value)) if hints and fqn in hints else ""
                 problems.append(Problem(
                     Kind.VALUE,
@@ -188,6 +215,7 @@ class Opened:
     manifest: dict[str, Any] | None
     metadata: Metadata
     absent: frozenset[str] = frozenset()  # the optional keys the checkpoint holds nothing under
+    row_states: dict[str, tuple[int, ...]] = field(default_factory=dict)  # combined on load (see above)
 
 
 def _convertible(saved: torch.dtype, dest: torch.dtype) -> bool:
@@ -216,7 +244,7 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
                                          f"not from the generation {name}")
         md = read_metadata(root, manifest)
         key_problems, flat = _check_keys(state_dict, md, strict, hints, _absent(md, optional),
-                                         convert_dtypes=convert_dtypes)
+                                         convert_dtypes=convert_dtypes, manifest=manifest)
         problems += key_problems
         if verify and not key_problems:
             if manifest is None:
@@ -287,7 +315,10 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
                 lock.release()
             raise_gathered(what + " refused, nothing was modified", [p for _, p, _ in everyone], g, mixed)
         assert lock is not None and md is not None
-        return Opened(path.parent / name if name else path, lock, manifest, md, _absent(md, optional))
+        absent = _absent(md, optional)
+        flat = [(fqn, v) for fqn, v in leaves(state_dict) if not (absent and _under(fqn, absent))]
+        return Opened(path.parent / name if name else path, lock, manifest, md, absent,
+                      row_state_conversions(flat, md, manifest, hints))
     raise CheckpointError(f"{what}: {path} changed under the load {_RESOLVE_ATTEMPTS} times in a row")
 
 

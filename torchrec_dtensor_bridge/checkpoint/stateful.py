@@ -30,8 +30,8 @@ optimizers use the same names), else by their positions as
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableMapping
 import warnings
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +40,9 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from .._compat import shape_and_dtype
+from .._compat import ShardedTensor, shape_and_dtype
+from ..convert import layout_of, local_shards_of
+from ..convert.reshard import copy_into
 from .agree import Kind, Problem
 
 __all__ = ["Expanded", "expand"]
@@ -139,6 +141,9 @@ class Expanded:
         extras: (flattened key, its removal from the view) of entries older checkpoints do not hold.
         records: (mapping, key) of per-rank records that a save merges across ranks (DCP writes one rank's
             objects): tuples of ``(name, value)`` pairs, each rank's about its own tables.
+        row_states: per flattened key of a keyed optimizer's per-row state, where it sits in the view.
+        column_widths: per such key of a table cut by columns into several blocks, the blocks' widths (a save
+            records them, so that a load can combine the per-block states into one per row).
         hints: per flattened key, why a shape mismatch cannot convert (appended to the refusal).
         loads: each Stateful's ``load_state_dict()`` with its view, in the state_dict's order.
         writeback: (the caller's mapping, its copy in the view, the keys of plain values in it).
@@ -149,6 +154,8 @@ class Expanded:
     created: list[_Created] = field(default_factory=list)
     extras: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
     records: list[tuple[dict[str, Any], str]] = field(default_factory=list)
+    row_states: dict[str, tuple[MutableMapping[str, Any], str]] = field(default_factory=dict)
+    column_widths: dict[str, tuple[int, ...]] = field(default_factory=dict)
     hints: dict[str, Hint] = field(default_factory=dict)
     loads: list[Callable[[], None]] = field(default_factory=list)
     writeback: list[tuple[Mapping[str, Any], dict[str, Any], list[str]]] = field(default_factory=list)
@@ -169,6 +176,40 @@ class Expanded:
             merged = {pair for ranks in every_rank if i < len(ranks) and isinstance(ranks[i], tuple)
                       for pair in ranks[i]}
             mapping[key] = tuple(sorted(merged))
+
+    def combine_row_states(self, conversions: Mapping[str, tuple[int, ...]], metadata: Any,
+                           ) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Put a buffer of the saved shape in the view under each key of ``conversions`` (a column-cut table's
+        per-block row state, saved; one value per row, loading); return what, after the load, combines them
+        into the destinations (each row: its blocks' values weighted by their widths, the mean over all
+        columns that each block's value is over its own) and puts the destinations back, and what puts them
+        back untouched (a failed load). Every rank reads each buffer whole (one value per row and block); the
+        combination is copied into each rank's blocks of the destination without communication."""
+        swapped = []
+        for fqn, widths in conversions.items():
+            mapping, key = self.row_states[fqn]
+            dest = mapping[key]
+            saved = metadata.state_dict_metadata[fqn]
+            mapping[key] = buf = torch.zeros(tuple(saved.size), dtype=saved.properties.dtype)
+            swapped.append((fqn, mapping, key, dest, buf, widths))
+
+        def finish() -> None:
+            for fqn, mapping, key, dest, buf, widths in swapped:
+                w = torch.tensor(widths, dtype=torch.float64)
+                per_block = buf.view(len(widths), -1).to(torch.float64)
+                rows = (per_block * w[:, None]).sum(0) / w.sum()
+                rows = rows.to(shape_and_dtype(dest)[1])
+                if isinstance(dest, (DTensor, ShardedTensor)):  # this rank's blocks of it, from the whole
+                    copy_into(layout_of(dest, name=fqn), local_shards_of(dest), rows, name=fqn)
+                else:
+                    dest.copy_(rows)
+                mapping[key] = dest
+
+        def undo() -> None:
+            for _, mapping, key, dest, _, _ in swapped:
+                mapping[key] = dest
+
+        return finish, undo
 
     def drop(self, absent: frozenset[str]) -> None:
         """Remove the created state the checkpoint does not hold (keys ``absent``) from the view and the optimizers."""
@@ -334,9 +375,29 @@ class _Expander:
             shape = shape_and_dtype(param)[0] if isinstance(param, torch.Tensor) else ()
             if not isinstance(per, Mapping) or len(shape) != 2:
                 continue
+            widths = _column_widths(param)
             for what, v in per.items():
                 if isinstance(v, torch.Tensor) and len(shape_and_dtype(v)[0]) == 1:
-                    self.out.hints[f"{key}.state.{name}.{what}"] = _row_state_hint(int(shape[0]))
+                    fqn = f"{key}.state.{name}.{what}"
+                    self.out.hints[fqn] = _row_state_hint(int(shape[0]))
+                    if isinstance(per, MutableMapping):
+                        self.out.row_states[fqn] = (per, what)
+                    if widths:
+                        self.out.column_widths[fqn] = widths
+
+
+def _column_widths(param: Any) -> tuple[int, ...] | None:
+    """The widths of a table's column blocks in its blocks' order, when it is cut by columns into several
+    (TorchRec then keeps one per-row state per column block, the blocks one after another); else ``None``."""
+    if not isinstance(param, (ShardedTensor, DTensor)):
+        return None
+    layout = layout_of(param)
+    cols: list[tuple[int, int]] = []
+    for spec in layout.shards:
+        block = (spec.offsets[1], spec.sizes[1])
+        if spec.numel and block not in cols:
+            cols.append(block)
+    return tuple(w for _, w in cols) if len(cols) > 1 else None
 
 
 HYPERPARAMETERS = "hyperparameters"
@@ -395,10 +456,14 @@ def _row_state_hint(rows: int) -> Hint:
                     f"{kept(dest)}: the optimizer changed between the save and the load (element-wise Adagrad "
                     "keeps a value per element, row-wise Adagrad one per row), and its state does not convert; "
                     "load with the optimizer kind that saved it, or leave the optimizer out of the load)")
-        return (f" (row-wise optimizer state of a {rows}-row table: the checkpoint holds {holds(saved[0])}, the "
+        head = (f" (row-wise optimizer state of a {rows}-row table: the checkpoint holds {holds(saved[0])}, the "
                 f"destination {holds(dest[0])}; TorchRec's row-wise Adagrad keeps a separate per-row state for "
-                "each column shard of a column-wise table, which converts only into the same column cut: plan the "
-                "table with the same column cut to resume it, or leave its optimizer out of the load to start "
-                "that state afresh)")
+                "each column shard of a column-wise table")
+        if dest[0] == rows:  # per-block states into one per row: exact given the blocks' widths
+            return (f"{head}. They combine into one value per row when the checkpoint records the column blocks' "
+                    "widths, which this checkpoint does not (it was written before they were recorded): resume "
+                    "under the same column cut, or leave its optimizer out of the load to start that state afresh)")
+        return (f"{head}, and one value per row does not split into per-shard values exactly: resume under the "
+                "checkpoint's cut, or leave its optimizer out of the load to start that state afresh)")
 
     return why
