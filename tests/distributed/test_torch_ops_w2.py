@@ -166,7 +166,8 @@ def _check_pointwise(rank, world_size, name):
     else:
         raise AssertionError(f"{name}: an operand of another placement was accepted")
     _close(x, a, "a refused op leaves the table as it was")
-    for fn in (torch.zeros_like, torch.ones_like, lambda t: torch.full_like(t, 2.5)):
+    for fn in (torch.zeros_like, torch.ones_like, lambda t: torch.full_like(t, 2.5), lambda t: t.new_zeros(t.shape),
+               lambda t: t.new_ones(t.shape), lambda t: t.new_full(t.shape, -2.0)):
         _close(fn(x), fn(a), "creation")
     assert torch.empty_like(x).shape == x.shape
 

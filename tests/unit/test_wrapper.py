@@ -386,10 +386,18 @@ def test_new_empty_and_new_zeros(case):
     assert empty.global_shape == w.global_shape
 
 
-def test_new_empty_of_other_size():
+def test_new_tensors_of_another_size_are_plain_tensors():
+    """As ``Tensor.new_*``: the size asked, the wrapper's dtype and device (what DTensor asks for its own even
+    split's local tensor)."""
     w, _ = _make("rows")
-    with pytest.raises(NotImplementedError, match=r"size \[3, 3\] is neither"):
-        w.new_empty((3, 3))
+    for out, value in ((w.new_empty((3, 3)), None), (w.new_zeros((3, 3)), 0.0), (w.new_ones((3, 3)), 1.0),
+                       (w.new_full((3, 3), 2.5), 2.5)):
+        assert type(out) is torch.Tensor and out.shape == (3, 3) and out.dtype == w.dtype, out
+        if value is not None:
+            assert torch.equal(out, torch.full((3, 3), value))
+    full = w.new_full(w.shape, -1.5)  # the wrapper's own shape: its blocks
+    _assert_same_layout(full, w)
+    _assert_shards_equal(full, [torch.full(s.shape, -1.5) for s in w.local_shards()])
 
 
 @pytest.mark.parametrize("case", OP_CASES)

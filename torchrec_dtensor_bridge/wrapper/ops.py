@@ -49,18 +49,18 @@ def _clone(func, args, kwargs):
     return _like(args[0], [s.clone() for s in args[0].local_shards()])
 
 
-@implements(aten.new_empty.default, aten.new_zeros.default)
+@implements(aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
 def _new(func, args, kwargs):
+    """A new tensor of the wrapper's own shape is one of its blocks (the same layout, filled as asked); of no
+    elements, a wrapper holding nothing (DTensor's local tensor on a rank outside the mesh); of any other
+    size, a plain tensor of that size, dtype and device, as ``Tensor.new_*`` gives (DTensor asks for its
+    own even split's local size: its result is then a DTensor of that split, its values as asked)."""
     w, size = args[0], torch.Size(args[1])
     if size == w.shape:
-        fill = torch.empty_like if func is aten.new_empty.default else torch.zeros_like
-        return _like(w, [fill(s, dtype=kwargs.get("dtype")) for s in w.local_shards()])
+        return _like(w, [func(s, s.shape, *args[2:], **kwargs) for s in w.local_shards()])
     if size.numel() == 0:
-        # DTensor asks for an empty local tensor on ranks outside the mesh: no shards.
         return _empty_like(w, kwargs.get("dtype"), None)
-    raise NotImplementedError(
-        f"{func}: size {list(size)} is neither the wrapper's shape {list(w.shape)} nor empty"
-    )
+    return func(torch.empty(0, dtype=w.dtype, device=w.device), size, *args[2:], **kwargs)
 
 
 @implements(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
