@@ -265,6 +265,16 @@ def test_to_dtype_of_empty_wrapper():
     assert out.is_empty_shard() and out.global_shape == (4, 4)
 
 
+def test_a_cast_records_the_dtype_in_the_layout_on_ranks_with_and_without_shards():
+    """Every rank's layout of the cast table must agree (its digest includes the dtype): the rank holding
+    nothing records the new dtype as the rank holding the table does."""
+    lay = ShardLayout.table_wise((4, 4), 1, dtype=torch.float32)
+    holder = LocalShardsWrapper([torch.ones(4, 4)], [(0, 0)], (4, 4), layout=lay).to(torch.float16)
+    nothing = LocalShardsWrapper([], [], (4, 4), layout=lay).to(torch.float16)
+    assert holder.layout_of_table.dtype == nothing.layout_of_table.dtype == torch.float16
+    assert holder.layout_of_table.digest() == nothing.layout_of_table.digest()
+
+
 @pytest.mark.parametrize("case", OP_CASES)
 def test_clone(case):
     w, _ = _make(case)

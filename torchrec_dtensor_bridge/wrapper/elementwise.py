@@ -33,7 +33,7 @@ from .local_shards_wrapper import LocalShardsWrapper
 from .op_table import implements_family
 
 __all__ = [
-    "blocks_of", "describe", "dtensor_even_split", "foreach_expand", "foreach_regroup", "like", "operand_part",
+    "describe", "dtensor_even_split", "empty_of", "foreach_expand", "foreach_regroup", "like", "operand_part",
     "rewrap",
 ]
 
@@ -41,37 +41,41 @@ aten = torch.ops.aten
 
 
 # --------------------------------------------------------------------------- shared helpers
-def blocks_of(w: LocalShardsWrapper) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
-    """``(offsets, sizes)`` of each local shard: what two wrappers must share to be combined."""
-    return w.block_key()
-
-
 def describe(w: LocalShardsWrapper) -> str:
     lay = w.layout_of_table
     name = f"table {lay.name!r}: " if lay is not None else ""
-    blocks = blocks_of(w)
+    blocks = w.block_key()
     return (f"{name}offsets {[list(o) for o, _ in blocks]} sizes {[list(s) for _, s in blocks]} "
             f"of {list(w.global_shape)}")
 
 
+def _layout_in(w: LocalShardsWrapper, dtype: torch.dtype) -> ShardLayout | None:
+    """``w``'s table layout recording ``dtype`` (what every rank's result of a casting op must agree on)."""
+    layout = w.layout_of_table
+    if layout is not None and layout.dtype not in (None, dtype):
+        layout = dataclasses.replace(layout, dtype=dtype)
+    return layout
+
+
 def like(w: LocalShardsWrapper, shards: list[torch.Tensor]) -> LocalShardsWrapper:
     """A wrapper of ``w``'s blocks over ``shards`` (the layout's dtype follows the shards')."""
-    layout = w.layout_of_table
-    if layout is not None and shards and layout.dtype not in (None, shards[0].dtype):
-        layout = dataclasses.replace(layout, dtype=shards[0].dtype)
-    return w._like(shards, layout)
+    return w._like(shards, _layout_in(w, shards[0].dtype) if shards else w.layout_of_table)
+
+
+def empty_of(w: LocalShardsWrapper, dtype: torch.dtype | None = None,
+             device: torch.device | None = None) -> LocalShardsWrapper:
+    """A wrapper of ``w``'s table holding no shard (a rank outside the table), of ``dtype`` and ``device``."""
+    dtype = dtype or w.dtype
+    return LocalShardsWrapper([], [], w._global_shape, layout=_layout_in(w, dtype), dtype=dtype,
+                              device=device or w.device)
 
 
 def rewrap(w: LocalShardsWrapper, shards: list[torch.Tensor], dtype: torch.dtype | None = None,
            device: torch.device | None = None) -> LocalShardsWrapper:
-    """:func:`like`, or, for a wrapper holding no shard, another one of the same table with ``dtype``."""
+    """:func:`like`, or, for a wrapper holding no shard, :func:`empty_of`."""
     if shards or not w.is_empty_shard():
         return like(w, shards)
-    layout = w.layout_of_table
-    dtype = dtype or w.dtype
-    if layout is not None and layout.dtype not in (None, dtype):
-        layout = dataclasses.replace(layout, dtype=dtype)
-    return LocalShardsWrapper([], [], w._global_shape, layout=layout, dtype=dtype, device=device or w.device)
+    return empty_of(w, dtype, device)
 
 
 def dtensor_even_split(layout: ShardLayout | None) -> bool:
@@ -179,7 +183,7 @@ def _per_shard(func: Any, args: tuple, kwargs: dict, shard_kwargs: Any = None) -
     written = _written(func, args, kwargs)
     n = len(ref.local_shards())
     for other in wrappers[1:]:
-        if blocks_of(other) != blocks_of(ref):
+        if other.block_key() != ref.block_key():
             raise ValueError(f"{func}: wrappers differ in layout: {describe(ref)} vs {describe(other)}")
     results = []
     leaves, spec = pytree.tree_flatten((args, kwargs))

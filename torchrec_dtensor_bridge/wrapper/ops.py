@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .elementwise import empty_of
 from .elementwise import like as _like
 from .elementwise import operand_part
 from .local_shards_wrapper import LocalShardsWrapper
@@ -20,18 +21,11 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-def _empty_like(w: LocalShardsWrapper, dtype: torch.dtype | None, device: torch.device | None) -> LocalShardsWrapper:
-    """A wrapper of the same table holding no shard (a rank outside the table)."""
-    return LocalShardsWrapper(
-        [], [], w._global_shape, layout=w.layout_of_table, dtype=dtype or w.dtype, device=device or w.device
-    )
-
-
 @implements(aten._to_copy.default)
 def _to_copy(func, args, kwargs):
     w = args[0]
     if not w.local_shards():
-        return _empty_like(w, kwargs.get("dtype"), kwargs.get("device"))
+        return empty_of(w, kwargs.get("dtype"), kwargs.get("device"))
     return _like(w, [func(s, *args[1:], **kwargs) for s in w.local_shards()])
 
 
@@ -59,7 +53,7 @@ def _new(func, args, kwargs):
     if size == w.shape:
         return _like(w, [func(s, s.shape, *args[2:], **kwargs) for s in w.local_shards()])
     if size.numel() == 0:
-        return _empty_like(w, kwargs.get("dtype"), None)
+        return empty_of(w, kwargs.get("dtype"), None)
     return func(torch.empty(0, dtype=w.dtype, device=w.device), size, *args[2:], **kwargs)
 
 

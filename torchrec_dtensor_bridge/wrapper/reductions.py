@@ -110,9 +110,14 @@ def _norm_ord(func: Any, args: tuple, kwargs: dict) -> float:
     return float(_arg(args, kwargs, 1, "ord", 2))
 
 
+def _at(box: tuple[Sequence[int], Sequence[int]]) -> tuple[slice, ...]:
+    """The index of the block ``box`` (offsets, sizes) in a tensor of the whole."""
+    return tuple(slice(o, o + s) for o, s in zip(*box))
+
+
 def _place(out: torch.Tensor, box, part: torch.Tensor, kind: str, ord_: float) -> None:
     """Combine one block's partial result into ``out`` at ``box``."""
-    view = out[tuple(slice(o, o + s) for o, s in zip(*box))]
+    view = out[_at(box)]
     if kind == "max" or (kind == "norm" and ord_ == math.inf):
         torch.maximum(view, part.to(view.dtype), out=view)
     elif kind == "min" or (kind == "norm" and ord_ == -math.inf):
@@ -146,7 +151,7 @@ def _reduce(func, args, kwargs):
                 part = parts_func(shard, *part_args, **part_kwargs)
                 _place(out, box, part, kind, ord_)
                 if count is not None:
-                    count[tuple(slice(o, o + s) for o, s in zip(*box))] += math.prod(shard.shape[d] for d in dims)
+                    count[_at(box)] += math.prod(shard.shape[d] for d in dims)
         if kind == "norm" and ord_ not in (0, math.inf, -math.inf):
             out = out.pow(1.0 / ord_)
         if count is not None:
