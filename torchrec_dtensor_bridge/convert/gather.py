@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from .._compat import ShardedTensor, shape_and_dtype
 from .. import agreement
+from ..blocks import check_covered, contributions, pack, unpack
 from ..layout import LayoutKind, ShardLayout
 from .dtensor import carried_name, gather_layout, layout_of, local_shards_of, needs_layout_gather
 from ..groups import CommGroup, comm_group
@@ -69,7 +70,7 @@ def _plan(whole: ShardLayout, group: CommGroup, rank: int, locals_: list[torch.T
         return _Plan("replica", layout, _digest("replica", shape, kind))
     if layout.numel == 0:
         return _Plan("empty", layout, _digest("empty", shape, kind))
-    _check_covered(layout, group.members)
+    check_covered(layout, group.members)
     holders = sorted({s.rank for s in layout.shards if s.numel and s.rank is not None})
     if len(holders) == 1:
         return _Plan("owner", layout, _digest("owner", shape, kind, holders[0]), holders[0])
@@ -233,36 +234,11 @@ def _run(
         if group.size > 1:
             dist.broadcast(out, src=group.members[owner], group=group.group)
         return out
-    # One contributor per distinct block: its first replica.
-    sources = layout.unique_shards()
-    per_rank = {r: [s for s in sources if s.rank == r] for r in range(group.size)}
-    counts = {r: sum(s.numel for s in held) for r, held in per_rank.items()}
-    width = max(counts.values(), default=0)
-    send = torch.zeros(width, dtype=dtype, device=device)
-    pos = 0
-    for spec, tensor in zip(mine, locals_):
-        if spec in per_rank[rank]:
-            send[pos : pos + spec.numel].copy_(tensor.reshape(-1))
-            pos += spec.numel
+    per_rank, width = contributions(layout, group.size)
+    send = pack(per_rank[rank], list(zip(mine, locals_)), width, dtype, device)
     recv = [torch.empty(width, dtype=dtype, device=device) for _ in range(group.size)]
     dist.all_gather(recv, send, group=group.group)
-    for r, buf in enumerate(recv):
-        pos = 0
-        for spec in per_rank[r]:
-            out[spec.slices()] = buf[pos : pos + spec.numel].view(spec.sizes)
-            pos += spec.numel
-    return out
-
-
-def _check_covered(layout: ShardLayout, members: tuple[int, ...]) -> None:
-    """The group's blocks cover the table (every rank sees the same layout, so all raise alike)."""
-    covered = sum(s.numel for s in layout.unique_shards())
-    if covered != layout.numel:
-        raise ValueError(
-            f"table {layout.name!r}: the blocks on the group's ranks {list(members)} cover {covered} of "
-            f"{layout.numel} elements; a table must be whole inside the group its collectives run on "
-            "(on a 2-D mesh, the sharding axis' group)"
-        )
+    return unpack(out, per_rank, recv)
 
 
 def storage_metadata(t: DTensor | ShardedTensor, *, name: str = "table") -> TensorStorageMetadata:

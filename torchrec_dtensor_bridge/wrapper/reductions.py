@@ -25,8 +25,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._compat import group_ranks
+from ..blocks import check_covered, contributions, pack, unpack
 from ..layout import ShardLayout, ShardSpec
 from .elementwise import describe, dtensor_even_split, foreach_expand, foreach_regroup
 from .local_shards_wrapper import LocalShardsWrapper
@@ -217,26 +219,13 @@ def _all_gather(func, args, kwargs):
         # every rank's local tensor is its chunk of DTensor's own split (or the layout is unknown)
         return func(w.pack().contiguous(), *args[1:], **kwargs)
     ranks = group_ranks(group_name)
-    held = [layout.shards_on(r) for r in ranks]
-    boxes = {s.box for specs in held for s in specs if s.numel}
-    if sum(math.prod(b[1]) for b in boxes) != layout.numel:
-        raise ValueError(
-            f"table {layout.name!r}: the blocks on ranks {list(ranks)} do not cover the table "
-            f"{list(layout.global_shape)}; it cannot be gathered on that group"
-        )
-    counts = [sum(s.numel for s in specs) for specs in held]
-    width = max(counts) if counts else 0
-    mine = [s.reshape(-1) for s in w.local_shards()]
-    flat = torch.cat(mine) if mine else torch.empty(0, dtype=w.dtype, device=w.device)
-    buf = torch.zeros(width, dtype=w.dtype, device=w.device)
-    buf[: flat.numel()] = flat
-    gathered = c10d.wait_tensor(func(buf, group_size, group_name))
-    full = torch.empty(layout.global_shape, dtype=w.dtype, device=w.device)
-    for j, specs in enumerate(held):
-        at = j * width
-        for s in specs:
-            full[s.slices()] = gathered[at:at + s.numel].view(s.sizes)
-            at += s.numel
+    part = layout.on_ranks(ranks)  # in group ranks
+    check_covered(part, ranks)
+    me = ranks.index(dist.get_rank())
+    per_rank, width = contributions(part, group_size)
+    buf = pack(per_rank[me], list(zip(part.shards_on(me), w.local_shards())), width, w.dtype, w.device)
+    gathered = c10d.wait_tensor(func(buf, group_size, group_name)).view(group_size, width)
+    full = unpack(torch.empty(layout.global_shape, dtype=w.dtype, device=w.device), per_rank, gathered)
     p = layout.nearest_shard_dim or 0
     chunk = -(-layout.global_shape[p] // group_size)
     pad = chunk * group_size - layout.global_shape[p]
