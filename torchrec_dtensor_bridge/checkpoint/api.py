@@ -69,6 +69,7 @@ from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_
 from .commit import DirLock, SaveLock, commit, generation_dir, prepare_generation, prune, sweep, writable_parent
 from .common import dcp_failures, default_process_group, dtype_of, global_shape, leaves, object_summary, run_dcp
 from .errors import CheckpointError
+from .keyed import combine_row_states
 from .loading import ROW_STATE_COLUMNS, SafeObjectPlanner, open_agreed
 from .manifest import Checksums, write_manifest
 from .reader import ReadStats, VerifiedReader
@@ -367,7 +368,7 @@ def load(
                              optional=expanded.optional, hints=expanded.hints, convert_dtypes=convert_dtypes)
         try:
             expanded.drop(opened.absent)
-            combine, undo = expanded.combine_row_states(opened.row_states, opened.metadata)
+            combine, undo = combine_row_states(expanded.row_states, opened.row_states, opened.metadata)
             checksums = Checksums(opened.manifest) if verify and opened.manifest is not None else None
             reader = VerifiedReader(opened.root, checksums=checksums, process_group=group,
                                     staging_bytes=staging_bytes, what=what, metadata=opened.metadata,

@@ -48,7 +48,7 @@ from .common import dtype_of, global_shape, leaves
 from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import MANIFEST, item_key, item_record, read_manifest
 from .plan import needed_chunks
-from .stateful import Hint
+from .keyed import Hint
 from .validate import read_metadata
 
 __all__ = ["Opened", "SafeObjectPlanner", "open_agreed"]
@@ -111,7 +111,10 @@ def row_state_conversions(flat: list[tuple[str, Any]], md: Metadata, manifest: d
 
 def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mapping[str, Hint] | None = None,
                 absent: frozenset[str] = frozenset(), *, convert_dtypes: bool = False,
-                manifest: dict[str, Any] | None = None) -> tuple[list[Problem], list[tuple[str, Any]]]:
+                manifest: dict[str, Any] | None = None,
+                ) -> tuple[list[Problem], list[tuple[str, Any]], dict[str, tuple[int, ...]]]:
+    """This rank's problems with ``sd`` against the checkpoint, its leaves, and the per-row states it combines
+    (:func:`row_state_conversions`)."""
     problems: list[Problem] = []
     flat = [(fqn, v) for fqn, v in leaves(sd) if not (absent and _under(fqn, absent))]
     combined = row_state_conversions(flat, md, manifest, hints)
@@ -125,24 +128,22 @@ def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mappin
             if not isinstance(m, TensorStorageMetadata):
                 problems.append(Problem(Kind.VALUE, f"key {fqn!r} was saved as an object, the destination is a tensor"))
                 continue
-            if tuple(m.size) != global_shape(value) and fqn not in combined:
-                why = hints[fqn](tuple(m.size), global_shape(value)) if hints and fqn in hints else ""
+            shape, dtype, was = global_shape(value), dtype_of(value), m.properties.dtype
+            if tuple(m.size) != shape and fqn not in combined:
+                why = hints[fqn](tuple(m.size), shape) if hints and fqn in hints else ""
                 problems.append(Problem(
-                    Kind.VALUE,
-                    f"key {fqn!r}: saved shape {list(m.size)}, destination shape {list(global_shape(value))}{why}"))
-            if m.properties.dtype != dtype_of(value) and not (convert_dtypes and _convertible(m.properties.dtype,
-                                                                                                dtype_of(value))):
-                how = ("; load(..., convert_dtypes=True) converts it" if _convertible(m.properties.dtype, dtype_of(value))
-                       else "")
+                    Kind.VALUE, f"key {fqn!r}: saved shape {list(m.size)}, destination shape {list(shape)}{why}"))
+            convertible = was.is_floating_point and dtype.is_floating_point  # fp32 <-> fp16 / bf16 / fp64
+            if was != dtype and not (convert_dtypes and convertible):
+                how = "; load(..., convert_dtypes=True) converts it" if convertible else ""
                 problems.append(Problem(
-                    Kind.VALUE,
-                    f"key {fqn!r}: saved dtype {m.properties.dtype}, destination dtype {dtype_of(value)}{how}"))
+                    Kind.VALUE, f"key {fqn!r}: saved dtype {was}, destination dtype {dtype}{how}"))
     if strict:
         extra = sorted(set(saved) - {fqn for fqn, _ in flat})
         if extra:
             problems.append(Problem(Kind.VALUE, f"unexpected keys in the checkpoint {extra} (load(..., strict=False) "
                                                 "ignores them)"))
-    return problems, flat
+    return problems, flat, combined
 
 
 def _needed_items(flat: list[tuple[str, Any]], md: Metadata, rank: int) -> list[MetadataIndex]:
@@ -218,32 +219,29 @@ class Opened:
     row_states: dict[str, tuple[int, ...]] = field(default_factory=dict)  # combined on load (see above)
 
 
-def _convertible(saved: torch.dtype, dest: torch.dtype) -> bool:
-    """Floating point to floating point (fp32 <-> fp16 / bf16 / fp64): what a table's dtype change is."""
-    return saved.is_floating_point and dest.is_floating_point
-
-
 def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool, verify: bool, rank: int,
              optional: tuple[str, ...], hints: Mapping[str, Hint] | None, convert_dtypes: bool = False,
-             ) -> tuple[DirLock | None, dict[str, Any] | None, Metadata | None, list[Problem], str | None]:
+             ) -> tuple[DirLock | None, dict[str, Any] | None, Metadata | None, list[Problem], str | None,
+                        dict[str, tuple[int, ...]]]:
     """One rank's look at generation ``name``: lock it, read and check everything short of the data."""
     try:
         lock = lock_generation(path, name)
     except Exception as e:  # every rank must reach the agreement
-        return None, None, None, [problem_from(e, f"cannot open {name or path}")], None
+        return None, None, None, [problem_from(e, f"cannot open {name or path}")], None, {}
     if lock is None:
-        return None, None, None, [], None
+        return None, None, None, [], None, {}
     root = path.parent / name if name else path
     problems: list[Problem] = []
     manifest = md = None
     ident = None
+    combined: dict[str, tuple[int, ...]] = {}
     try:
         manifest = read_manifest(root)
         if name and manifest is not None and manifest["format"] >= 3 and not name.endswith(manifest["save_id"]):
             raise CorruptCheckpointError(f"manifest {root / 'tdb_manifest.json'} is from save {manifest['save_id']}, "
                                          f"not from the generation {name}")
         md = read_metadata(root, manifest)
-        key_problems, flat = _check_keys(state_dict, md, strict, hints, _absent(md, optional),
+        key_problems, flat, combined = _check_keys(state_dict, md, strict, hints, _absent(md, optional),
                                          convert_dtypes=convert_dtypes, manifest=manifest)
         problems += key_problems
         if verify and not key_problems:
@@ -258,7 +256,7 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
         ident = (manifest or {}).get("save_id") or (md.storage_meta.save_id if md.storage_meta is not None else "")
     except Exception as e:  # every rank must reach the agreement
         problems.append(problem_from(e))
-    return lock, manifest, md, problems, ident
+    return lock, manifest, md, problems, ident, combined
 
 
 def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify: bool,
@@ -299,8 +297,8 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
         if first is not None:
             raise first.error(f"{what} refused, nothing was modified:\n  {first.message} (rank {g.members[0]})")
         assert name is not None
-        lock, manifest, md, problems, ident = _examine(path, name, state_dict, strict, verify, rank, optional, hints,
-                                                       convert_dtypes)
+        lock, manifest, md, problems, ident, combined = _examine(path, name, state_dict, strict, verify, rank,
+                                                                 optional, hints, convert_dtypes)
         everyone = gather_objects((lock is None and not problems, problems + extra, ident), g)
         if any(moved for moved, _, _ in everyone):
             if lock is not None:
@@ -315,10 +313,7 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
                 lock.release()
             raise_gathered(what + " refused, nothing was modified", [p for _, p, _ in everyone], g, mixed)
         assert lock is not None and md is not None
-        absent = _absent(md, optional)
-        flat = [(fqn, v) for fqn, v in leaves(state_dict) if not (absent and _under(fqn, absent))]
-        return Opened(path.parent / name if name else path, lock, manifest, md, absent,
-                      row_state_conversions(flat, md, manifest, hints))
+        return Opened(path.parent / name if name else path, lock, manifest, md, _absent(md, optional), combined)
     raise CheckpointError(f"{what}: {path} changed under the load {_RESOLVE_ATTEMPTS} times in a row")
 
 

@@ -30,7 +30,6 @@ optimizers use the same names), else by their positions as
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,15 +39,11 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from .._compat import ShardedTensor, shape_and_dtype
-from ..convert import layout_of, local_shards_of
-from ..convert.reshard import copy_into
+from .._compat import shape_and_dtype
 from .agree import Kind, Problem
+from .keyed import HYPERPARAMETERS, Hint, apply_hyperparameters, column_widths, hyperparameters, row_state_hint
 
 __all__ = ["Expanded", "expand"]
-
-Hint = Callable[[tuple[int, ...], tuple[int, ...]], str]
-"""Why a key whose saved and destination shapes differ (given in that order) cannot convert."""
 
 
 def _is_stateful(v: object) -> bool:
@@ -177,40 +172,6 @@ class Expanded:
                       for pair in ranks[i]}
             mapping[key] = tuple(sorted(merged))
 
-    def combine_row_states(self, conversions: Mapping[str, tuple[int, ...]], metadata: Any,
-                           ) -> tuple[Callable[[], None], Callable[[], None]]:
-        """Put a buffer of the saved shape in the view under each key of ``conversions`` (a column-cut table's
-        per-block row state, saved; one value per row, loading); return what, after the load, combines them
-        into the destinations (each row: its blocks' values weighted by their widths, the mean over all
-        columns that each block's value is over its own) and puts the destinations back, and what puts them
-        back untouched (a failed load). Every rank reads each buffer whole (one value per row and block); the
-        combination is copied into each rank's blocks of the destination without communication."""
-        swapped = []
-        for fqn, widths in conversions.items():
-            mapping, key = self.row_states[fqn]
-            dest = mapping[key]
-            saved = metadata.state_dict_metadata[fqn]
-            mapping[key] = buf = torch.zeros(tuple(saved.size), dtype=saved.properties.dtype)
-            swapped.append((fqn, mapping, key, dest, buf, widths))
-
-        def finish() -> None:
-            for fqn, mapping, key, dest, buf, widths in swapped:
-                w = torch.tensor(widths, dtype=torch.float64)
-                per_block = buf.view(len(widths), -1).to(torch.float64)
-                rows = (per_block * w[:, None]).sum(0) / w.sum()
-                rows = rows.to(shape_and_dtype(dest)[1])
-                if isinstance(dest, (DTensor, ShardedTensor)):  # this rank's blocks of it, from the whole
-                    copy_into(layout_of(dest, name=fqn), local_shards_of(dest), rows, name=fqn)
-                else:
-                    dest.copy_(rows)
-                mapping[key] = dest
-
-        def undo() -> None:
-            for _, mapping, key, dest, _, _ in swapped:
-                mapping[key] = dest
-
-        return finish, undo
-
     def drop(self, absent: frozenset[str]) -> None:
         """Remove the created state the checkpoint does not hold (keys ``absent``) from the view and the optimizers."""
         keep = []
@@ -309,7 +270,7 @@ class _Expander:
         with the learning rate the new job was built with. After the load each parameter group takes its
         parameters' saved values, where they agree (a new plan may group tables another way); a checkpoint
         written without them loads as before (the key is optional)."""
-        full = {**view, HYPERPARAMETERS: _hyperparameters(opt)}
+        full = {**view, HYPERPARAMETERS: hyperparameters(opt)}
         self.out.extras.append((f"{key}.{HYPERPARAMETERS}", lambda: full.pop(HYPERPARAMETERS, None)))
         self.out.records.append((full, HYPERPARAMETERS))  # each rank knows its own tables: merged on save
 
@@ -317,7 +278,7 @@ class _Expander:
             saved = full.get(HYPERPARAMETERS)
             opt.load_state_dict({k: v for k, v in full.items() if k != HYPERPARAMETERS})
             if saved is not None:
-                _apply_hyperparameters(key, opt, saved)
+                apply_hyperparameters(key, opt, saved)
 
         self.out.loads.append(load)
         return full
@@ -375,95 +336,12 @@ class _Expander:
             shape = shape_and_dtype(param)[0] if isinstance(param, torch.Tensor) else ()
             if not isinstance(per, Mapping) or len(shape) != 2:
                 continue
-            widths = _column_widths(param)
+            widths = column_widths(param)
             for what, v in per.items():
                 if isinstance(v, torch.Tensor) and len(shape_and_dtype(v)[0]) == 1:
                     fqn = f"{key}.state.{name}.{what}"
-                    self.out.hints[fqn] = _row_state_hint(int(shape[0]))
+                    self.out.hints[fqn] = row_state_hint(int(shape[0]))
                     if isinstance(per, MutableMapping):
                         self.out.row_states[fqn] = (per, what)
                     if widths:
                         self.out.column_widths[fqn] = widths
-
-
-def _column_widths(param: Any) -> tuple[int, ...] | None:
-    """The widths of a table's column blocks in its blocks' order, when it is cut by columns into several
-    (TorchRec then keeps one per-row state per column block, the blocks one after another); else ``None``."""
-    if not isinstance(param, (ShardedTensor, DTensor)):
-        return None
-    layout = layout_of(param)
-    cols: list[tuple[int, int]] = []
-    for spec in layout.shards:
-        block = (spec.offsets[1], spec.sizes[1])
-        if spec.numel and block not in cols:
-            cols.append(block)
-    return tuple(w for _, w in cols) if len(cols) > 1 else None
-
-
-HYPERPARAMETERS = "hyperparameters"
-"""The key, beside a keyed optimizer's ``state``, of its parameters' hyper-parameters."""
-
-
-def _hyperparameters(opt: Any) -> tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]:
-    """Per parameter name, its group's plain hyper-parameters (numbers, strings, tuples of numbers); one
-    picklable leaf (tuples, not dicts: DCP keeps it one object)."""
-    names = {id(p): n for n, p in opt.params.items()}
-    out = []
-    for group in opt.param_groups:
-        values = tuple(sorted((k, v) for k, v in group.items() if k != "params" and _plain(v)))
-        out += [(names[id(p)], values) for p in group["params"] if id(p) in names]
-    return tuple(sorted(out))
-
-
-def _plain(v: Any) -> bool:
-    if isinstance(v, tuple):
-        return all(_plain(x) for x in v)
-    return isinstance(v, (bool, int, float, str))
-
-
-def _apply_hyperparameters(key: str, opt: Any, saved: Any) -> None:
-    """Each parameter group of ``opt`` takes its parameters' saved hyper-parameters where they agree; a
-    group whose tables saved different values keeps its own, with a warning naming them."""
-    by_name = {n: dict(v) for n, v in saved} if isinstance(saved, tuple) else {}
-    names = {id(p): n for n, p in opt.params.items()}
-    for group in opt.param_groups:
-        mine = [names[id(p)] for p in group["params"] if id(p) in names and names[id(p)] in by_name]
-        values = {tuple(sorted(by_name[n].items())) for n in mine}
-        if len(values) > 1:
-            warnings.warn(f"{key}: the tables {mine} now share one parameter group but were saved with different "
-                          f"hyper-parameters {[by_name[n] for n in mine]}; the group keeps {group.get('lr')!r} "
-                          "as its lr and its other values", stacklevel=3)
-            continue
-        for k, v in (dict(values.pop()) if values else {}).items():
-            if k in group:
-                group[k] = v
-
-
-def _row_state_hint(rows: int) -> Hint:
-    def holds(n: int) -> str:
-        if n == rows:
-            return "one value per row"
-        if n % rows == 0:
-            return f"one value per row for each of {n // rows} column shards"
-        return f"{n} values"
-
-    def kept(shape: tuple[int, ...]) -> str:
-        return holds(shape[0]) if len(shape) == 1 else f"one value per element ({list(shape)})"
-
-    def why(saved: tuple[int, ...], dest: tuple[int, ...]) -> str:
-        if len(saved) != len(dest):  # per element against per row: another optimizer kind
-            return (f" (optimizer state of a {rows}-row table: the checkpoint holds {kept(saved)}, the destination "
-                    f"{kept(dest)}: the optimizer changed between the save and the load (element-wise Adagrad "
-                    "keeps a value per element, row-wise Adagrad one per row), and its state does not convert; "
-                    "load with the optimizer kind that saved it, or leave the optimizer out of the load)")
-        head = (f" (row-wise optimizer state of a {rows}-row table: the checkpoint holds {holds(saved[0])}, the "
-                f"destination {holds(dest[0])}; TorchRec's row-wise Adagrad keeps a separate per-row state for "
-                "each column shard of a column-wise table")
-        if dest[0] == rows:  # per-block states into one per row: exact given the blocks' widths
-            return (f"{head}. They combine into one value per row when the checkpoint records the column blocks' "
-                    "widths, which this checkpoint does not (it was written before they were recorded): resume "
-                    "under the same column cut, or leave its optimizer out of the load to start that state afresh)")
-        return (f"{head}, and one value per row does not split into per-shard values exactly: resume under the "
-                "checkpoint's cut, or leave its optimizer out of the load to start that state afresh)")
-
-    return why
