@@ -46,16 +46,18 @@ def _copy(op: Any, args: tuple, kwargs: dict) -> Any:
     if not (isinstance(dst, DTensor) and isinstance(src, DTensor)) or not (_carries_layout(dst) or
                                                                            _carries_layout(src)):
         return NotImplemented
-    if dst.shape != src.shape or _blocks(dst) == _blocks(src):
+    if dst.shape != src.shape or _same_blocks(dst, src):
         return NotImplemented  # DTensor's own path: its error, or a copy block by block
     if src.dtype != dst.dtype:
         src = src.to(dst.dtype)
-    name = layout_of(dst).name
-    copy_into(layout_of(dst, name=name), local_shards_of(dst), src, name=name)
+    layout = layout_of(dst)
+    copy_into(layout, local_shards_of(dst), src, name=layout.name)
     return dst
 
 
 def _same_blocks(a: DTensor, b: DTensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same blocks on the same ranks (two carried layouts: compared as
+    they are; else the layouts' blocks, in any order)."""
     la, lb = a._local_tensor, b._local_tensor
     if isinstance(la, LocalShardsWrapper) and isinstance(lb, LocalShardsWrapper):
         if la.layout_of_table is not None and lb.layout_of_table is not None:
@@ -74,8 +76,8 @@ def align_optimizer_state(opt: torch.optim.Optimizer, args: Any = None, kwargs: 
             for key, value in list(state.items()):
                 if isinstance(value, DTensor) and value.shape == p.shape and not _same_blocks(value, p):
                     moved: Any = torch.zeros_like(p, dtype=value.dtype, requires_grad=False)  # p's layout
-                    name = layout_of(p).name
-                    copy_into(layout_of(moved, name=name), local_shards_of(moved), value, name=f"{name}.{key}")
+                    layout = layout_of(moved)
+                    copy_into(layout, local_shards_of(moved), value, name=f"{layout.name}.{key}")
                     state[key] = moved
 
 

@@ -267,8 +267,7 @@ def _foreach_base(func: Any) -> Any | None:
     if not name.startswith("_foreach_"):
         return None
     base = name[len("_foreach_"):]
-    packet = getattr(aten, base, None) or getattr(aten, base.rstrip("_"), None)
-    return packet
+    return getattr(aten, base, None) or getattr(aten, base.rstrip("_"), None)
 
 
 def _is_foreach_pointwise(func: Any) -> bool:
