@@ -3,7 +3,7 @@
 The row-cut lookups sum every rank's partial bags back to the bags' own rank
 (a reduce-scatter, forward) and hand every rank all ranks' output gradients (an
 all-gather, backward). Both are built on ONE ``all_to_all_single``
-(``torchrec_dtensor_bridge.lookup.exchange.sum_into`` / ``share_flat``); this
+(``torchrec_dtensor_bridge.collectives.sum_into`` / ``share_flat``); this
 benchmark measures them against gloo's own ``dist.reduce_scatter`` /
 ``dist.all_gather`` moving the same bytes, side by side in the same processes
 (interleaved, the order alternating every repetition), on the message of the
@@ -31,7 +31,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from torchrec_dtensor_bridge.lookup.exchange import share_flat, sum_into
+    from torchrec_dtensor_bridge.collectives import share_flat, sum_into
 
     with reported(rank, out):
         result: dict[str, Any] = {"rank": rank, "sizes": {}}

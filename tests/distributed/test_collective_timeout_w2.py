@@ -50,23 +50,23 @@ def stall_after_agreement(rank: int, world: int) -> str:
     """Both ranks pass the agreement step; the last then stalls (injected) before the id exchange."""
     import time
 
-    from torchrec_dtensor_bridge.lookup import run
+    from torchrec_dtensor_bridge.lookup import entry
 
     group = _short_group()
     weight = distribute_tensor(torch.randn(10, 4), world_mesh("cpu"), [Shard(0)])
-    real = run.gather_bags
+    real = entry.gather_bags
 
     def stalled(*args, **kwargs):
         time.sleep(5)
         return real(*args, **kwargs)
 
     if rank == world - 1:
-        run.gather_bags = stalled
+        entry.gather_bags = stalled
     try:
         return _error_of(lambda: tdb.sharded_embedding_bag(torch.tensor([1, 2]), weight, torch.tensor([0]),
                                                            process_group=group))
     finally:
-        run.gather_bags = real
+        entry.gather_bags = real
 
 
 def test_a_rank_stalling_after_the_agreement_is_named(pool):

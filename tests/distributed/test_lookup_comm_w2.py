@@ -9,7 +9,7 @@ functional collectives DTensor uses (``test_counter_sees_c10d_calls`` keeps
 that assumption honest; backward runs on the calling thread on CPU, so the
 mode sees it too).
 
-The expected counts are the design documented in ``lookup/algorithms.py`` and
+The expected counts are the design documented in ``lookup/strategies/`` and
 ``lookup/functional.py``. Every plain-tensor call starts with ONE agreement
 ``all_gather`` (verdicts, batch sizes, options); then, unless the weight is
 replicated, ONE ``all_to_all`` of all ranks' ids to the ranks that compute
@@ -19,7 +19,7 @@ per strategy:
 
 * LOCAL (replicated weight): nothing in forward; backward one ``all_reduce`` of the gradient;
 * REDUCE (row-wise, grid): forward one reduce-scatter, made of ONE ``all_to_all`` (gloo's own
-  ``reduce_scatter`` is slower: ``lookup/exchange.py``) (max: one ``all_reduce(MAX)``, plus one
+  ``reduce_scatter`` is slower: ``collectives.py``) (max: one ``all_reduce(MAX)``, plus one
   ``all_reduce(MIN)`` picking the winning rank when a gradient is tracked); backward one all-gather of the
   output gradients, also ONE ``all_to_all``;
 * COLUMNS (column-wise, table-wise): forward one ``all_to_all``; backward one ``all_to_all``;

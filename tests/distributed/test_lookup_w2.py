@@ -379,10 +379,11 @@ def check_gather_bags(rank: int, world_size: int) -> None:
     """The id exchange: int32 on the wire when ids fit, int64 when a table has 2**31 rows or more; each
     table's batch reaches exactly its readers - a row-cut table only the ids in each reader's rows, with
     per-bag lengths counting just those; per-sample weights follow their ids."""
-    from torchrec_dtensor_bridge.lookup.exchange import gather_bags
-    from torchrec_dtensor_bridge.lookup.route import Route, route_for
-    from torchrec_dtensor_bridge.lookup.plan import Bags
-    from torchrec_dtensor_bridge.lookup.validate import RankInfo
+    from torchrec_dtensor_bridge.lookup.entry import gather_bags, resolve_routes
+    from torchrec_dtensor_bridge.lookup.plan import Route
+    from torchrec_dtensor_bridge.lookup.strategies.rows import plan_route
+    from torchrec_dtensor_bridge.lookup.arguments import Bags
+    from torchrec_dtensor_bridge.lookup.agree import RankInfo
 
     g = torch.Generator().manual_seed(rank)
     mine = []
@@ -393,14 +394,14 @@ def check_gather_bags(rank: int, world_size: int) -> None:
     n = [int(b.ids.numel()) for b in mine]
     cut = ShardLayout.row_wise((50, 4), [20, 30])  # table 3: rows 0:20 on rank 0, 20:50 on rank 1
     routes = [Route((True, True), (n[0], n[0])), Route((False, True), (0, n[1])), Route((True, False), (n[2], 0)),
-              route_for(cut, mine[3], world_size, everyone=False)]
+              resolve_routes([plan_route(cut, mine[3], world_size)])[0]]
     everyone = _everyone((mine, [r.counts for r in routes]))
     infos = [[RankInfo(b[t].num_bags, int(b[t].ids.numel()), b[t].weights is not None, sends[t])
               for b, sends in everyone] for t in range(4)]
     got = gather_bags(mine, infos, None, float_dtype=torch.float64, rows=2**40, routes=routes)
     for t, bags in enumerate(got):
         theirs = [b[t] for b, _ in everyone]
-        if not routes[t].reads(rank):
+        if routes[t].masks[rank] is False:
             assert bags.ids.numel() == 0 and int(bags.lengths.sum()) == 0
             assert bags.num_bags == sum(b.num_bags for b in theirs)
             continue

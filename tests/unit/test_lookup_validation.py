@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torchrec_dtensor_bridge import kernels
 from torchrec_dtensor_bridge.kernels import fbgemm, native
 from torchrec_dtensor_bridge.lookup.local import Pooling, pool, weight_grad
-from torchrec_dtensor_bridge.lookup.validate import RejectedArguments, bags_for_embedding, bags_from_input, check_options
+from torchrec_dtensor_bridge.lookup.arguments import RejectedArguments, bags_for_embedding, bags_from_input, check_options
 
 from .host_reads import count_host_reads
 from .random_bags import random_bags
@@ -28,7 +28,7 @@ def _rejected(kind, match, fn):
 def test_count_per_bag_matches_bincount(seed):
     """Per-bag counts of selected ids (the routing's and the block filter's) equal a bincount of the
     selected ids' bags, with empty bags, empty batches and all/none selected."""
-    from torchrec_dtensor_bridge.lookup.plan import Bags
+    from torchrec_dtensor_bridge.lookup.arguments import Bags
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(0, 4, (int(torch.randint(0, 9, (1,), generator=g)),), generator=g)
@@ -190,7 +190,7 @@ def test_value_checks_read_the_device_once_per_call(monkeypatch):
     the tensors once in all (on an accelerator, one host synchronisation per call, not a few per table):
     ``bags_from_input`` with a pending list reads nothing, ``check_values`` reads every table's facts at once
     and names the first bad table; alone, a batch is read once."""
-    from torchrec_dtensor_bridge.lookup.validate import check_values
+    from torchrec_dtensor_bridge.lookup.arguments import check_values
 
     g = torch.Generator().manual_seed(4)
     batches = [random_bags(g, 10, 6, 4) for _ in range(8)]

@@ -1,4 +1,4 @@
-"""The id routing of the sharded lookups (:mod:`torchrec_dtensor_bridge.lookup.route`) and the per-destination
+"""The id routing of the sharded lookups (:mod:`torchrec_dtensor_bridge.lookup.strategies.rows`) and the per-destination
 pieces built from it, against a plain per-id reference, and the exchanges' test for a kernel result sent in
 place (no collectives: one process)."""
 
@@ -8,9 +8,16 @@ import pytest
 import torch
 
 from torchrec_dtensor_bridge.layout import ShardLayout
-from torchrec_dtensor_bridge.lookup.plan import Bags
-from torchrec_dtensor_bridge.lookup.exchange import _pick_all, side_by_side
-from torchrec_dtensor_bridge.lookup.route import route_for
+from torchrec_dtensor_bridge.collectives import side_by_side
+from torchrec_dtensor_bridge.lookup.arguments import Bags
+from torchrec_dtensor_bridge.lookup.entry import _pick_all, resolve_routes
+from torchrec_dtensor_bridge.lookup.strategies.rows import plan_route
+
+
+def route_for(layout, bags, world, everyone=False):
+    """This rank's route of one row-cut table (no ``max_norm``), its counts read at once."""
+    assert not everyone
+    return resolve_routes([plan_route(layout, bags, world)])[0]
 
 from .host_reads import count_host_reads
 
@@ -87,7 +94,7 @@ def test_partition_routes_every_id_once_in_batch_order(world, sizes, ranks, low_
     for q in range(world):
         ranges = [(sum(sizes[:k]), sum(sizes[: k + 1])) for k, r in enumerate(owner) if r == q]
         want_ids, want_counts = _reference(bags, ranges)
-        assert route.reads(q) == bool(ranges)
+        assert (route.masks[q] is not False) == bool(ranges)
         assert route.counts[q] == want_ids.numel()
         if ranges:
             assert torch.equal(picked[q][0][0], want_ids)
@@ -145,16 +152,15 @@ def test_side_by_side_finds_only_the_whole_result():
 def test_the_routes_of_several_row_wise_tables_read_their_counts_once(monkeypatch) -> None:
     """The row partitions of several tables (two runs and more) read how many ids go where in ONE host read
     (one synchronisation on an accelerator, not one per table), and route exactly as one table alone."""
-    from torchrec_dtensor_bridge.lookup.route import plan_route, resolve
 
     cases = [(ShardLayout.row_wise((50, 4), [30, 20]), 2), (ShardLayout.row_wise((50, 4), [10, 15, 25],
                                                                                   ranks=[2, 0, 1]), 3)] * 4
     batches = [_bags(50, seed=k) for k in range(len(cases))]
     alone = [route_for(layout, bags, world, everyone=False) for (layout, world), bags in zip(cases, batches)]
     reads = count_host_reads(monkeypatch)
-    planned = [plan_route(layout, bags, world, everyone=False) for (layout, world), bags in zip(cases, batches)]
+    planned = [plan_route(layout, bags, world) for (layout, world), bags in zip(cases, batches)]
     assert reads == [], reads
-    together = resolve(planned)
+    together = resolve_routes(planned)
     assert reads == ["tolist"], reads
     monkeypatch.undo()
     for a, b in zip(alone, together):

@@ -1,24 +1,25 @@
 """Embedding lookups on DTensor-sharded tables: the kernel layer (:mod:`..kernels`) locally, torch.distributed
 between ranks.
 
-One forward and backward with a :class:`..FusedOptimizer`, in reading order (ten files):
+One forward and backward with a :class:`..FusedOptimizer`, in reading order:
 
-1. ``tables`` / ``functional`` - the public functions (several tables in one call / one table);
-2. ``plan`` - what a lookup needs: a batch in canonical form, each weight resolved once at the API edge
-   (layout, local shards, the call's group, strategy), the per-table plan;
-3. ``validate`` - argument checks and the agreement step (on :mod:`..agreement`);
-4. ``run`` - what every lookup shares once validated: the ids' exchange, ``max_norm``, the plans;
-5. ``route`` and ``exchange`` - which ids go to which rank; the collectives for uneven batches;
-6. ``algorithms`` - the autograd Function: forward and backward, step by step;
-7. ``columns`` / ``rows`` / ``replicas`` - each layout family's communication (blocks spanning all rows,
-   row cuts, replicated copies);
-8. ``local`` - this rank's work through the kernel ops (:mod:`..kernels.ops`), one kernel call per storage;
-9. ``optimizer_step`` - backward with a fused optimizer (the update math is :mod:`..optim`'s).
+1. ``functional`` / ``tables`` - the public functions (one table / several tables in one call);
+   ``dtensor_input`` for DTensor inputs;
+2. ``arguments`` - the local argument checks and the batch in canonical form (:class:`.arguments.Bags`);
+3. ``entry`` - the one entry path every lookup takes: resolve each weight, agree (``agree``: what every
+   rank must agree on), route and exchange the ids, fix each table's plan, run;
+4. ``plan`` - what a lookup is given (frozen plan parts) and the :class:`.plan.Strategy` interface;
+5. ``function`` - the autograd Function: forward and backward, strategy by strategy;
+6. ``strategies`` - one module per way of combining shards across ranks (``whole``, ``columns``,
+   ``rows``): each owns its routing and its forward and backward exchanges;
+7. ``local`` - this rank's work through the kernel layer, one kernel call per storage;
+8. ``optimizer_step`` - backward with a fused optimizer (the update math is :mod:`..optim`'s).
 
-Beside them: ``psw`` (the per-sample weights' gradient) and ``renorm`` (``max_norm``).
+Beside them: ``psw`` (the per-sample weights' gradient) and ``renorm`` (``max_norm``), which run only
+when asked for.
 """
 
 from .functional import sharded_embedding, sharded_embedding_bag
-from .tables import sharded_embedding_bags
+from .tables import refuse_lookup, sharded_embedding_bags
 
-__all__ = ["sharded_embedding", "sharded_embedding_bag", "sharded_embedding_bags"]
+__all__ = ["refuse_lookup", "sharded_embedding", "sharded_embedding_bag", "sharded_embedding_bags"]

@@ -2,59 +2,23 @@
 
 Order of work on every rank (the same on all ranks, so nothing can hang):
 
-1. validate the arguments locally, recording - not raising - a failure;
-0. resolve the weight once (:mod:`.plan`: layout, local shards, the call's
-   group - the weight's mesh, its sharding axis on a 2-D mesh, or
+0. resolve the weight once (:func:`.entry.resolve_table`: layout, local shards,
+   the call's group - the weight's mesh, its sharding axis on a 2-D mesh, or
    ``process_group`` - and strategy), collective-free;
+1. validate the arguments locally (:mod:`.arguments`), recording - not raising - a failure;
 2. one agreement ``all_gather`` on that group: every rank's verdict, batch
    sizes, options, a digest of the weight's layout and its input's kind; any
    failure or disagreement raises on every rank;
 3. send every rank's ids to the ranks that compute blocks of the table - a row-cut
-   table's ids each only to the rank holding its row (:mod:`.route`; the counts
+   table's ids each only to the rank holding its row (the strategy's route; the counts
    travel in step 2) - in one ``all_to_all``; none when the table is fully
    replicated and needs no ``max_norm``;
 4. ``max_norm``: renormalise the referenced stored rows in place;
-5. the pooled lookup and its exchange (:mod:`.algorithms`);
+5. the pooled lookup and its strategy's exchanges (:mod:`.function`);
 6. ``mean``: divide by the true bag size; ``max``: empty bags give 0.
 
-DTensor inputs (``input``, and ``offsets``/``per_sample_weights`` when they are
-DTensors too; a plain ``offsets``/``per_sample_weights`` next to a DTensor
-``input`` is taken as that rank's local part) must live on a 1-D mesh over the
-lookup's group in its rank order:
-
-* ``Shard(0)`` (batch-sharded): each rank's local part is its own batch (local
-  ``offsets`` index local ids); the plain-tensor path above runs unchanged and
-  the output is a ``Shard(0)`` DTensor of all ranks' bags in rank order, with
-  explicit shape. When the ranks' bag counts are not ``torch.chunk``'s even
-  split, the output carries its true rows in a :class:`LocalShardsWrapper`
-  (``convert.dtensor_from_local_shards``; read it with ``tdb.full_tensor``) and
-  is not differentiable - pass even batches to train through it.
-* ``Replicate()``: every rank holds the same whole batch - DTensor's contract:
-  the caller guarantees it, and no collective checks it (no agreement step; a
-  local failure raises on its rank only). Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
-  (torch's switch for consistency checks of collectives) ONE small agreement
-  ``all_gather`` runs first: a rank whose batch, kind or options differ from the
-  others' makes every rank raise. Then:
-
-  - replicated weight: a local lookup, a ``Replicate()`` output; no collective
-    in forward or backward;
-  - column-cut weight whose blocks are the even ``Shard(1)`` split in mesh order
-    (one block per rank): each rank looks up its columns for the whole batch;
-    ``Shard(1)`` output (last dim for ``sharded_embedding``); no data
-    collective in forward or backward until the output is gathered;
-  - any other layout (row-wise, grid, uneven or several column blocks per rank,
-    table-wise), ``sum``/``mean``: each rank pools the rows it stores (first
-    copy of each block) into a ``Partial()`` (sum) output; ``mean`` divides by
-    the true bag size locally, which is linear and so exact under the sum.
-    ``full_tensor()`` / ``redistribute(Replicate())`` completes it with ONE
-    ``all_reduce``; backward needs none (replicated blocks excepted);
-  - ``mode="max"`` on those layouts (a ``Partial("max")`` would give ``-inf``
-    for empty bags and could not pick torch's winner): falls back to splitting
-    the bags evenly (``torch.chunk``) and running the plain-tensor path on each
-    rank's chunk; ``Shard(0)`` output.
-
-  ``max_norm`` still renormalises first (one ``all_reduce`` of partial norms
-  when rows are cut into column pieces).
+DTensor inputs (``Shard(0)`` or ``Replicate()`` on a 1-D mesh over the lookup's group) are described in
+:mod:`.dtensor_input`.
 """
 
 from __future__ import annotations
@@ -66,69 +30,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
-from ..convert.dtensor import dtensor_from_local_shards
-from ..groups import CommGroup, comm_group
-from ..layout import ShardLayout, chunk_sizes, contiguous_strides
-from .algorithms import LookupPlan, Strategy, pooled_lookup
-from .renorm import renormalize
-from .plan import Bags, ResolvedTable, call_group, resolve_table
-from .run import TableOptions, agree_and_route, finish, psw_grad, run_tables
-from .validate import (
-    InputKind,
-    RejectedArguments,
-    TableCodes,
-    agree,
-    bags_for_embedding,
-    bags_from_input,
-    batch_digest,
-    bind_optimizer,
-    check_options,
-)
+from ..agreement import RejectedArguments
+from ..groups import CommGroup
+from ..optim import FusedOptimizer
+from . import dtensor_input
+from .agree import InputKind, TableCodes
+from .arguments import Bags, TableOptions, bags_for_embedding, bags_from_input, bind_optimizer, check_options
+from .entry import agree_and_route, call_group, finish, psw_grad, resolve_table, run_tables
+from .plan import ResolvedTable
 
 __all__ = ["sharded_embedding", "sharded_embedding_bag"]
 
 
-def _input_kind(fn: str, input: object) -> tuple[InputKind, CommGroup | None]:
-    """How ``input`` is passed, and the group of a DTensor input's mesh. Local; raises
-    :class:`RejectedArguments`."""
-    if not isinstance(input, DTensor):
-        return InputKind.PLAIN, None
-    mesh = input.device_mesh
-    if mesh.ndim != 1:
-        raise RejectedArguments(
-            NotImplementedError, f"{fn}: a DTensor input must live on a 1-D mesh (the lookup group's), got {mesh}"
-        )
-    p = input.placements[0]
-    if isinstance(p, Replicate):
-        return InputKind.REPLICATE, comm_group(input)
-    if type(p) is Shard and p.dim in (0, -input.dim()):
-        return InputKind.SHARD, comm_group(input)
-    raise RejectedArguments(
-        NotImplementedError, f"{fn}: DTensor input placements {list(input.placements)} are not supported "
-        "(use [Replicate()] or [Shard(0)])"
-    )
+def _plain_inputs(fn: str, **others: object) -> None:
+    """A plain ``input``'s companions must be plain too. Local; raises :class:`RejectedArguments`."""
+    for name, v in others.items():
+        if isinstance(v, DTensor):
+            raise RejectedArguments(TypeError, f"{fn}: {name} is a DTensor but input is not; pass both as DTensors")
 
 
 def _local_inputs(fn: str, input: object, **others: object) -> tuple[Any, dict[str, Any]]:
-    """The local parts of a DTensor ``input`` and of its companions. Local; raises :class:`RejectedArguments`."""
-    if not isinstance(input, DTensor):
-        for name, v in others.items():
-            if isinstance(v, DTensor):
-                raise RejectedArguments(TypeError, f"{fn}: {name} is a DTensor but input is not; pass both as DTensors")
-        return input, others
-    local = {}
-    for name, v in others.items():
-        if isinstance(v, DTensor):
-            if v.device_mesh != input.device_mesh or list(v.placements) != list(input.placements):
-                raise RejectedArguments(
-                    ValueError, f"{fn}: {name} must be on input's mesh with input's placements "
-                    f"{list(input.placements)}, got {list(v.placements)}"
-                )
-            v = v.to_local()
-        local[name] = v
-    return input.to_local(), local
+    """The local parts of ``input`` and of its companions. Local; raises :class:`RejectedArguments`."""
+    if isinstance(input, DTensor):
+        return dtensor_input.local_inputs(fn, input, **others)
+    _plain_inputs(fn, **others)
+    return input, others
 
 
 def _edge(fn: str, weight: object, input: object, process_group: dist.ProcessGroup | None
@@ -136,10 +64,12 @@ def _edge(fn: str, weight: object, input: object, process_group: dist.ProcessGro
     """The API edge, the same on every rank: the call's group (raises directly when there is none), the
     input's kind, and the weight resolved once (a failure is recorded for the agreement step)."""
     error: RejectedArguments | None = None
-    try:
-        kind, input_group = _input_kind(fn, input)
-    except RejectedArguments as e:
-        kind, input_group, error = InputKind.PLAIN, None, e
+    kind, input_group = InputKind.PLAIN, None
+    if isinstance(input, DTensor):
+        try:
+            kind, input_group = dtensor_input.input_kind(fn, input)
+        except RejectedArguments as e:
+            error = e
     group = call_group(fn, [weight], process_group, input_group)
     mesh = input.device_mesh if isinstance(input, DTensor) else None
     table = None
@@ -149,82 +79,6 @@ def _edge(fn: str, weight: object, input: object, process_group: dist.ProcessGro
         except RejectedArguments as e:
             error = e
     return group, kind, mesh, table, error
-
-
-def _rows_dtensor(out: torch.Tensor, rows: list[int], mesh: Any) -> DTensor:
-    """This rank's ``out`` (``rows[rank]`` rows) as a ``Shard(0)`` DTensor of all ranks' rows."""
-    shape = torch.Size((sum(rows),) + tuple(out.shape[1:]))
-    if rows == chunk_sizes(sum(rows), len(rows)):
-        return DTensor.from_local(out, mesh, [Shard(0)], run_check=False, shape=shape,
-                                  stride=contiguous_strides(shape))
-    flat = out.reshape(out.shape[0], -1)
-    members = [int(r) for r in mesh.mesh.tolist()]
-    lay = ShardLayout.row_wise((sum(rows), flat.shape[1]), rows, ranks=members, dtype=out.dtype)
-    if len(shape) != 2:
-        raise NotImplementedError("uneven Shard(0) batches of a multi-dim sharded_embedding input are not supported")
-    return dtensor_from_local_shards(lay, [out.detach()], device_mesh=mesh)
-
-
-def _split_bags(bags: Bags, world: int, rank: int) -> Bags:
-    """This rank's ``torch.chunk`` share of a replicated batch's bags."""
-    counts = chunk_sizes(bags.num_bags, world)
-    b0 = sum(counts[:rank])
-    starts = torch.cat([bags.lengths.new_zeros(1), torch.cumsum(bags.lengths, 0)])
-    i0, i1 = int(starts[b0]), int(starts[b0 + counts[rank]])
-    w = None if bags.weights is None else bags.weights[i0:i1]
-    return Bags(bags.ids[i0:i1], bags.lengths[b0 : b0 + counts[rank]], w)
-
-
-def _even_columns(layout: ShardLayout, world: int) -> bool:
-    """The weight's blocks (group ranks) are exactly ``Shard(1)``'s even split in rank order, one per rank."""
-    n, d = layout.global_shape
-    widths = chunk_sizes(d, world)
-    want = sorted((r, (0, sum(widths[:r])), (n, widths[r])) for r in range(world))
-    return sorted((s.rank, s.offsets, s.sizes) for s in layout.shards) == want
-
-
-def _replicated_input(
-    table: ResolvedTable, bags: Bags, *, mode: str, padding: int | None, skip_padding: bool,
-    max_norm: float | None, norm_type: float, binding: Any = None,
-) -> tuple[torch.Tensor, list, bool] | None:
-    """The communication-free lookups of an agreed replicated batch: (local output, placements, whether the
-    output is this rank's columns); or ``None`` for the fallback (max on a layout that would need a Partial
-    max)."""
-    group, layout, world = table.group, table.layout, table.group.size
-    columns = table.strategy is Strategy.COLUMNS and _even_columns(layout, world)
-    if mode == "max" and table.strategy is not Strategy.LOCAL and not columns:
-        return None
-    rank = group.rank
-    assert rank is not None
-    if max_norm is not None:
-        renormalize(layout, layout.shards_on(rank), list(table.shards), bags.ids, max_norm, norm_type, group.group)
-    strategy = Strategy.REDUCE if table.strategy is Strategy.COLUMNS and not columns else table.strategy
-    plan = LookupPlan(
-        layout=layout, shards=list(table.shards), batch=bags, num_bags=[bags.num_bags] * world,
-        max_mode=mode == "max", padding_idx=padding, skip_padding=skip_padding,
-        track=table.weight.requires_grad and torch.is_grad_enabled(), group=group.group, local_only=True,
-        table_layout=table.table_layout, strategy=strategy, optimizer=binding,
-    )
-    (out,) = pooled_lookup([plan], [table.weight])
-    out = finish(out, bags, mode, padding)
-    if table.strategy is Strategy.LOCAL:
-        return out, [Replicate()], False
-    if columns:
-        return out, [Shard(1)], True
-    return out, [Partial()], False
-
-
-def _check_replicated(fn: str, error: RejectedArguments | None, bags: Bags | None, codes: list[TableCodes],
-                      group: CommGroup) -> None:
-    """A ``Replicate()`` batch follows DTensor's contract: the caller guarantees that every rank holds the same
-    batch and options, so no collective checks it - unless ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, torch's switch
-    for consistency checks of collectives: then ONE agreement (options, layout, a digest of the batch) makes
-    every rank raise on any difference. Without it a local failure raises on this rank only."""
-    if dist.get_debug_level() == dist.DebugLevel.DETAIL:
-        digest = 0 if bags is None else batch_digest(bags)
-        agree(fn, error, None if bags is None else [bags], codes, group, kind=InputKind.REPLICATE, digest=digest)
-    elif error is not None:
-        raise error.problem.error()
 
 
 @dataclass(frozen=True)
@@ -245,7 +99,7 @@ class _Lookup:
 
 def _lookup(
     fn: str, op: int, input: Any, weight: Any, *, mode: str, max_norm: float | None, norm_type: float,
-    skip_padding: bool, process_group: dist.ProcessGroup | None, optimizer: Any,
+    skip_padding: bool, process_group: dist.ProcessGroup | None, optimizer: FusedOptimizer | None,
     prepare: Callable[[Any, InputKind], tuple[Any, int | None, Bags]],
 ) -> _Lookup:
     """Steps 0-6 of the module docstring for one table, shared by both functions: the API edge, the local
@@ -264,14 +118,14 @@ def _lookup(
     codes = [TableCodes.of(op, mode, padding, max_norm, norm_type, shape, dtype, -1 if table is None else table.digest,
                            optimizer=bind, psw_grad=bags is not None and psw_grad(bags))]
     if kind is InputKind.REPLICATE:
-        _check_replicated(fn, error, bags, codes, group)
+        dtensor_input.check_replicated(fn, error, bags, codes, group)
         assert bags is not None and table is not None
-        done = _replicated_input(table, bags, mode=mode, padding=padding, skip_padding=skip_padding,
-                                 max_norm=max_norm, norm_type=norm_type, binding=bind)
+        done = dtensor_input.replicated_input(table, bags, mode=mode, padding=padding, skip_padding=skip_padding,
+                                              max_norm=max_norm, norm_type=norm_type, binding=bind, fn=fn)
         if done is not None:
             return _Lookup(done[0], bags, kind, mesh, placements=done[1], columns=done[2])
         assert group.rank is not None
-        bags = _split_bags(bags, group.size, group.rank)  # max on a layout without a Partial("max")
+        bags = dtensor_input.split_bags(bags, group.size, group.rank)  # max on a layout without a Partial("max")
     opts = [TableOptions(mode, padding, max_norm, norm_type)]
     tables = [] if table is None else [table]
     infos, routes = agree_and_route(fn, error, tables, None if bags is None else [bags], opts, codes, group,
@@ -282,11 +136,8 @@ def _lookup(
 
 
 def _replicated_dtensor(res: _Lookup, shape: tuple[int, ...]) -> DTensor:
-    """A communication-free lookup's output as a DTensor of global ``shape``."""
     assert res.placements is not None
-    gshape = torch.Size(shape)
-    return DTensor.from_local(res.out, res.mesh, res.placements, run_check=False, shape=gshape,
-                              stride=contiguous_strides(gshape))
+    return dtensor_input.replicated_dtensor(res.out, res.mesh, res.placements, shape)
 
 
 @torch.compiler.disable(recursive=True)  # collectives and data-dependent routing: a graph break
@@ -304,7 +155,7 @@ def sharded_embedding_bag(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
     process_group: dist.ProcessGroup | None = None,
-    optimizer: Any = None,
+    optimizer: FusedOptimizer | None = None,
 ) -> torch.Tensor:
     """``F.embedding_bag`` over a DTensor table of any layout; *collective* over the weight's group.
 
@@ -364,7 +215,7 @@ def sharded_embedding_bag(
         return _replicated_dtensor(res, (res.bags.num_bags, weight.shape[1]))
     if res.kind is InputKind.PLAIN:
         return res.out
-    return _rows_dtensor(res.out, res.rows, res.mesh)
+    return dtensor_input.rows_dtensor(res.out, res.rows, res.mesh)
 
 
 @torch.compiler.disable(recursive=True)  # collectives and data-dependent routing: a graph break
@@ -378,7 +229,7 @@ def sharded_embedding(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
     process_group: dist.ProcessGroup | None = None,
-    optimizer: Any = None,
+    optimizer: FusedOptimizer | None = None,
 ) -> torch.Tensor:
     """``F.embedding`` over a DTensor table of any layout; *collective* over the weight's group.
 
@@ -414,4 +265,4 @@ def sharded_embedding(
     if res.kind is InputKind.PLAIN:
         return out
     per_row = max(1, int(torch.Size(ids.shape[1:]).numel()))
-    return _rows_dtensor(out, [n // per_row for n in res.rows], res.mesh)
+    return dtensor_input.rows_dtensor(out, [n // per_row for n in res.rows], res.mesh)

@@ -123,14 +123,14 @@ def update_supported(bind: Binding, plan: LookupPlan, block: Block) -> bool:
     has (:func:`..kernels.update_impl`), and, for an un-pooled lookup, no padding row in the shard (the
     kernel would train it)."""
     hyper = bind.hyper
-    shard = plan.shards[block.index]
+    shard = plan.table.shards[block.index]
     if block.argmax is not None or not kernels.accepts(shard):
         return False
     if kernels.update_impl(shard.device, hyper.kind.value, hyper.weight_decay) is kernels.Impl.TORCH:
         return False
-    if not plan.skip_padding and plan.padding_idx is not None:
+    if not plan.pooling.skip_padding and plan.pooling.padding_idx is not None:
         spec = plan.mine[block.index]
-        if spec.offsets[0] <= plan.padding_idx < spec.offsets[0] + spec.sizes[0]:
+        if spec.offsets[0] <= plan.pooling.padding_idx < spec.offsets[0] + spec.sizes[0]:
             return False
     return block.weights is None or block.weights.dtype == torch.float32
 
@@ -167,7 +167,7 @@ def update(updates: list[Update]) -> None:
     ``tdb::sparse_update`` per group of blocks sharing weight storage, state storage and step."""
     groups: dict[tuple, list[tuple[Update, tuple[torch.Tensor | None, torch.Tensor | None]]]] = {}
     for u in updates:
-        shard = u.plan.shards[u.block.index]
+        shard = u.plan.table.shards[u.block.index]
         held = _states(u)
         m1, m2 = held
         key = (*_home(shard), u.bind.hyper, int(u.bind.table.step), u.block.offsets.numel(),
@@ -176,7 +176,7 @@ def update(updates: list[Update]) -> None:
     for group in groups.values():
         members = [u for u, _ in group]
         states = [st for _, st in group]
-        shards = [u.plan.shards[u.block.index].detach() for u in members]
+        shards = [u.plan.table.shards[u.block.index].detach() for u in members]
         flat, at = _flat(shards)
         m1 = m2 = None
         m1_at: list[int] = []

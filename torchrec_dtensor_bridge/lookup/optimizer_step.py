@@ -31,9 +31,9 @@ import torch.distributed as dist
 from ..optim.kinds import OptimKind
 from ..optim.state import Binding
 from ..optim.update import apply_elementwise, apply_rowwise, row_square_sums
-from .exchange import share_flat
+from ..collectives import share_flat
 from .local import Update, update, update_supported
-from .plan import Block, LookupPlan, Strategy
+from .plan import Block, LookupPlan
 
 __all__ = ["apply_optimizers", "sparse_grad"]
 
@@ -61,7 +61,7 @@ def sparse_grad(
     """One block's touched rows (local, sorted, unique) and their summed gradient rows."""
     if win is not None:
         grad = grad * win
-    dtype = plan.layout.dtype or grad.dtype
+    dtype = plan.table.layout.dtype or grad.dtype
     ids, width = block.ids, block.cols[1]
     if ids.numel() == 0:
         return ids.new_empty(0), grad.new_zeros(0, width, dtype=dtype)
@@ -79,8 +79,8 @@ def sparse_grad(
         if block.weights is not None:
             per_id = per_id * block.weights.unsqueeze(1).to(per_id.dtype)
         out.index_add_(0, inverse, per_id)
-    if not plan.skip_padding and plan.padding_idx is not None:  # an un-pooled lookup never trains its padding row
-        keep = rows != plan.padding_idx - plan.mine[block.index].offsets[0]
+    if not plan.pooling.skip_padding and plan.pooling.padding_idx is not None:  # an un-pooled lookup never trains its padding row
+        keep = rows != plan.pooling.padding_idx - plan.mine[block.index].offsets[0]
         rows, out = rows[keep], out[keep]
     return rows, out.to(dtype)
 
@@ -101,11 +101,11 @@ def _prepare(plan: LookupPlan, t: int, blocks: list[Block], pieces: list[torch.T
              wins: list[torch.Tensor] | None, one_pass: list[Update]) -> tuple[_Table, list[_Segment]]:
     bind = plan.optimizer
     assert isinstance(bind, Binding)
-    unique = plan.layout.unique_shards()
+    unique = plan.table.layout.unique_shards()
     keys = {s.box: k for k, s in enumerate(unique) if s.numel}
-    copies = Counter(s.box for s in plan.layout.shards if s.numel)
-    dim = plan.layout.global_shape[1]
-    everyone = plan.strategy is Strategy.LOCAL and not plan.local_only and plan.world > 1  # one rank: alone
+    copies = Counter(s.box for s in plan.table.layout.shards if s.numel)
+    dim = plan.table.layout.global_shape[1]
+    everyone = plan.table.strategy.sums_every_rank(plan)
     column_cut = bind.hyper.kind is OptimKind.ROWWISE_ADAGRAD and any(s.sizes[1] != dim for s in unique if s.numel)
     table = _Table(t, plan, bind, {}, everyone, copies, keys, column_cut)
     segments = []
@@ -123,7 +123,7 @@ def _prepare(plan: LookupPlan, t: int, blocks: list[Block], pieces: list[torch.T
         elif copies[spec.box] > 1:
             segments.append(_Segment(t, keys[spec.box], _What.GRAD, rows + r0, grad))
         if column_cut:
-            sq = row_square_sums(bind.hyper, plan.shards[b.index], rows, grad)
+            sq = row_square_sums(bind.hyper, plan.table.shards[b.index], rows, grad)
             segments.append(_Segment(t, keys[spec.box], _What.ROW_SQUARES, rows + r0, sq.unsqueeze(1)))
     return table, segments
 
@@ -154,7 +154,7 @@ def _exchange(segments: list[_Segment], group: dist.ProcessGroup | None, device:
 
 def _summed(table: _Table, got: list[_Segment]) -> tuple[torch.Tensor, torch.Tensor]:
     """A replicated table's gradient: every rank's sparse gradient summed (the same order on every rank)."""
-    dtype = table.plan.layout.dtype
+    dtype = table.plan.table.layout.dtype
     mine = [s for s in got if s.table == table.t and s.what is _What.GRAD]
     rows = torch.cat([s.rows for s in mine])
     values = torch.cat([s.values.to(dtype) for s in mine])
@@ -168,14 +168,14 @@ def _gradients(table: _Table, got: list[_Segment]) -> dict[int, tuple[torch.Tens
     plan = table.plan
     if table.everyone:
         whole = _summed(table, got)
-        return {i: whole for i, s in enumerate(plan.mine) if s.sizes == plan.layout.global_shape}
+        return {i: whole for i, s in enumerate(plan.mine) if s.sizes == plan.table.layout.global_shape}
     out = dict(table.local)
     for i, spec in enumerate(plan.mine):
         if i in out or not spec.numel or table.copies[spec.box] < 2:
             continue
         key = table.keys[spec.box]
         seg = next(s for s in got if s.table == table.t and s.box == key and s.what is _What.GRAD)
-        out[i] = (seg.rows - spec.offsets[0], seg.values.to(plan.layout.dtype))
+        out[i] = (seg.rows - spec.offsets[0], seg.values.to(plan.table.layout.dtype))
     return out
 
 
@@ -194,12 +194,12 @@ def _apply(table: _Table, got: list[_Segment]) -> None:
     grads = _gradients(table, got)
     if hyper.kind is not OptimKind.ROWWISE_ADAGRAD:
         for i, (rows, grad) in grads.items():
-            apply_elementwise(hyper, plan.shards[i], rows, grad, state.elements[i], int(state.step))
+            apply_elementwise(hyper, plan.table.shards[i], rows, grad, state.elements[i], int(state.step))
         return
     groups: dict[int, list[int]] = {}
     for i in grads:
         groups.setdefault(state.local_row_index(i), []).append(i)
-    dim = plan.layout.global_shape[1]
+    dim = plan.table.layout.global_shape[1]
     for r, members in groups.items():
         rows = grads[members[0]][0]
         assert all(torch.equal(grads[i][0], rows) for i in members), "column pieces of a row see the same ids"
@@ -207,8 +207,8 @@ def _apply(table: _Table, got: list[_Segment]) -> None:
             squares = _row_squares(table, got, rows + plan.mine[members[0]].offsets[0])
         else:  # every piece spans the whole row: one of them has the row's statistic
             i = members[0]
-            squares = row_square_sums(hyper, plan.shards[i], rows, grads[i][1])
-        pieces = [(plan.shards[i], grads[i][1]) for i in members]
+            squares = row_square_sums(hyper, plan.table.shards[i], rows, grads[i][1])
+        pieces = [(plan.table.shards[i], grads[i][1]) for i in members]
         apply_rowwise(hyper, pieces, rows, squares, state.row_states[r], dim)
 
 
@@ -232,6 +232,6 @@ def apply_optimizers(
     update(one_pass)  # one kernel call per storage
     need = any(tb.everyone or tb.column_cut or any(c > 1 for c in tb.copies.values()) for tb in prepared)
     p0 = plans[tables[0]]
-    got = _exchange(segments, p0.group, p0.batch.ids.device) if need else []
+    got = _exchange(segments, p0.group, p0.batch.bags.ids.device) if need else []
     for table in prepared:
         _apply(table, got)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .exchange import all_to_all_parts, common_dtype
-from .plan import Block, LookupPlan, Strategy
+from ..collectives import all_to_all_parts, common_dtype
+from .plan import Block, LookupPlan, Route
 
 __all__ = ["psw_backward"]
 
@@ -19,12 +19,12 @@ __all__ = ["psw_backward"]
 def _psw_partials(plan: LookupPlan, blocks: list[Block], pieces: list[torch.Tensor]) -> torch.Tensor:
     """Per id of ``plan.batch``: the dot of its bag's output gradient with its row, over this rank's blocks'
     columns (the partial derivative by its per-sample weight; 0 for ids no block here holds)."""
-    batch = plan.batch
-    out = torch.zeros(batch.ids.numel(), dtype=plan.layout.dtype, device=batch.ids.device)
+    batch = plan.batch.bags
+    out = torch.zeros(batch.ids.numel(), dtype=plan.table.layout.dtype, device=batch.ids.device)
     for b, g in zip(blocks, pieces):
         counts = b.offsets[1:] - b.offsets[:-1]
         bag = torch.repeat_interleave(torch.arange(counts.numel(), device=g.device), counts, output_size=b.ids.numel())
-        rows = plan.shards[b.index].detach().index_select(0, b.ids)
+        rows = plan.table.shards[b.index].detach().index_select(0, b.ids)
         dots = (g.index_select(0, bag).to(rows.dtype) * rows).sum(dim=1)
         if b.positions is None:
             out += dots
@@ -49,22 +49,22 @@ def psw_backward(
         if not p.psw_grad:
             continue
         partial = _psw_partials(p, blocks[t], pieces[t])
-        if p.strategy is Strategy.LOCAL:
+        if p.table.strategy.own_batch:
             out[t] = partial  # the rank's own batch against its whole copy
         else:
             routed.append((t, partial))
     if not routed:
         return out
     p0 = plans[routed[0][0]]
-    dtype = common_dtype([plans[t] for t, _ in routed])
-    dev = p0.batch.ids.device
-    send = [[partial.split(list(plans[t].received))[q] for t, partial in routed] for q in range(p0.world)]
-    sizes = [sum(plans[t].route.counts[q] for t, _ in routed) for q in range(p0.world)]
+    dtype = common_dtype(plans[t].table.layout.dtype for t, _ in routed)
+    dev = p0.batch.bags.ids.device
+    send = [[partial.split(list(plans[t].batch.received))[q] for t, partial in routed] for q in range(p0.world)]
+    sizes = [sum(_route(plans[t]).counts[q] for t, _ in routed) for q in range(p0.world)]
     recv = all_to_all_parts(send, sizes, p0.group, dtype=dtype, device=dev)
     at = [0] * p0.world
     for t, _ in routed:
-        route, n = plans[t].route, _own_ids(plans[t])
-        grad = torch.zeros(n, dtype=plans[t].layout.dtype, device=dev)
+        route, n = _route(plans[t]), _own_ids(plans[t])
+        grad = torch.zeros(n, dtype=plans[t].table.layout.dtype, device=dev)
         for q in range(p0.world):
             c = route.counts[q]
             got = recv[q][at[q] : at[q] + c].to(grad.dtype)
@@ -82,9 +82,15 @@ def psw_backward(
     return out
 
 
+def _route(plan: LookupPlan) -> Route:
+    route = plan.batch.route
+    assert route is not None, "a table whose strategy routes ids has a route"
+    return route
+
+
 def _own_ids(plan: LookupPlan) -> int:
     """How many ids this rank's own batch of the table has (the length of its per-sample weights)."""
-    route = plan.route
+    route = _route(plan)
     if route.partition:  # every id goes to exactly one rank
         return sum(route.counts)
     for mask, count in zip(route.masks, route.counts):

@@ -10,7 +10,7 @@ communication of all tables fused:
    and options - a second one only beyond 16 tables);
 3. ONE ``all_to_all`` of the ids of every table that is not replicated on all ranks, each
    table's only to the ranks that compute it, and a row-cut table's ids each only to
-   the rank holding its row (:mod:`.route`);
+   the rank holding its row (the row strategy's route);
 4. ``max_norm`` renormalisation per table that asks for it;
 5. every rank pools what it stores of every table, then ONE ``all_to_all`` for all
    tables whose blocks span whole rows (table-wise, column-wise) and ONE
@@ -26,7 +26,7 @@ while the others compute theirs, instead of taking turns table by table.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -34,12 +34,15 @@ from torch.distributed.tensor import DTensor
 import torch.distributed as dist
 
 from ..groups import CommGroup
-from .plan import Bags, ResolvedTable, call_group, resolve_table
-from .run import TableOptions, agree_and_route, finish, psw_grad, run_tables
-from .validate import (RejectedArguments, TableCodes, ValueCheck, bags_from_input, bind_optimizer, check_options,
-                       check_values)
+from ..optim import FusedOptimizer
+from ..optim.state import Binding
+from .agree import TableCodes
+from .arguments import (Bags, RejectedArguments, TableOptions, ValueCheck, bags_from_input, bind_optimizer,
+                        check_options, check_values)
+from .entry import agree_and_route, call_group, finish, psw_grad, refuse, resolve_table, run_tables
+from .plan import ResolvedTable
 
-__all__ = ["sharded_embedding_bags"]
+__all__ = ["refuse_lookup", "sharded_embedding_bags"]
 
 _FN = "sharded_embedding_bags"
 
@@ -72,9 +75,9 @@ def _labels(names: Any, n: int) -> list[str]:
 
 def _validate(
     inputs: Any, weights: list[Any], offsets: Any, per_sample_weights: Any, group: CommGroup, *, mode: Any,
-    padding_idx: Any, include_last_offset: bool, max_norm: Any, norm_type: Any, optimizer: Any = None,
-    names: Any = None,
-) -> tuple[list[ResolvedTable], list[Bags], list[TableOptions], list[TableCodes], list[Any]]:
+    padding_idx: Any, include_last_offset: bool, max_norm: Any, norm_type: Any,
+    optimizer: FusedOptimizer | None = None, names: Any = None,
+) -> tuple[list[ResolvedTable], list[Bags], list[TableOptions], list[TableCodes], list[Binding | None]]:
     """Every table resolved, its canonical batch and options; raises :class:`RejectedArguments` (local)."""
     if not isinstance(inputs, Sequence) or isinstance(inputs, torch.Tensor):
         raise RejectedArguments(TypeError, f"{_FN}: inputs must be a list of Tensors, got {type(inputs).__name__}")
@@ -92,7 +95,10 @@ def _validate(
     ptypes = _per_table("norm_type", norm_type, n, (int, float))
     labels = _labels(names, n)
     tables = [resolve_table(f"{_FN} ({labels[t]})", w, group) for t, w in enumerate(weights)]
-    bags, options, codes, binds = [], [], [], []
+    bags: list[Bags] = []
+    options: list[TableOptions] = []
+    codes: list[TableCodes] = []
+    binds: list[Binding | None] = []
     pending: list[ValueCheck] = []  # every table's value checks, read at once below
     for t in range(n):
         fn = f"{_FN} ({labels[t]})"
@@ -129,7 +135,7 @@ def sharded_embedding_bags(
     max_norm: float | None | Sequence[float | None] = None,
     norm_type: float | Sequence[float] = 2.0,
     process_group: dist.ProcessGroup | None = None,
-    optimizer: Any = None,
+    optimizer: FusedOptimizer | None = None,
     names: Sequence[str] | None = None,
 ) -> list[torch.Tensor]:
     """:func:`sharded_embedding_bag` of several tables in one call, with fused collectives; *collective*.
@@ -163,7 +169,7 @@ def sharded_embedding_bags(
     bags: list[Bags] | None = None
     options: list[TableOptions] = []
     codes: list[TableCodes] = []
-    binds: list[Any] = []
+    binds: list[Binding | None] = []
     listed: list[Any] = []
     try:
         listed = _weights(weights)
@@ -183,3 +189,11 @@ def sharded_embedding_bags(
     assert bags is not None
     outs = run_tables(tables, bags, infos, options, routes, skip_padding=True, bindings=binds, fn=_FN)
     return [finish(out, b, o.mode, o.padding) for out, b, o in zip(outs, bags, options)]
+
+
+def refuse_lookup(weights: Sequence[object], error: RejectedArguments, *,
+                  process_group: dist.ProcessGroup | None = None) -> NoReturn:
+    """Join, as a failing rank, the :func:`sharded_embedding_bags` call the other ranks make with ``weights``
+    (a caller that found its own input bad before it could build the call): every rank raises ``error``;
+    *collective*. ``shard_module``'s collection forward uses it for an input it cannot read."""
+    refuse(_FN, weights, process_group, error)

@@ -28,9 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..agreement import RejectedArguments
-from ..lookup import sharded_embedding_bags
-from ..lookup.plan import call_group
-from ..lookup.validate import agree
+from ..lookup import refuse_lookup, sharded_embedding_bags
 from ..torchrec_plan import embedding_bag_collection_type, jagged_types
 from .modules import GATHER_OUTPUT_ATTR, gather_output, group_of
 
@@ -71,13 +69,8 @@ def _check_features(ebc: Any, features: object, kjt_type: type) -> dict[str, Any
 
 
 def _refuse_everywhere(ebc: Any, error: RejectedArguments) -> NoReturn:
-    """Take part, as a failing rank, in the agreement step of the lookup the other ranks are entering."""
-    weights = [bag.weight for bag in ebc.embedding_bags.values() if isinstance(bag.weight, DTensor)]
-    if weights:
-        # raises ``error`` here once the other ranks have heard of it
-        group = call_group("sharded_embedding_bags", weights, group_of(ebc), None)
-        agree("sharded_embedding_bags", error, None, [], group)
-    raise error.problem.error()
+    """Take part, as a failing rank, in the lookup the other ranks are entering: every rank raises ``error``."""
+    refuse_lookup([bag.weight for bag in ebc.embedding_bags.values()], error, process_group=group_of(ebc))
 
 
 def _table_input(bag: nn.EmbeddingBag, jagged: list[Any], weighted: bool) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..lookup import sharded_embedding, sharded_embedding_bag
-from ..lookup.exchange import gather_rows, reduce_scatter_rows
+from ..collectives import gather_rows, reduce_scatter_rows
 
 __all__ = [
     "GATHER_OUTPUT_ATTR", "GROUP_ATTR", "forward_for", "gather_output", "group_of", "install_forward",

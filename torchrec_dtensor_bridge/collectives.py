@@ -1,27 +1,22 @@
-"""The collectives of the sharded lookups, for batches of different sizes per rank.
+"""The collectives the sharded lookups and sharded modules share, for pieces of different sizes per rank.
 
-Ranks pass batches of different sizes (as in TorchRec), while ``all_gather``
-on gloo needs equal sizes: every gather here pads to the largest rank's size
-(known to all ranks from the agreement step) and strips the padding after;
-``all_to_all`` takes uneven pieces as they are.
-Bags of all ranks are concatenated in rank order: rank ``r``'s bags occupy
-rows ``starts[r] : starts[r] + num_bags[r]`` of a gathered batch.
+Ranks pass batches of different sizes (as in TorchRec), while ``all_gather`` on gloo needs equal sizes:
+every gather here either pads to the largest rank's size (known to all ranks from an agreement step) and
+strips the padding after, or moves the pieces through one ``all_to_all_single``, which takes uneven pieces
+as they are and costs about half of gloo's staged ``all_gather`` / ``reduce_scatter`` (``BENCHMARKS.md``).
+Pieces of all ranks are concatenated in rank order: rank ``r``'s rows occupy
+``starts[r] : starts[r] + counts[r]`` (:func:`row_starts`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .route import Route
-from .plan import Bags
-from .validate import RankInfo
-
 __all__ = [
-    "all_to_all_flat", "all_to_all_parts", "all_to_all_rows", "common_dtype", "gather_bags", "gather_rows",
+    "all_to_all_flat", "all_to_all_parts", "all_to_all_rows", "common_dtype", "gather_rows",
     "reduce_scatter_rows", "row_starts", "share_flat", "share_rows", "side_by_side", "sum_into",
 ]
 
@@ -61,149 +56,6 @@ def _gather_padded(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGr
     recv = [torch.empty_like(send) for _ in counts]
     dist.all_gather(recv, send, group=group)
     return [buf[:c] for buf, c in zip(recv, counts)]
-
-
-def gather_bags(
-    bags: Sequence[Bags],
-    infos: Sequence[Sequence[RankInfo]],
-    group: dist.ProcessGroup | None,
-    *,
-    float_dtype: torch.dtype,
-    rows: int,
-    routes: Sequence[Route],
-) -> list[Bags]:
-    """Every rank's batch of each table, in rank order, on the ranks that compute it; *collective*.
-
-    ``bags[t]`` is this rank's batch of table ``t``, ``infos[t][r]`` rank
-    ``r``'s sizes for it (with how many ids it sends to each rank) and
-    ``routes[t]`` which of this rank's ids go where (:mod:`.route`); ``rows``
-    bounds every id (the largest table's ``num_embeddings``, agreed by all
-    ranks). The ids and bag lengths of ALL tables travel in one
-    ``all_to_all``; per-sample weights (as ``float_dtype``) in a second one
-    only when some rank passed them for some table (ranks and tables without
-    them send ones). A rank receives, per table it computes, every rank's bag
-    lengths and the ids routed to it (so a bag's length counts only those); a
-    rank that computes nothing of a table gets all bags of it, empty.
-    """
-    if not bags:
-        return []
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    dev = bags[0].ids.device
-    mine = [t for t, r in enumerate(routes) if r.reads(rank)]
-    # ids and lengths travel as int32 when every value fits (half the bytes), known alike on every rank
-    wide = max(rows, max(i.num_ids for info in infos for i in info)) >= 2**31
-    dtype = torch.int64 if wide else torch.int32
-    weighted = [any(x.has_weights for x in i) for i in infos]
-    factors = [None if not w else b.weights if b.weights is not None else torch.ones(b.ids.numel(), device=dev)
-               for b, w in zip(bags, weighted)]  # ones where this rank passed none but another did
-    picked = _pick_all(bags, routes, factors, world, dtype)
-
-    def received(info: RankInfo) -> int:
-        assert info.sends is not None, "a routed table's sizes travel in the agreement step"
-        return info.sends[rank]
-
-    # ONE flat message, written in place: per destination, per table it reads: ids, then bag lengths
-    send_sizes = [sum(x.numel() for t, r in enumerate(routes) if r.reads(q) for x in picked[q][t][:2])
-                  for q in range(world)]
-    flat_in = torch.empty(sum(send_sizes), dtype=dtype, device=dev)
-    at = 0
-    for q in range(world):
-        for t, r in enumerate(routes):
-            if r.reads(q):
-                for x in picked[q][t][:2]:
-                    flat_in[at : at + x.numel()].copy_(x)
-                    at += x.numel()
-    sizes = [sum(received(infos[t][p]) + infos[t][p].num_bags for t in mine) for p in range(world)]
-    flat_out = torch.empty(sum(sizes), dtype=dtype, device=dev)
-    dist.all_to_all_single(flat_out, flat_in, sizes, send_sizes, group=group)
-    del flat_in
-    ids: dict[int, list[torch.Tensor]] = {t: [] for t in mine}
-    lengths: dict[int, list[torch.Tensor]] = {t: [] for t in mine}
-    for p, part in enumerate(flat_out.split(sizes)):
-        at = 0
-        for t in mine:
-            n, nb = received(infos[t][p]), infos[t][p].num_bags
-            ids[t].append(part[at : at + n])
-            lengths[t].append(part[at + n : at + n + nb])
-            at += n + nb
-    weights: dict[int, torch.Tensor] = {}
-    if any(weighted):
-        wsend = [torch.cat([
-            w.to(float_dtype) for t, r in enumerate(routes) if r.reads(q) and (w := picked[q][t][2]) is not None
-        ] + [torch.empty(0, dtype=float_dtype, device=dev)]) for q in range(world)]
-        wsizes = [sum(received(infos[t][p]) for t in mine if weighted[t]) for p in range(world)]
-        wparts: dict[int, list[torch.Tensor]] = {t: [] for t in mine if weighted[t]}
-        for p, part in enumerate(all_to_all_flat(wsend, wsizes, group, dtype=float_dtype, device=dev)):
-            at = 0
-            for t in wparts:
-                wparts[t].append(part[at : at + received(infos[t][p])])
-                at += received(infos[t][p])
-        weights = {t: torch.cat(w) for t, w in wparts.items()}
-    out = []
-    for t, b in enumerate(bags):
-        if t in ids:
-            out.append(Bags(_cat64(ids[t]), _cat64(lengths[t]), weights.get(t)))
-        else:  # not read here: every bag of every rank, empty
-            total = sum(i.num_bags for i in infos[t])
-            out.append(Bags(b.ids.new_empty(0), b.lengths.new_zeros(total), None))
-    return out
-
-
-def _cat64(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``parts`` back to back as int64: concatenated, then widened (faster on CPU than one ``torch.cat`` into an
-    int64 ``out``, small parts and large)."""
-    return torch.cat(parts).to(torch.int64)
-
-
-Picked = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
-
-
-def _pick_all(
-    bags: Sequence[Bags], routes: Sequence[Route], factors: Sequence[torch.Tensor | None], world: int,
-    dtype: torch.dtype,
-) -> list[list[Picked]]:
-    """Per destination, per table: (ids as ``dtype``, per-bag lengths, weights or ``None``) routed there."""
-    out: list[list[Picked]] = [[] for _ in range(world)]
-    for b, r, f in zip(bags, routes, factors):
-        ids = b.ids.to(dtype)  # once per table, not once per destination
-        if r.per_bag:  # the partition fast path worked them out already
-            for q in range(world):
-                out[q].append(_pick(ids, b.lengths, r, q, r.per_bag[q], f))
-            continue
-        cut = [q for q in range(world) if isinstance(r.masks[q], torch.Tensor)]
-        last = cut[-1] if r.partition and cut else -1
-        per_bag: dict[int, torch.Tensor] = {}
-        for q in cut:
-            if q != last:
-                mask = r.masks[q]
-                assert isinstance(mask, torch.Tensor)
-                per_bag[q] = b.count_per_bag(mask)
-        if last >= 0:  # the masks take every id once: the last one's counts are what the others left
-            rest = b.lengths.clone()
-            for q in cut[:-1]:
-                rest -= per_bag[q]
-            per_bag[last] = rest
-        for q in range(world):
-            out[q].append(_pick(ids, b.lengths, r, q, per_bag.get(q), f))
-    return out
-
-
-def _pick(
-    ids: torch.Tensor, lengths: torch.Tensor, route: Route, q: int, per_bag: torch.Tensor | None,
-    weights: torch.Tensor | None,
-) -> Picked:
-    """(ids, per-bag lengths, ``weights`` or ``None``) of one table's batch that ``route`` sends to rank ``q``."""
-    mask = route.masks[q]
-    if mask is True:
-        return ids, lengths, weights
-    if mask is False:
-        return ids.new_empty(0), lengths.new_zeros(0), None if weights is None else weights.new_empty(0)
-    assert per_bag is not None
-    at = route.positions[q] if route.positions else None
-    if at is None:
-        assert isinstance(mask, torch.Tensor)
-        at = mask.nonzero().squeeze(1)
-    return ids.index_select(0, at), per_bag, None if weights is None else weights.index_select(0, at)
 
 
 def share_flat(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
@@ -341,9 +193,9 @@ def all_to_all_rows(
     return [p.view(s) for p, s in zip(flat_out.split(out_splits), recv_shapes)]
 
 
-def common_dtype(plans: Sequence[Any]) -> torch.dtype:
-    """One dtype the fused messages of these tables travel in (exact for each table's own dtype)."""
-    dtypes = {p.layout.dtype for p in plans}
-    dtype = dtypes.pop() if len(dtypes) == 1 else torch.float64
+def common_dtype(dtypes: Iterable[torch.dtype | None]) -> torch.dtype:
+    """One dtype fused messages of tables of ``dtypes`` travel in (exact for each table's own dtype)."""
+    found = set(dtypes)
+    dtype = found.pop() if len(found) == 1 else torch.float64
     assert dtype is not None, "layout_of(DTensor) always records the dtype"
     return dtype

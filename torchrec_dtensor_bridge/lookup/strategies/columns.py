@@ -1,26 +1,111 @@
-"""The COLUMNS strategy: every block spans all rows (table-wise, column-wise, table-column-wise).
+"""The column strategy: every block spans all rows (table-wise, column-wise, table-column-wise).
 
 Each (bag, column) is computed by exactly one rank, so no sum is needed:
 
-1. forward (:func:`exchange_columns`): every rank pools, for ALL ranks' bags, the blocks it holds; ONE
+1. route: every rank that computes a block of the table takes all of this rank's ids;
+2. forward (:func:`exchange_columns`): every rank pools, for ALL ranks' bags, the blocks it holds; ONE
    ``all_to_all`` for every such table of the call hands each rank the columns of its own bags (a rank's
    own columns never travel; a table whose columns all come from one piece is that piece);
-2. backward (:func:`columns_backward`): the reverse ``all_to_all`` brings each block the output gradient
-   of every rank's bags, in its columns.
+3. backward (:func:`columns_backward`): the reverse ``all_to_all`` brings each block the output gradient
+   of every rank's bags, in its columns;
+4. a ``Replicate()`` batch on the even ``Shard(1)`` split needs no exchange: each rank's output is its
+   blocks side by side (a ``Shard(1)`` DTensor); on any other column layout the row strategy's partial
+   sums answer it (a ``Partial()`` DTensor).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor.placement_types import Placement
 
-from .exchange import all_to_all_parts, common_dtype, row_starts, side_by_side
-from .plan import Block, LookupPlan
+from ...collectives import all_to_all_parts, common_dtype, row_starts, side_by_side
+from ...layout import ShardLayout, chunk_sizes
+from ..arguments import Bags
+from ..plan import ALL, NONE, Block, LookupPlan, PendingRoute, Route, Strategy
+from .copies import sync_copies
+from .rows import ROWS
 
-__all__ = ["columns_backward", "exchange_columns"]
+__all__ = ["COLUMNS", "Columns", "columns_backward", "exchange_columns"]
 
 
-def exchange_columns(plans: list[LookupPlan], blocks: list[list[Block]], tables: list[int]) -> list[torch.Tensor]:
+class Columns(Strategy):
+    """Blocks spanning all rows: one ``all_to_all`` each way (see the module docstring)."""
+
+    name = "columns"
+
+    def route(self, layout: ShardLayout, bags: Bags, world: int) -> Route | PendingRoute | None:
+        readers = {s.rank for s in layout.unique_shards() if s.numel}
+        n = bags.ids.numel()
+        return Route(tuple(ALL if q in readers else NONE for q in range(world)),
+                     tuple(n if q in readers else 0 for q in range(world)))
+
+    def computes(self, layout: ShardLayout, rank: int) -> tuple[bool, ...]:
+        first = set(layout.unique_shards())
+        return tuple(s in first and s.numel > 0 for s in layout.shards_on(rank))
+
+    def forward(self, plans: Sequence[LookupPlan], blocks: Sequence[list[Block]]
+                ) -> tuple[list[torch.Tensor], list[list[Block]], list[list[torch.Tensor] | None]]:
+        wins = [[b.counts.unsqueeze(1) > 0 for b in bl] if p.pooling.max_mode else None
+                for p, bl in zip(plans, blocks)]
+        outs: list[torch.Tensor] = [torch.empty(0)] * len(plans)
+        exchanged = []
+        for t, (p, bl) in enumerate(zip(plans, blocks)):
+            if p.batch.replicated:  # this rank's blocks side by side
+                outs[t] = torch.cat([b.out for b in bl], dim=1) if bl else torch.empty(
+                    p.batch.bags.num_bags, 0, dtype=p.table.layout.dtype, device=p.batch.bags.ids.device)
+            else:
+                exchanged.append(t)
+        for t, out in zip(exchanged, exchange_columns(plans, blocks, exchanged)):
+            outs[t] = out
+        return outs, list(blocks), wins
+
+    def backward(self, plans: Sequence[LookupPlan], blocks: Sequence[list[Block]],
+                 grad_outs: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        pieces: list[list[torch.Tensor]] = [[] for _ in plans]
+        exchanged = []
+        for t, (p, bl, g) in enumerate(zip(plans, blocks, grad_outs)):
+            if p.batch.replicated:
+                pieces[t] = list(g.split([b.cols[1] for b in bl], dim=1))
+            else:
+                exchanged.append(t)
+        for t, got in zip(exchanged, columns_backward(plans, blocks, grad_outs, exchanged)):
+            pieces[t] = got
+        return pieces
+
+    def sums_every_rank(self, plan: LookupPlan) -> bool:
+        return False
+
+    def sync_grads(self, plan: LookupPlan, grads: list[torch.Tensor]) -> None:
+        sync_copies(plan, grads)
+
+    def for_replicated_batch(self, layout: ShardLayout, world: int, max_mode: bool
+                             ) -> tuple[Strategy, Placement] | None:
+        if _even_columns(layout, world):
+            return self, Shard(1)
+        return None if max_mode else (ROWS, Partial())
+
+
+COLUMNS = Columns()
+
+
+def _even_columns(layout: ShardLayout, world: int) -> bool:
+    """The blocks (group ranks) are exactly ``Shard(1)``'s even split in rank order, one per rank."""
+    n, d = layout.global_shape
+    widths = chunk_sizes(d, world)
+    want = sorted((r, (0, sum(widths[:r])), (n, widths[r])) for r in range(world))
+    return sorted((s.rank, s.offsets, s.sizes) for s in layout.shards) == want
+
+
+def _columns_of(plan: LookupPlan, rank: int) -> list[tuple[int, int]]:
+    """(first column, width) of each block ``rank`` computes, in its order."""
+    return [(s.offsets[1], s.sizes[1]) for s in plan.table.layout.unique_shards() if s.rank == rank and s.numel]
+
+
+def exchange_columns(plans: Sequence[LookupPlan], blocks: Sequence[list[Block]], tables: list[int]) -> list[torch.Tensor]:
     """COLUMNS, for ``tables`` together: ONE ``all_to_all`` hands every rank its bags' columns of every table.
 
     A rank's own columns never enter the message, and a table whose columns all
@@ -28,55 +113,55 @@ def exchange_columns(plans: list[LookupPlan], blocks: list[list[Block]], tables:
     """
     if not tables:
         return []
-    p0, dtype = plans[tables[0]], common_dtype([plans[t] for t in tables])
-    if all(plans[t].num_bags == p0.num_bags for t in tables):
+    p0, dtype = plans[tables[0]], common_dtype(plans[t].table.layout.dtype for t in tables)
+    if all(plans[t].batch.num_bags == p0.batch.num_bags for t in tables):
         received = _exchange_columns_rows(plans, blocks, tables, dtype)
     else:
         received = _exchange_columns_flat(plans, blocks, tables, dtype)
     rank = p0.rank
     outs = []
     for t in tables:
-        start, own = row_starts(plans[t].num_bags)[rank], plans[t].num_bags[rank]
+        start, own = row_starts(plans[t].batch.num_bags)[rank], plans[t].batch.num_bags[rank]
         pieces = [(b.cols[0], b.out[start : start + own]) for b in blocks[t]] + received[t]  # (first column, values)
-        dim, tdtype = plans[t].layout.global_shape[1], plans[t].layout.dtype
+        dim, tdtype = plans[t].table.layout.global_shape[1], plans[t].table.layout.dtype
         if len(pieces) == 1 and pieces[0][1].shape[1] == dim:
             outs.append(pieces[0][1].to(tdtype))
             continue
-        out = torch.zeros(own, dim, dtype=tdtype, device=p0.batch.ids.device)
+        out = torch.zeros(own, dim, dtype=tdtype, device=p0.batch.bags.ids.device)
         for c0, values in pieces:
             out[:, c0 : c0 + values.shape[1]] = values
         outs.append(out)
     return outs
 
 
-def _exchange_columns_flat(plans: list[LookupPlan], blocks: list[list[Block]], tables: list[int],
+def _exchange_columns_flat(plans: Sequence[LookupPlan], blocks: Sequence[list[Block]], tables: list[int],
                            dtype: torch.dtype) -> dict[int, list[tuple[int, torch.Tensor]]]:
     """:func:`exchange_columns`' message when tables differ in their bags per rank: each block's rows for a
     rank back to back. Per table, the (first column, values) pieces other ranks computed."""
     p0 = plans[tables[0]]
-    rank, world, dev = p0.rank, p0.world, p0.batch.ids.device
+    rank, world, dev = p0.rank, p0.world, p0.batch.bags.ids.device
     send = []
     for q in range(world):
         parts = []
         for t in tables if q != rank else ():
-            s, n = row_starts(plans[t].num_bags)[q], plans[t].num_bags[q]
+            s, n = row_starts(plans[t].batch.num_bags)[q], plans[t].batch.num_bags[q]
             parts += [b.out[s : s + n] for b in blocks[t]]
         send.append(parts)
-    own = {t: plans[t].num_bags[rank] for t in tables}
-    sizes = [0 if p == rank else sum(own[t] * w for t in tables for _, w in plans[t].columns_of(p))
+    own = {t: plans[t].batch.num_bags[rank] for t in tables}
+    sizes = [0 if p == rank else sum(own[t] * w for t in tables for _, w in _columns_of(plans[t], p))
              for p in range(world)]
     recv = all_to_all_parts(send, sizes, p0.group, dtype=dtype, device=dev)
     got: dict[int, list[tuple[int, torch.Tensor]]] = {t: [] for t in tables}
     for p, flat in enumerate(recv):
         at = 0
         for t in tables if p != rank else ():
-            for c0, w in plans[t].columns_of(p):
+            for c0, w in _columns_of(plans[t], p):
                 got[t].append((c0, flat[at : at + own[t] * w].view(own[t], w)))
                 at += own[t] * w
     return got
 
 
-def _exchange_columns_rows(plans: list[LookupPlan], blocks: list[list[Block]], tables: list[int],
+def _exchange_columns_rows(plans: Sequence[LookupPlan], blocks: Sequence[list[Block]], tables: list[int],
                            dtype: torch.dtype) -> dict[int, list[tuple[int, torch.Tensor]]]:
     """:func:`exchange_columns` for tables with the same bags per rank: row-major messages (as the backward's).
 
@@ -87,7 +172,7 @@ def _exchange_columns_rows(plans: list[LookupPlan], blocks: list[list[Block]], t
     rank is ``(this rank's bags, that rank's widths)``; each block is a column slice of it.
     """
     p0 = plans[tables[0]]
-    world, rank, dev, bags = p0.world, p0.rank, p0.batch.ids.device, p0.num_bags
+    world, rank, dev, bags = p0.world, p0.rank, p0.batch.bags.ids.device, p0.batch.num_bags
     widths = _widths(plans, tables, world)
     outs = [b.out for t in tables for b in blocks[t]]
     starts, mine = row_starts(bags), widths[rank]
@@ -111,14 +196,14 @@ def _exchange_columns_rows(plans: list[LookupPlan], blocks: list[list[Block]], t
             continue
         message, at = flat.view(bags[rank], widths[p]), 0
         for t in tables:
-            for c0, w in plans[t].columns_of(p):
+            for c0, w in _columns_of(plans[t], p):
                 got[t].append((c0, message[:, at : at + w]))
                 at += w
     return got
 
 
 def columns_backward(
-    plans: list[LookupPlan], blocks: list[list[Block]], grad_outs: tuple[torch.Tensor, ...], tables: list[int]
+    plans: Sequence[LookupPlan], blocks: Sequence[list[Block]], grad_outs: Sequence[torch.Tensor], tables: list[int]
 ) -> list[list[torch.Tensor]]:
     """COLUMNS backward for ``tables`` together: ONE reverse ``all_to_all``; per table, each block's gradient.
 
@@ -130,27 +215,27 @@ def columns_backward(
     """
     if not tables:
         return []
-    p0, dtype = plans[tables[0]], common_dtype([plans[t] for t in tables])
-    world, dev = p0.world, p0.batch.ids.device
-    bags = p0.num_bags
-    if all(plans[t].num_bags == bags for t in tables):
+    p0, dtype = plans[tables[0]], common_dtype(plans[t].table.layout.dtype for t in tables)
+    world, dev = p0.world, p0.batch.bags.ids.device
+    bags = p0.batch.num_bags
+    if all(plans[t].batch.num_bags == bags for t in tables):
         return _columns_backward_rows(plans, blocks, grad_outs, tables, dtype)
-    send = [[grad_outs[t][:, c0 : c0 + w] for t in tables for c0, w in plans[t].columns_of(p)] for p in range(world)]
-    sizes = [sum(plans[t].num_bags[p] * b.cols[1] for t in tables for b in blocks[t]) for p in range(world)]
+    send = [[grad_outs[t][:, c0 : c0 + w] for t in tables for c0, w in _columns_of(plans[t], p)] for p in range(world)]
+    sizes = [sum(plans[t].batch.num_bags[p] * b.cols[1] for t in tables for b in blocks[t]) for p in range(world)]
     recv = all_to_all_parts(send, sizes, p0.group, dtype=dtype, device=dev)
     got: dict[int, list[list[torch.Tensor]]] = {t: [[] for _ in blocks[t]] for t in tables}
     for p, flat in enumerate(recv):
         at = 0
         for t in tables:
-            n = plans[t].num_bags[p]
+            n = plans[t].batch.num_bags[p]
             for k, b in enumerate(blocks[t]):
                 got[t][k].append(flat[at : at + n * b.cols[1]].view(n, b.cols[1]))
                 at += n * b.cols[1]
-    return [[torch.cat(parts).to(plans[t].layout.dtype) for parts in got[t]] for t in tables]
+    return [[torch.cat(parts).to(plans[t].table.layout.dtype) for parts in got[t]] for t in tables]
 
 
 def _columns_backward_rows(
-    plans: list[LookupPlan], blocks: list[list[Block]], grad_outs: tuple[torch.Tensor, ...], tables: list[int],
+    plans: Sequence[LookupPlan], blocks: Sequence[list[Block]], grad_outs: Sequence[torch.Tensor], tables: list[int],
     dtype: torch.dtype,
 ) -> list[list[torch.Tensor]]:
     """:func:`columns_backward` for tables with the same bags per rank: row-major messages.
@@ -161,11 +246,11 @@ def _columns_backward_rows(
     through its transport, which costs more than the copy (BENCHMARKS.md).
     """
     p0 = plans[tables[0]]
-    world, rank, dev, bags = p0.world, p0.rank, p0.batch.ids.device, p0.num_bags
+    world, rank, dev, bags = p0.world, p0.rank, p0.batch.bags.ids.device, p0.batch.num_bags
     widths = _widths(plans, tables, world)
 
     def columns(p: int) -> list[torch.Tensor]:
-        return [grad_outs[t][:, c0 : c0 + w].to(dtype) for t in tables for c0, w in plans[t].columns_of(p)]
+        return [grad_outs[t][:, c0 : c0 + w].to(dtype) for t in tables for c0, w in _columns_of(plans[t], p)]
 
     send_sizes = [0 if p == rank else bags[rank] * widths[p] for p in range(world)]
     flat_in = torch.empty(sum(send_sizes), dtype=dtype, device=dev)
@@ -190,15 +275,15 @@ def _columns_backward_rows(
     for t in tables:
         table = []
         for b in blocks[t]:
-            table.append(full[:, at : at + b.cols[1]].to(plans[t].layout.dtype))
+            table.append(full[:, at : at + b.cols[1]].to(plans[t].table.layout.dtype))
             at += b.cols[1]
         out.append(table)
     return out
 
 
-def _widths(plans: list[LookupPlan], tables: list[int], world: int) -> list[int]:
+def _widths(plans: Sequence[LookupPlan], tables: list[int], world: int) -> list[int]:
     """Per rank, how many columns of ``tables`` it computes: the width of its row-major messages."""
-    return [sum(w for t in tables for _, w in plans[t].columns_of(p)) for p in range(world)]
+    return [sum(w for t in tables for _, w in _columns_of(plans[t], p)) for p in range(world)]
 
 
 def _rows_of_others(t: torch.Tensor, start: int, n: int) -> torch.Tensor | None:
