@@ -11,12 +11,13 @@ Pieces of all ranks are concatenated in rank order: rank ``r``'s rows occupy
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
-    "all_to_all_flat", "all_to_all_parts", "all_to_all_rows", "common_dtype", "gather_rows",
+    "all_to_all_flat", "all_to_all_jagged", "all_to_all_parts", "all_to_all_rows", "common_dtype", "gather_rows",
     "reduce_scatter_rows", "row_starts", "share_flat", "share_rows", "side_by_side", "sum_into",
 ]
 
@@ -191,6 +192,62 @@ def all_to_all_rows(
     flat_out = torch.empty(sum(out_splits), dtype=dtype, device=device)
     dist.all_to_all_single(flat_out, flat_in.to(dtype), out_splits, in_splits, group=group)
     return [p.view(s) for p, s in zip(flat_out.split(out_splits), recv_shapes)]
+
+
+Jagged = tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+"""A jagged batch: ids (or any values) back to back, one length per bag, optional per-id weights."""
+
+
+def all_to_all_jagged(
+    send: Sequence[Sequence[Jagged | None]], recv: Sequence[Sequence[tuple[int, int] | None]],
+    weighted: Sequence[bool], group: dist.ProcessGroup | None, *, dtype: torch.dtype, float_dtype: torch.dtype,
+    device: torch.device,
+) -> list[list[Jagged]]:
+    """Send jagged batches of several tables to every rank in ONE ``all_to_all`` (ids and lengths, of one
+    integer dtype), and their weights in a second one only when some table is ``weighted``; *collective*.
+
+    ``send[q][t]``: what this rank sends rank ``q`` of table ``t`` (``None``: nothing, ``q`` does not take
+    ``t``); ``recv[p][t]``: how many ids and bags rank ``p`` sends this one of ``t`` (``None``: this rank does
+    not take ``t``), known beforehand (an agreement step); ``weighted[t]``: table ``t``'s batches carry
+    weights (on every rank that sends it some; sent as ``float_dtype``); ids and lengths travel as ``dtype``.
+    Returns ``out[p][t]``: what ``p`` sent of each table this rank takes (empty for the others).
+    """
+    dev = device
+    # ONE flat message, written in place: per destination, per table it takes: ids, then bag lengths
+    send_sizes = [sum(x.numel() for j in per if j is not None for x in j[:2]) for per in send]
+    flat_in = torch.empty(sum(send_sizes), dtype=dtype, device=dev)
+    at = 0
+    for per in send:
+        for j in per:
+            for x in j[:2] if j is not None else ():
+                flat_in[at : at + x.numel()].copy_(x)
+                at += x.numel()
+    sizes = [sum(n + nb for n, nb in (r for r in per if r is not None)) for per in recv]
+    flat_out = torch.empty(sum(sizes), dtype=dtype, device=dev)
+    dist.all_to_all_single(flat_out, flat_in, sizes, send_sizes, group=group)
+    del flat_in
+    empty = flat_out.new_empty(0)
+    out: list[list[Jagged]] = []
+    for sizes_from, part in zip(recv, flat_out.split(sizes)):
+        at, got = 0, []
+        for size in sizes_from:
+            n, nb = size if size is not None else (0, 0)
+            piece: Jagged = (part[at : at + n], part[at + n : at + n + nb], None) if size else (empty, empty, None)
+            got.append(piece)
+            at += n + nb
+        out.append(got)
+    if any(weighted):
+        wsend = [torch.cat([w.to(float_dtype) for jag in per if jag is not None and (w := jag[2]) is not None]
+                           + [torch.empty(0, dtype=float_dtype, device=dev)]) for per in send]
+        wsizes = [sum(size[0] for t, size in enumerate(per) if size is not None and weighted[t]) for per in recv]
+        for p, wpart in enumerate(all_to_all_flat(wsend, wsizes, group, dtype=float_dtype, device=dev)):
+            w_at = 0
+            for t, size in enumerate(recv[p]):
+                if size is not None and weighted[t]:
+                    ids, lengths, _ = out[p][t]
+                    out[p][t] = (ids, lengths, wpart[w_at : w_at + size[0]])
+                    w_at += size[0]
+    return out
 
 
 def common_dtype(dtypes: Iterable[torch.dtype | None]) -> torch.dtype:

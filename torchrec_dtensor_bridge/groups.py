@@ -30,6 +30,7 @@ ranks, which is what the lookups' exchanges index by.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -40,7 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ._compat import ShardedTensor, sharded_tensor_process_group
 
-__all__ = ["CommGroup", "comm_group", "group_of_mesh", "sharding_axis"]
+__all__ = ["CommGroup", "call_group", "comm_group", "group_of_mesh", "sharding_axis"]
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,43 @@ def comm_group(t: object, process_group: dist.ProcessGroup | None = None) -> Com
     if isinstance(t, DTensor):
         return group_of_mesh(t.device_mesh, sharding_axis(t.device_mesh, t.placements))
     return of_group(None)
+
+
+def call_group(
+    fn: str, weights: Sequence[object], process_group: dist.ProcessGroup | None, input_mesh_group: CommGroup | None
+) -> CommGroup:
+    """The group a call on ``weights`` runs on: ``process_group`` when given, else the one group of the
+    weights' meshes (weights on one-rank meshes take the group of the others, or ``input_mesh_group``, or
+    the default group); collective-free.
+
+    Raises ``ValueError`` directly (not through an agreement: there is no group to
+    agree on) when the weights' meshes name different groups, or this rank is
+    not in the group: both are structure every rank sees alike.
+    """
+    if process_group is not None:
+        group = of_group(process_group)
+    else:
+        found: list[CommGroup] = []
+        for w in weights:
+            if isinstance(w, DTensor) and w.device_mesh.size() > 1:
+                g = comm_group(w)
+                if all(g.members != f.members for f in found):
+                    found.append(g)
+        if len(found) > 1:
+            raise ValueError(
+                f"{fn}: the weights live on meshes of different groups {[list(g.members) for g in found]}; "
+                "a lookup runs on one group (pass process_group, or put the tables on one mesh)"
+            )
+        group = found[0] if found else (input_mesh_group or of_group(None))
+    if input_mesh_group is not None and input_mesh_group.members != group.members:
+        raise ValueError(
+            f"{fn}: the DTensor input lives on ranks {list(input_mesh_group.members)} but the lookup runs on "
+            f"ranks {list(group.members)} (the weight's group); put the input on the weight's mesh axis"
+        )
+    me = dist.get_rank() if dist.is_initialized() else 0
+    if me not in group.members:
+        raise ValueError(f"{fn}: rank {me} is not in the lookup's group of ranks {list(group.members)}")
+    return group
 
 
 def clear_group_cache() -> None:

@@ -383,7 +383,7 @@ def check_gather_bags(rank: int, world_size: int) -> None:
     from torchrec_dtensor_bridge.lookup.plan import Route
     from torchrec_dtensor_bridge.lookup.strategies.rows import plan_route
     from torchrec_dtensor_bridge.lookup.arguments import Bags
-    from torchrec_dtensor_bridge.lookup.agree import RankInfo
+    from torchrec_dtensor_bridge.lookup.arguments import RankInfo
 
     g = torch.Generator().manual_seed(rank)
     mine = []

@@ -43,6 +43,7 @@ lookup's group in its rank order:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
 import torch
@@ -54,7 +55,8 @@ from ..convert.dtensor import dtensor_from_local_shards
 from ..groups import CommGroup, comm_group
 from ..layout import ShardLayout, chunk_sizes, contiguous_strides
 from ..optim.state import Binding
-from .agree import InputKind, TableCodes, agree, batch_digest
+from .entry import InputKind, agree
+from .arguments import TableCodes
 from .arguments import Bags
 from .entry import finish, make_plan
 from .function import pooled_lookup
@@ -147,6 +149,16 @@ def replicated_input(
                      PoolOptions(mode == "max", padding, skip_padding), fn=fn, binding=binding)
     (out,) = pooled_lookup([plan], [table.weight])
     return finish(out, bags, mode, padding), [placement], isinstance(placement, Shard)
+
+
+def batch_digest(bags: Bags) -> int:
+    """62 bits of a batch's ids, bag lengths and weights: ranks holding one ``Replicate()`` batch compare it."""
+    h = hashlib.blake2b(digest_size=8)
+    for t in (bags.ids, bags.lengths, bags.weights):
+        if t is not None:
+            h.update(str(t.dtype).encode())
+            h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") >> 2
 
 
 def check_replicated(fn: str, error: RejectedArguments | None, bags: Bags | None, codes: list[TableCodes],

@@ -3,12 +3,12 @@
 The public lookups (:mod:`.functional`, :mod:`.tables`) and ``shard_module``'s collection forward all go
 through here, in this order, on every rank (the same order on all ranks, so nothing can hang):
 
-1. :func:`call_group` and :func:`resolve_table` - the call's group (the weights' meshes, or
+1. :func:`..groups.call_group` and :func:`resolve_table` - the call's group (the weights' meshes, or
    ``process_group``) and each weight resolved once (layout in the group's ranks, local shards, its
    strategy, picked by :func:`pick_strategy`); collective-free;
 2. (the caller's argument checks, :mod:`.arguments`, recording - not raising - a failure);
 3. :func:`agree_and_route` - each table's route (its strategy's ``route``: which ids go to which rank),
-   then ONE agreement ``all_gather`` (:func:`.agree.agree`) carrying every rank's verdict, options and
+   then ONE agreement ``all_gather`` (:func:`agree`) carrying every rank's verdict, options and
    routed counts; any failure or disagreement raises on every rank;
 4. :func:`run_tables` - the ids of every table that needs them travel in ONE ``all_to_all``
    (:func:`gather_bags`), ``max_norm`` renormalises, each table's :class:`.plan.LookupPlan` is fixed and
@@ -23,6 +23,7 @@ agreement step): ``tdb.to_dtensor(w)`` (collective, zero-copy) gives the same ta
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 from typing import NoReturn
 
@@ -30,21 +31,39 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import agreement, kernels
 from ..agreement import Rejected, RejectedArguments, timeouts_named
-from ..collectives import all_to_all_flat
+from ..collectives import all_to_all_jagged
 from ..convert.dtensor import layout_of, local_shards_of, needs_layout_gather
-from ..groups import CommGroup, comm_group, of_group
+from ..groups import CommGroup, call_group
 from ..layout import ShardLayout
 from ..optim.state import Binding
-from .agree import InputKind, RankInfo, TableCodes, agree
-from .arguments import Bags, TableOptions, read_together
+from .arguments import (CODE_WIDTH, Bags, RankInfo, TableCodes, TableOptions, check_same_codes, read_together,
+                        table_fields)
 from .function import AFTER_AGREEMENT, pooled_lookup
 from .plan import ALL, NONE, BatchPlan, LookupPlan, PendingRoute, PoolOptions, ResolvedTable, Route, Strategy
 from .renorm import renormalize
 from .strategies import COLUMNS, ROWS, WHOLE
 
-__all__ = ["agree_and_route", "call_group", "finish", "gather_bags", "pick_strategy", "psw_grad", "refuse",
+__all__ = ["FIRST_MESSAGE_TABLES", "InputKind", "agree", "agree_and_route", "finish", "gather_bags", "pick_strategy", "psw_grad", "refuse",
            "resolve_routes", "resolve_table", "run_tables"]
+
+
+class InputKind(enum.Enum):
+    """How a rank passed its batch; ranks must agree (a ``Replicate()`` input is one batch for all)."""
+
+    PLAIN = 0
+    REPLICATE = 1
+    SHARD = 2
+
+    def describe(self) -> str:
+        return {InputKind.PLAIN: "a plain tensor", InputKind.REPLICATE: "a Replicate() DTensor",
+                InputKind.SHARD: "a Shard(0) DTensor"}[self]
+
+
+_HEADER = 4  # number of tables, input kind, input digest, kernel choices (kernels.choice_code)
+FIRST_MESSAGE_TABLES = 16
+"""Tables whose sizes and options travel in the agreement's first (fixed-size) message."""
 
 
 def pick_strategy(layout: ShardLayout, world: int) -> Strategy:
@@ -56,41 +75,6 @@ def pick_strategy(layout: ShardLayout, world: int) -> Strategy:
     if all(s.sizes[0] == rows for s in layout.unique_shards() if s.numel):
         return COLUMNS
     return ROWS
-
-
-def call_group(
-    fn: str, weights: Sequence[object], process_group: dist.ProcessGroup | None, input_mesh_group: CommGroup | None
-) -> CommGroup:
-    """The group a lookup runs on (module docstring); collective-free.
-
-    Raises ``ValueError`` directly (not through an agreement: there is no group to
-    agree on) when the weights' meshes name different groups, or this rank is
-    not in the group: both are structure every rank sees alike.
-    """
-    if process_group is not None:
-        group = of_group(process_group)
-    else:
-        found: list[CommGroup] = []
-        for w in weights:
-            if isinstance(w, DTensor) and w.device_mesh.size() > 1:
-                g = comm_group(w)
-                if all(g.members != f.members for f in found):
-                    found.append(g)
-        if len(found) > 1:
-            raise ValueError(
-                f"{fn}: the weights live on meshes of different groups {[list(g.members) for g in found]}; "
-                "a lookup runs on one group (pass process_group, or put the tables on one mesh)"
-            )
-        group = found[0] if found else (input_mesh_group or of_group(None))
-    if input_mesh_group is not None and input_mesh_group.members != group.members:
-        raise ValueError(
-            f"{fn}: the DTensor input lives on ranks {list(input_mesh_group.members)} but the lookup runs on "
-            f"ranks {list(group.members)} (the weight's group); put the input on the weight's mesh axis"
-        )
-    me = dist.get_rank() if dist.is_initialized() else 0
-    if me not in group.members:
-        raise ValueError(f"{fn}: rank {me} is not in the lookup's group of ranks {list(group.members)}")
-    return group
 
 
 def resolve_table(fn: str, weight: object, group: CommGroup) -> ResolvedTable:
@@ -160,6 +144,71 @@ def routes_for(tables: list[ResolvedTable], bags: list[Bags], options: list[Tabl
         else:
             planned.append(t.strategy.route(t.layout, b, t.group.size))
     return resolve_routes(planned)
+
+
+def agree(
+    fn: str,
+    error: RejectedArguments | None,
+    bags: Sequence[Bags] | None,
+    codes: Sequence[TableCodes],
+    group: CommGroup,
+    sends: Sequence[Sequence[int] | None] | None = None,
+    *,
+    kind: InputKind = InputKind.PLAIN,
+    digest: int = 0,
+) -> list[list[RankInfo]]:
+    """The agreement step for a lookup of one or several tables; *collective* over ``group``.
+
+    Returns ``infos[table][rank]``: every rank's batch sizes for each table
+    (ranks are group ranks). ONE ``all_gather`` (:func:`..agreement.agree`)
+    carries the verdict, the number of tables, the input's kind and digest and
+    the sizes and codes of the first :data:`FIRST_MESSAGE_TABLES` tables,
+    padded to that many - the same size whatever the call, so ranks that
+    disagree even on the number of tables or on the input's kind still meet in
+    it and raise. Only a lookup of more tables needs a second ``all_gather``.
+
+    Args:
+        fn: public function name, for messages.
+        error: this rank's validation failure, if any.
+        bags: this rank's canonical batch per table (``None`` when ``error`` is set).
+        codes: per table, what every rank must agree on.
+        group: the lookup's group.
+        sends: per table, how many ids this rank will send to each rank (:mod:`.route`), or ``None``.
+        kind: how this rank passed its batch.
+        digest: for a ``Replicate()`` input, :func:`batch_digest` of it (0 otherwise).
+
+    Raises:
+        The failing rank's exception kind on every rank, or ``ValueError`` when ranks disagree.
+    """
+    n, world = len(codes), group.size
+    per_table = [None] * n if bags is None else list(bags)
+    routes = [None] * n if sends is None or bags is None else list(sends)
+    nf = CODE_WIDTH + world
+    try:
+        fields = [x for b, c, r in zip(per_table, codes, routes) for x in table_fields(b, c, r, world)]
+        device = per_table[0].ids.device if per_table and per_table[0] is not None else torch.device("cpu")
+        header = [n, kind.value, digest if kind is InputKind.REPLICATE else 0, kernels.choice_code(device)]
+    except Exception as e:  # noqa: BLE001 - this rank still meets the others in the agreement, failing
+        if error is None:
+            error = RejectedArguments(RuntimeError, f"{fn}: this rank could not prepare its part of the "
+                                      f"agreement step: {type(e).__name__}: {e}")
+        fields, header = [], [n, kind.value, 0, 0]
+    width = _HEADER + FIRST_MESSAGE_TABLES * nf
+    rows = agreement.agree(fn, None if error is None else error.problem, header + fields, group, width=width)
+    counts = [r[0] for r in rows]
+    if len(set(counts)) > 1:
+        raise ValueError(f"{fn}: ranks passed different numbers of tables: {counts} (rank order)")
+    agreement.check_same(fn, "the input's kind", [r[1] for r in rows],
+                         shown=[InputKind(r[1]).describe() for r in rows],
+                         hint="every rank must pass its input alike")
+    agreement.check_same(fn, "the Replicate() input's values (digests)", [r[2] for r in rows],
+                         hint="a Replicate() input must be the same batch on every rank")
+    kernels.settle(device, [r[3] for r in rows])  # the ranks run the same kernels, or fall back together
+    tables = [r[_HEADER:] for r in rows]
+    if n > FIRST_MESSAGE_TABLES:
+        more = agreement.exchange(fields[FIRST_MESSAGE_TABLES * nf :], group)
+        tables = [t + m for t, m in zip(tables, more)]
+    return [check_same_codes(fn, [t[i * nf : (i + 1) * nf] for t in tables], i if n > 1 else None) for i in range(n)]
 
 
 def agree_and_route(
@@ -311,43 +360,13 @@ def gather_bags(
         assert info.sends is not None, "a routed table's sizes travel in the agreement step"
         return info.sends[rank]
 
-    # ONE flat message, written in place: per destination, per table it reads: ids, then bag lengths
-    send_sizes = [sum(x.numel() for t, r in enumerate(routes) if r.masks[q] is not NONE for x in picked[q][t][:2])
-                  for q in range(world)]
-    flat_in = torch.empty(sum(send_sizes), dtype=dtype, device=dev)
-    at = 0
-    for q in range(world):
-        for t, r in enumerate(routes):
-            if r.masks[q] is not NONE:
-                for x in picked[q][t][:2]:
-                    flat_in[at : at + x.numel()].copy_(x)
-                    at += x.numel()
-    sizes = [sum(received(infos[t][p]) + infos[t][p].num_bags for t in mine) for p in range(world)]
-    flat_out = torch.empty(sum(sizes), dtype=dtype, device=dev)
-    dist.all_to_all_single(flat_out, flat_in, sizes, send_sizes, group=group)
-    del flat_in
-    ids: dict[int, list[torch.Tensor]] = {t: [] for t in mine}
-    lengths: dict[int, list[torch.Tensor]] = {t: [] for t in mine}
-    for p, part in enumerate(flat_out.split(sizes)):
-        at = 0
-        for t in mine:
-            n, nb = received(infos[t][p]), infos[t][p].num_bags
-            ids[t].append(part[at : at + n])
-            lengths[t].append(part[at + n : at + n + nb])
-            at += n + nb
-    weights: dict[int, torch.Tensor] = {}
-    if any(weighted):
-        wsend = [torch.cat([
-            w.to(float_dtype) for t, r in enumerate(routes) if r.masks[q] is not NONE and (w := picked[q][t][2]) is not None
-        ] + [torch.empty(0, dtype=float_dtype, device=dev)]) for q in range(world)]
-        wsizes = [sum(received(infos[t][p]) for t in mine if weighted[t]) for p in range(world)]
-        wparts: dict[int, list[torch.Tensor]] = {t: [] for t in mine if weighted[t]}
-        for p, part in enumerate(all_to_all_flat(wsend, wsizes, group, dtype=float_dtype, device=dev)):
-            at = 0
-            for t in wparts:
-                wparts[t].append(part[at : at + received(infos[t][p])])
-                at += received(infos[t][p])
-        weights = {t: torch.cat(w) for t, w in wparts.items()}
+    send = [[picked[q][t] if r.masks[q] is not NONE else None for t, r in enumerate(routes)] for q in range(world)]
+    recv = [[(received(infos[t][p]), infos[t][p].num_bags) if t in mine else None for t in range(len(bags))]
+            for p in range(world)]
+    got = all_to_all_jagged(send, recv, weighted, group, dtype=dtype, float_dtype=float_dtype, device=dev)
+    ids = {t: [g[t][0] for g in got] for t in mine}
+    lengths = {t: [g[t][1] for g in got] for t in mine}
+    weights = {t: torch.cat([w for g in got if (w := g[t][2]) is not None]) for t in mine if weighted[t]}
     out = []
     for t, b in enumerate(bags):
         if t in ids:

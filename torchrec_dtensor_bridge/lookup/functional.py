@@ -36,9 +36,11 @@ from ..agreement import RejectedArguments
 from ..groups import CommGroup
 from ..optim import FusedOptimizer
 from . import dtensor_input
-from .agree import InputKind, TableCodes
+from .arguments import TableCodes
+from .entry import InputKind
 from .arguments import Bags, TableOptions, bags_for_embedding, bags_from_input, bind_optimizer, check_options
-from .entry import agree_and_route, call_group, finish, psw_grad, resolve_table, run_tables
+from ..groups import call_group
+from .entry import agree_and_route, finish, psw_grad, resolve_table, run_tables
 from .plan import ResolvedTable
 
 __all__ = ["sharded_embedding", "sharded_embedding_bag"]

@@ -36,10 +36,11 @@ import torch.distributed as dist
 from ..groups import CommGroup
 from ..optim import FusedOptimizer
 from ..optim.state import Binding
-from .agree import TableCodes
+from .arguments import TableCodes
 from .arguments import (Bags, RejectedArguments, TableOptions, ValueCheck, bags_from_input, bind_optimizer,
                         check_options, check_values)
-from .entry import agree_and_route, call_group, finish, psw_grad, refuse, resolve_table, run_tables
+from ..groups import call_group
+from .entry import agree_and_route, finish, psw_grad, refuse, resolve_table, run_tables
 from .plan import ResolvedTable
 
 __all__ = ["refuse_lookup", "sharded_embedding_bags"]
