@@ -22,9 +22,8 @@ Steps of backward:
 2. Per-sample weights that require grad get theirs (:func:`.psw.psw_backward`), before any update.
 3. Tables with a fused optimizer are updated in place (:func:`.optimizer_step.apply_optimizers`: one
    kernel call per storage where a shard needs nothing from other ranks); they get no gradient.
-4. Other tables get their weight gradient (:func:`.local.weight_grad`; copies made to agree by
-   ``Strategy.sync_grads``) as a DTensor with the weight's mesh, placements and layout, equal shard by
-   shard to the unsharded gradient of all ranks' batches.
+4. Other tables get their weight gradient (:mod:`.gradients`) as a DTensor with the weight's mesh,
+   placements and layout, equal shard by shard to the unsharded gradient of all ranks' batches.
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..agreement import timeouts_named
-from ..wrapper import LocalShardsWrapper
-from .local import Pooling, pool, weight_grad
+from .gradients import grad_dtensor, table_grads
+from .local import Pooling, pool
 from .optimizer_step import apply_optimizers
 from .plan import Block, LookupPlan, Strategy
 from .psw import psw_backward
@@ -143,51 +142,10 @@ def _backward(ctx: Any, grad_outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tens
     fused = [t for t, p in enumerate(plans) if p.optimizer is not None]
     if fused:  # updated in place; no weight gradient
         apply_optimizers(plans, blocks, pieces, ctx.wins, fused)
-    grads = [None if p.optimizer is not None else _table_grads(p, bl, pc, win)
+    grads = [None if p.optimizer is not None else table_grads(p, bl, pc, win)
              for p, bl, pc, win in zip(plans, blocks, pieces, ctx.wins)]
-    return (None, *(None if g is None else _grad_dtensor(m, p, g)
+    return (None, *(None if g is None else grad_dtensor(m, p, g)
                     for m, p, g in zip(ctx.weight_meta, plans, grads)), *psw_grads)
-
-
-def _table_grads(
-    plan: LookupPlan, blocks: list[Block], pieces: list[torch.Tensor], win: list[torch.Tensor] | None
-) -> list[torch.Tensor]:
-    """One table's per-shard weight gradients from its blocks' output gradients."""
-    computed: dict[int, torch.Tensor] = {}
-    for k, (b, g) in enumerate(zip(blocks, pieces)):
-        if win is not None:
-            g = g * win[k]
-        r = Pooling(plan.table.shards[b.index].detach(), b.ids, b.offsets, b.weights, plan.pooling.max_mode)
-        computed[b.index] = weight_grad(g, r, b.argmax)
-    # only shards no block was computed on (replicas, empty blocks) start from zeros
-    grads = [computed[i] if i in computed else torch.zeros_like(s) for i, s in enumerate(plan.table.shards)]
-    _mask_padding(plan, grads)
-    plan.table.strategy.sync_grads(plan, grads)
-    return grads
-
-
-def _mask_padding(plan: LookupPlan, grads: list[torch.Tensor]) -> None:
-    """An un-pooled lookup returns the padding row but must not train it."""
-    p = plan.pooling.padding_idx
-    if plan.pooling.skip_padding or p is None:
-        return
-    for spec, g in zip(plan.mine, grads):
-        if spec.offsets[0] <= p < spec.offsets[0] + spec.sizes[0]:
-            g[p - spec.offsets[0]] = 0
-
-
-def _grad_dtensor(meta: tuple, plan: LookupPlan, grads: list[torch.Tensor]) -> DTensor:
-    local, mesh, placements, shape, stride = meta
-    if isinstance(local, LocalShardsWrapper):
-        g_local: torch.Tensor = LocalShardsWrapper(
-            grads, [s.offsets for s in plan.mine], plan.table.layout.global_shape, layout=plan.table.table_layout,
-            dtype=local.dtype, device=local.device, _trusted=True,
-        )
-    elif grads:
-        g_local = grads[0]
-    else:
-        g_local = torch.zeros_like(local)
-    return DTensor.from_local(g_local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def pooled_lookup(
