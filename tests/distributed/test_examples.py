@@ -3,7 +3,7 @@
 The program is launched as a user would (``python -m torch.distributed.run
 --standalone --nproc_per_node=4 ... -e all``) once per module; its rank-0
 output is parsed, not compared with a golden string. Expected shard boxes are
-computed here from SPEC §6's definitions, independently of the library.
+computed here from the layouts' definitions (README, "Examples"), independently of the library.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torchrec_dtensor_bridge as tdb
 from .harness import ROOT, launch
 
 SCRIPT = ROOT / "examples" / "torchrec_sharding_example.py"
-NAMES = ["row-wise-even", "row-wise-uneven", "table-wise", "column-wise", "grid"]  # SPEC §6
+NAMES = ["row-wise-even", "row-wise-uneven", "table-wise", "column-wise", "grid"]
 CLI_TIMEOUT = 150  # seconds for one launch; the test marks allow a little more
 
 
@@ -87,7 +87,7 @@ def expected_block_map(boxes: list[tuple[int, str, str, str]], n_rows: int, n_co
     return bands
 
 
-# Expected boxes from SPEC §6's wording (an 8x16 table, 4 ranks).
+# Expected boxes from the layouts' definitions (an 8x16 table, 4 ranks).
 ROW_UNEVEN = [box(r, r0, h, 0, 16) for r, (r0, h) in enumerate([(0, 1), (1, 3), (4, 1), (5, 3)])]
 ROW_EVEN = [box(r, 2 * r, 2, 0, 16) for r in range(4)]
 COL_4 = [box(r, 0, 8, 4 * r, 4) for r in range(4)]

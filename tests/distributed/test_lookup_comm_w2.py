@@ -25,7 +25,7 @@ per strategy:
 * COLUMNS (column-wise, table-wise): forward one ``all_to_all``; backward one ``all_to_all``;
 * ``max_norm`` on column-cut rows: one more ``all_reduce`` of partial norms.
 
-What SPEC §4 / issue 5 ask beyond this - no data collective for column-wise
+What the lookups promise beyond this - no data collective for column-wise
 with a REPLICATED input, and a row-wise output that stays ``Partial`` and is
 completed by one ``all_reduce`` - needs a ``Replicate`` DTensor input:
 ``test_spec_replicated_dtensor_input`` checks it. Its forward still runs the
@@ -147,7 +147,7 @@ CASES: dict[str, tuple[str, str, dict, bool, tuple[dict, dict]]] = {
     # un-pooled lookups follow the same strategies
     "embedding_row_wise": ("row_wise", "embedding", {}, False, REDUCE),
     "embedding_column_wise": ("column_wise", "embedding", {}, False, COLUMNS),
-    # the same plain batch on every rank is still "each rank's own batch" (SPEC's zero-communication
+    # the same plain batch on every rank is still "each rank's own batch" (the zero-communication
     # replicated-input path needs a DTensor input: see test_spec_replicated_dtensor_input)
     "column_wise_same_batch": ("column_wise", "bag", {}, True, COLUMNS),
 }
@@ -222,9 +222,9 @@ def test_counter_sees_c10d_calls(pool):
         assert got["idle"] == {}
 
 
-# ------------------------------------------------------------ SPEC: replicated DTensor input
+# ------------------------------------------------------------ replicated DTensor input
 def spec_replicated_input(rank: int, world_size: int) -> dict:
-    """SPEC §4 with a ``Replicate`` DTensor input: column-wise lookups communicate nothing in forward or
+    """With a ``Replicate`` DTensor input: column-wise lookups communicate nothing in forward or
     backward (the output stays sharded on the embedding dim until gathered); a row-wise output stays
     ``Partial`` and one all_reduce completes it. Returns the counts."""
     from torch.distributed.tensor import DTensor, Replicate

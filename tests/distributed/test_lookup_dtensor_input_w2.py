@@ -1,4 +1,4 @@
-"""DTensor inputs of ``sharded_embedding_bag`` / ``sharded_embedding`` on 2 gloo ranks (SPEC §4, API.md).
+"""DTensor inputs of ``sharded_embedding_bag`` / ``sharded_embedding`` on 2 gloo ranks.
 
 * ``Replicate()`` input (the same whole batch on every rank): the output's
   ``full_tensor()`` and the weight's gradient equal ``F.embedding_bag`` /
