@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from ..agreement import RejectedArguments
 from ..lookup import refuse_lookup, sharded_embedding_bags
+from ..optim import FusedOptimizer
 from ..torchrec_plan import embedding_bag_collection_type, jagged_types
 from .modules import GATHER_OUTPUT_ATTR, gather_output, group_of
 
@@ -87,7 +88,7 @@ def _without_last(offsets: torch.Tensor | None, bag: nn.EmbeddingBag) -> torch.T
     return offsets[:-1] if offsets is not None and bag.include_last_offset else offsets
 
 
-def ebc_forward(self: Any, features: Any, optimizer: Any = None) -> Any:
+def ebc_forward(self: Any, features: Any, optimizer: FusedOptimizer | None = None) -> Any:
     """``EmbeddingBagCollection.forward`` with sharded tables; *collective* (each rank passes its own batch).
 
     Args:
