@@ -23,7 +23,8 @@ from bench_results import record
 def _paths(cfg: dict[str, Any]) -> dict[str, Callable[[], object]]:
     import torch
 
-    from torchrec_dtensor_bridge.kernels import choose, impl, ops
+    from torchrec_dtensor_bridge.kernels import Batch, State, Tables, choose, ops
+    from torchrec_dtensor_bridge.optim_kinds import SGD, Hyper, WeightDecayMode
 
     rows, dim, tables, bags, bag = cfg["rows"], cfg["dim"], cfg["tables"], cfg["bags"], cfg["bag"]
     g = torch.Generator().manual_seed(0)
@@ -33,14 +34,16 @@ def _paths(cfg: dict[str, Any]) -> dict[str, Callable[[], object]]:
     offsets = torch.arange(0, tables * bags * bag + 1, bag)
     grad = torch.rand(bags, tables * dim, generator=g) * 1e-3
     hyper = (0.01, 1e-8, 0.0, 0, 0.9, 0.999, 1)
-    update = (weights, at, dims, sizes, grad, ids, offsets, None, "sgd", None, [], None, [], *hyper)
-    pool_impl, update_impl = choose.pool_impl(weights.device), choose.update_impl(weights.device, "sgd", 0.0)
+    update = (weights, at, dims, sizes, grad, ids, offsets, None, SGD.name, None, [], None, [], *hyper)
+    pool_impl, update_impl = choose.pool_impl(weights.device), choose.update_impl(weights.device, SGD, 0.0)
+    grouped = Tables(weights, at, dims, sizes), Batch(ids, offsets)
+    sgd = Hyper(SGD, 0.01, 1e-8, 0.0, WeightDecayMode.NONE, 0.9, 0.999)
     return {
         "pool_sum op": lambda: torch.ops.tdb.pool_sum(weights, at, dims, sizes, ids, offsets, None),
-        f"pool_sum {pool_impl.name.lower()} directly": lambda: impl.pool_sum(pool_impl, weights, at, dims, sizes,
-                                                                             ids, offsets, None),
+        f"pool_sum {pool_impl.name.lower()} directly": lambda: ops.run_pool_sum(pool_impl, *grouped),
         "sparse_update op (sgd)": lambda: torch.ops.tdb.sparse_update(*update),
-        f"sparse_update {update_impl.name.lower()} directly": lambda: impl.sparse_update(update_impl, *update),
+        f"sparse_update {update_impl.name.lower()} directly": lambda: ops.run_sparse_update(
+            update_impl, *grouped, grad, State(step=1), sgd),
         "id check": lambda: ops._check_ids("pool_sum", ids, offsets, sizes, bags),
     }
 

@@ -68,24 +68,35 @@ def _torch_adam(w, grad, ids, offsets, states) -> None:
     """The package's torch-op path for Adam (what runs without the native kernel): rows, summed gradient, update."""
     import torch
 
-    from torchrec_dtensor_bridge.optim.kinds import Hyper, OptimKind, WeightDecayMode
     from torchrec_dtensor_bridge.optim.update import apply_elementwise
 
-    hyper = Hyper(OptimKind.ADAM, LR, EPS, 0.0, WeightDecayMode.NONE, BETAS[0], BETAS[1])
+    hyper = _hyper("adam")
     rows, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     bag = torch.repeat_interleave(torch.arange(offsets.numel() - 1), offsets[1:] - offsets[:-1], output_size=ids.numel())
     summed = torch.zeros(rows.numel(), w.shape[1]).index_add_(0, inverse, grad.index_select(0, bag))
     apply_elementwise(hyper, w, rows, summed, {"momentum1": states[0], "momentum2": states[1]}, 1)
 
 
+def _hyper(kind: str) -> Any:
+    from torchrec_dtensor_bridge.optim_kinds import Hyper, WeightDecayMode, lookup
+
+    return Hyper(lookup(kind), LR, EPS, 0.0, WeightDecayMode.NONE, BETAS[0], BETAS[1])
+
+
+def _one(w) -> Any:
+    """One table ``w`` (a contiguous ``(rows, dim)``) as the kernels take tables."""
+    from torchrec_dtensor_bridge.kernels import Tables
+
+    return Tables(w.view(-1), [0], [w.shape[1]], [w.shape[0]])
+
+
 def _update(path: str, kernel: Any, kind: str, w, grad, ids, offsets, states: tuple) -> None:
-    from torchrec_dtensor_bridge.kernels import native
+    from torchrec_dtensor_bridge.kernels import Batch, State
 
     if path == "ours":
-        codes = {"sgd": native.SGD, "rowwise_adagrad": native.ROWWISE_ADAGRAD, "adagrad": native.ADAGRAD,
-                 "adam": native.ADAM}
-        kernel.update(codes[kind], w, grad, ids, offsets, None, states[0] if states else None, LR, EPS,
-                      state2=states[1] if kind == "adam" else None, beta1=BETAS[0], beta2=BETAS[1], step=1)
+        flat = [st.view(-1) for st in states] + [None, None]
+        state = State(flat[0], [0] if flat[0] is not None else [], flat[1], [0] if flat[1] is not None else [], 1)
+        kernel.update_tables(_one(w), Batch(ids, offsets), grad, state, _hyper(kind))
     elif kind == "adam":
         _torch_adam(w, grad, ids, offsets, states)
     else:
@@ -155,7 +166,9 @@ def _forward(cfg: dict, kernel: Any, tables: list, offsets: Any, gen: Any) -> di
                                                                     offsets, 0, None, 0)
 
     ids = torch.randint(0, rows, (cfg["bags"] * cfg["bag"],), generator=gen)
-    if not torch.equal(kernel.pool_sum(tables[0], ids, offsets, None), fbgemm(tables[0], ids)):
+    from torchrec_dtensor_bridge.kernels import Batch
+
+    if not torch.equal(kernel.pool_tables(_one(tables[0]), Batch(ids, offsets)), fbgemm(tables[0], ids)):
         raise SystemExit("bench_sparse_update: the pooled sums differ from fbgemm's")
     times: dict[str, list[float]] = {"ours": [], "baseline": []}
     for rep in range(cfg["warmup"] + cfg["reps"]):
@@ -163,7 +176,7 @@ def _forward(cfg: dict, kernel: Any, tables: list, offsets: Any, gen: Any) -> di
             batch = [torch.randint(0, rows, (cfg["bags"] * cfg["bag"],), generator=gen) for _ in tables]
             t0 = time.perf_counter()
             for w, i in zip(tables, batch):
-                kernel.pool_sum(w, i, offsets, None) if path == "ours" else fbgemm(w, i)
+                kernel.pool_tables(_one(w), Batch(i, offsets)) if path == "ours" else fbgemm(w, i)
             if rep >= cfg["warmup"]:
                 times[path].append((time.perf_counter() - t0) / len(tables))
     ratios = [f / o for f, o in zip(times["baseline"], times["ours"])]

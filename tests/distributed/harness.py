@@ -12,8 +12,11 @@ Usage in a test module::
 
 ``run`` sends a module-level function (by import name) to every rank, waits for
 all of them, and raises ``AssertionError`` naming the rank and traceback of
-every rank that failed. A rank that hangs (a collective left waiting) fails the
-test after ``timeout`` seconds and the pool is restarted for the next test.
+every rank that failed. Once one rank has failed, the others get ``grace``
+seconds to report: those still busy then are most likely waiting in a collective
+the failed rank left, so the pool is restarted for the next test at once rather
+than after the group's collective timeout. A rank that hangs with no failure
+anywhere fails the test after ``timeout`` seconds, and the pool is restarted.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -78,11 +82,21 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any) -> 
 
 
 class ProcessGroupPool:
-    """``world_size`` spawned ranks with one gloo group, reused across tests."""
+    """``world_size`` spawned ranks with one gloo group, reused across tests.
 
-    def __init__(self, world_size: int, *, timeout: float = 180.0) -> None:
+    Args:
+        world_size: the number of ranks.
+        timeout: seconds a ``run`` may take before the ranks still busy count as hung.
+        grace: seconds the other ranks get to report once one rank failed (raised, or its process
+            ended); those that have not reported by then are most likely waiting in a collective the
+            failed rank will never join, and the pool is restarted rather than left to their group's
+            timeout.
+    """
+
+    def __init__(self, world_size: int, *, timeout: float = 180.0, grace: float = 5.0) -> None:
         self.world_size = world_size
         self.timeout = timeout
+        self.grace = grace
         self._start()
 
     def _start(self) -> None:
@@ -95,36 +109,73 @@ class ProcessGroupPool:
         ]
         for p in self._procs:
             p.start()
-        self._collect("start-up")
+        self._collect("start-up", startup=True)
 
-    def _collect(self, what: str) -> list[Any]:
+    def _collect(self, what: str, *, startup: bool = False) -> list[Any]:
+        """Every rank's value, in rank order.
+
+        1. Wait for the ranks' reports, up to ``timeout`` seconds in all.
+        2. Once a rank has failed (reported an error, or its process ended), wait at most ``grace``
+           seconds more for the others.
+        3. If some rank has not reported by then, or a rank's process ended, end every rank's process and
+           (after a ``run``, not at ``startup``, which raises) start the pool again, so that the next
+           ``run`` finds a fresh group.
+        4. Raise ``AssertionError`` with every failed rank's traceback and the ranks that never reported.
+        """
         values: list[Any] = [None] * self.world_size
         errors: dict[int, str] = {}
-        for _ in range(self.world_size):
+        reported: set[int] = set()
+        deadline = time.monotonic() + self.timeout
+        first_failure: float | None = None
+        while len(reported) < self.world_size and time.monotonic() < deadline:
             try:
-                rank, status, value = self._results.get(timeout=self.timeout)
+                rank, status, value = self._results.get(timeout=max(0.0, min(0.5, deadline - time.monotonic())))
             except queue.Empty:
-                done = sorted(set(range(self.world_size)) - {r for r, v in enumerate(values) if v is not None} - set(errors))
-                self.close(force=True)
-                self._start()
-                raise AssertionError(
-                    f"{what}: ranks {done} did not finish within {self.timeout}s (hang?); "
-                    f"errors so far: {errors}"
-                ) from None
-            if status == "error":
-                errors[rank] = value
+                for r, p in enumerate(self._procs):
+                    if r not in reported and p.exitcode is not None:
+                        reported.add(r)
+                        errors[r] = f"the rank's process ended (exit code {p.exitcode}) without reporting\n"
             else:
-                values[rank] = value
-        if errors:
-            report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+                reported.add(rank)
+                if status == "error":
+                    errors[rank] = value
+                else:
+                    values[rank] = value
+            if errors and first_failure is None:
+                first_failure = time.monotonic()
+                deadline = min(deadline, first_failure + self.grace)
+        missing = sorted(set(range(self.world_size)) - reported)
+        if missing or (startup and errors) or any(p.exitcode is not None for p in self._procs):
+            self.close(force=True)
+            if not startup:
+                self._start()
+        if not errors and not missing:
+            return values
+        report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+        if not missing:
             raise AssertionError(f"{what} failed on ranks {sorted(errors)}:\n{report}")
-        return values
+        after = "the pool did not start" if startup else "the pool was restarted"
+        if not errors:
+            raise AssertionError(f"{what}: ranks {missing} did not finish within {self.timeout}s (hang?); {after}")
+        raise AssertionError(
+            f"{what} failed on ranks {sorted(errors)}; ranks {missing} had not reported {self.grace}s after "
+            f"the first failure (waiting in a collective the failed ranks left?) and were ended; {after}:\n"
+            f"{report}"
+        )
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return each rank's value."""
+        """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return each rank's value.
+
+        Raises:
+            AssertionError: naming every rank that failed, with its traceback (see :meth:`_collect`).
+        """
         for q in self._tasks:
             q.put((fn.__module__, fn.__name__, args, kwargs))
         return self._collect(fn.__name__)
+
+    def pids(self) -> list[int | None]:
+        """The ranks' process ids (they change when the pool is restarted)."""
+        return [p.pid for p in self._procs]
 
     def close(self, *, force: bool = False) -> None:
         for p, q in zip(self._procs, self._tasks):
@@ -137,12 +188,12 @@ class ProcessGroupPool:
                 p.join()
 
 
-def make_pool_fixture(world_size: int, name: str = "pool") -> Any:
-    """A module-scoped pytest fixture yielding a :class:`ProcessGroupPool`."""
+def make_pool_fixture(world_size: int, name: str = "pool", **options: float) -> Any:
+    """A module-scoped pytest fixture yielding a :class:`ProcessGroupPool` (``options``: its keywords)."""
 
     @pytest.fixture(scope="module", name=name)
     def _fixture():
-        pool = ProcessGroupPool(world_size)
+        pool = ProcessGroupPool(world_size, **options)
         yield pool
         pool.close()
 

@@ -338,22 +338,22 @@ def _check_unaligned_tables_take_torch(rec: Recorder) -> None:
     (which read values: only the choice is run here), a fused update refused; the lookups do not send such
     shards to the ops (``kernels.accepts``)."""
     from torchrec_dtensor_bridge import kernels
-    from torchrec_dtensor_bridge.kernels import impl
+    from torchrec_dtensor_bridge.kernels import ops
 
     chosen: list[str] = []
-    pool, dense = impl.pool_sum, impl.dense_grad
+    pool, dense = ops.run_pool_sum, ops.run_dense_grad
 
-    def pool_sum(which: impl.Impl, weights: torch.Tensor, at: list[int], dims: list[int], *rest: Any) -> Any:
+    def pool_sum(which: kernels.Impl, tables: kernels.Tables, *rest: Any) -> Any:
         chosen.append(which.name)
-        return weights.new_empty(BAGS, sum(dims)) if which is impl.Impl.TORCH else pool(which, weights, at, dims,
-                                                                                         *rest)
+        return tables.storage.new_empty(BAGS, sum(tables.dims)) if which is kernels.Impl.TORCH else pool(
+            which, tables, *rest)
 
-    def dense_grad(which: impl.Impl, grad: torch.Tensor, dims: list[int], rows: list[int], *rest: Any) -> Any:
+    def dense_grad(which: kernels.Impl, grad: torch.Tensor, dims: list[int], rows: list[int], *rest: Any) -> Any:
         chosen.append(which.name)
-        return grad.new_empty(sum(r * d for r, d in zip(rows, dims))) if which is impl.Impl.TORCH else dense(
+        return grad.new_empty(sum(r * d for r, d in zip(rows, dims))) if which is kernels.Impl.TORCH else dense(
             which, grad, dims, rows, *rest)
 
-    impl.pool_sum, impl.dense_grad = pool_sum, dense_grad  # type: ignore[assignment]
+    ops.run_pool_sum, ops.run_dense_grad = pool_sum, dense_grad  # type: ignore[assignment]
     try:
         t = Tables(torch.empty(200, device=DEV), [4, 4 + 60 + 4], [6, 4], [10, 12])
         ids, offsets = _batch(t.rows)
@@ -375,7 +375,7 @@ def _check_unaligned_tables_take_torch(rec: Recorder) -> None:
         torch.ops.tdb.pool_sum(aligned.storage, aligned.at, aligned.dims, aligned.rows, ids, offsets, None)
         assert chosen[-1] == "FBGEMM", chosen
     finally:
-        impl.pool_sum, impl.dense_grad = pool, dense  # type: ignore[assignment]
+        ops.run_pool_sum, ops.run_dense_grad = pool, dense  # type: ignore[assignment]
     assert not kernels.accepts(torch.empty(10, 6, device=DEV)) and kernels.accepts(torch.empty(10, 8, device=DEV))
     assert not kernels.accepts(torch.empty(50, device=DEV).as_strided((4, 8), (8, 1), 2)), "a misaligned start"
     assert kernels.pool_impl(torch.device(DEV)) is kernels.Impl.FBGEMM

@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from torchrec_dtensor_bridge import kernels
 from torchrec_dtensor_bridge.kernels import fbgemm, native
+from torchrec_dtensor_bridge.optim_kinds import Hyper, OptimKind, WeightDecayMode, lookup
 
 from .random_bags import random_bags
 
@@ -220,14 +221,15 @@ def test_fbgemm_lookup_functions_equal_the_ops(with_psw, monkeypatch):
     args = fbgemm.table_args(tuple(offs), tuple(DIMS), tuple(ROWS), cpu)
     assert len(fbgemm.weights_list(flat, args)) == 3 and args.on_host
     grad = torch.randn(6, sum(DIMS) + 3)[:, 1 : 1 + sum(DIMS)]  # strided rows, as an exchange hands them
-    got = fbgemm.lookup_forward(flat, args, ids, offsets, psw)
+    batch = kernels.Batch(ids, offsets, psw)
+    got = fbgemm.lookup_forward(flat, args, batch)
     torch.testing.assert_close(got, torch.ops.tdb.pool_sum(flat, offs, DIMS, ROWS, ids, offsets, psw))
     packed = list(itertools.accumulate([r * d for r, d in zip(ROWS, DIMS)], initial=0))
     pargs = fbgemm.table_args(tuple(packed[:-1]), tuple(DIMS), tuple(ROWS), cpu)
-    got = fbgemm.lookup_dense_grad(grad, pargs, ids, offsets, psw, packed[-1])
+    got = fbgemm.lookup_dense_grad(grad, pargs, batch, packed[-1])
     torch.testing.assert_close(got, torch.ops.tdb.pool_sum_backward(grad.contiguous(), DIMS, ROWS, ids, offsets,
                                                                      psw))
-    for kind in fbgemm.UPDATE_KINDS:
+    for kind in [k.name for k in OptimKind if k.fbgemm_cpu]:
         per_row = kind == "rowwise_adagrad"
         sizes = [r if per_row else r * d for r, d in zip(ROWS, DIMS)]
         # fbgemm's CPU Adagrad reads its state at the weights' offsets: the ops call it so only then
@@ -237,10 +239,9 @@ def test_fbgemm_lookup_functions_equal_the_ops(with_psw, monkeypatch):
         theirs = (flat.clone(), None if state is None else state.clone())
         torch.ops.tdb.sparse_update(ours[0], offs, DIMS, ROWS, grad, ids, offsets, psw, kind, ours[1],
                                     m_offs if state is not None else [], None, [], **HYPER)
-        at = None if state is None else fbgemm.constant(tuple(m_offs), cpu)
-        fbgemm.lookup_update(kind, theirs[0], args, grad, ids, offsets, psw, theirs[1], at, None, None,
-                             lr=HYPER["lr"], eps=HYPER["eps"], weight_decay=0.0, decay=0, beta1=0.9, beta2=0.99,
-                             step=1)
+        hyper = Hyper(lookup(kind), HYPER["lr"], HYPER["eps"], 0.0, WeightDecayMode.NONE, 0.9, 0.99)
+        fbgemm.lookup_update(theirs[0], args, batch, grad, kernels.State(theirs[1], m_offs if state is not None
+                                                                          else [], step=1), hyper)
         assert not torch.equal(theirs[0], flat), kind
         torch.testing.assert_close(theirs[0], ours[0], msg=lambda m, k=kind: f"{k}: weights: {m}")
         if state is not None:

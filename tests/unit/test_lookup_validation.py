@@ -155,6 +155,13 @@ def test_torch_fallback_backward_matches():
     torch.testing.assert_close(_grad(grad, shard, ids, offsets, psw), ref_w.grad)
 
 
+def _native_pool(kernel: native.NativeKernel, shard: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
+                 psw: torch.Tensor | None) -> torch.Tensor:
+    """The native kernel's pooled sum of one shard (its ids checked as it reads them)."""
+    tables = kernels.Tables(shard.view(-1), [0], [shard.shape[1]], [shard.shape[0]])
+    return kernel.pool_tables(tables, kernels.Batch(ids, offsets, psw))
+
+
 @pytest.mark.skipif(not fbgemm.available(), reason="fbgemm_gpu not installed")
 @pytest.mark.parametrize("with_psw", [False, True])
 @pytest.mark.parametrize("dim", [64, 192, 40])  # register blocks of 64 columns (one, three), and the plain loop
@@ -166,7 +173,7 @@ def test_native_sum_is_fbgemms_to_the_bit(with_psw, dim):
     psw = torch.rand(ids.numel(), generator=g) if with_psw else None
     fast = native.kernel()
     assert fast is not None
-    ours = fast.pool_sum(shard, ids, offsets, psw)
+    ours = _native_pool(fast, shard, ids, offsets, psw)
     theirs = torch.ops.fbgemm.split_embedding_codegen_forward_cpu(
         shard.view(-1), torch.zeros(1, dtype=torch.int64), torch.tensor([0, dim], dtype=torch.int32), dim,
         torch.tensor([0, 1000]), ids, offsets, 0, psw, 0)
@@ -178,11 +185,11 @@ def test_native_sum_refuses_out_of_range_ids_and_bad_offsets():
     assert fast is not None
     shard = torch.randn(10, 4)
     with pytest.raises(ValueError, match=r"outside \[0, 10\)"):
-        fast.pool_sum(shard, torch.tensor([3, 10]), torch.tensor([0, 2]), None)
+        _native_pool(fast, shard, torch.tensor([3, 10]), torch.tensor([0, 2]), None)
     with pytest.raises(ValueError, match="offsets"):
-        fast.pool_sum(shard, torch.tensor([3, 4]), torch.tensor([0, 2, 1]), None)
+        _native_pool(fast, shard, torch.tensor([3, 4]), torch.tensor([0, 2, 1]), None)
     with pytest.raises(ValueError, match="offsets"):
-        fast.pool_sum(shard, torch.tensor([3, 4]), torch.tensor([0, 3]), None)
+        _native_pool(fast, shard, torch.tensor([3, 4]), torch.tensor([0, 3]), None)
 
 
 def test_value_checks_read_the_device_once_per_call(monkeypatch):

@@ -3,7 +3,11 @@ backward-with-optimizer kernels and against a plain torch reference (duplicates 
 empty bags, per-sample weights, a strided column-slice gradient, weight decay, Adam, several threads, bad
 input), the pooled sum's thread split, zero-width shards, and how the library is built and cached (a
 failing compiler, processes racing to build it). The pooled sum against fbgemm's forward: see
-test_lookup_validation.py."""
+test_lookup_validation.py.
+
+The kernels run through their real entry points: the ops (``torch.ops.tdb``, with ``TDB_KERNELS=native``),
+which check the arguments, and :meth:`NativeKernel.pool_tables` / :meth:`NativeKernel.update_tables` over
+several tables of one storage."""
 
 from __future__ import annotations
 
@@ -15,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrec_dtensor_bridge.kernels import native
+from torchrec_dtensor_bridge.kernels import Batch, State, Tables, native
 from torchrec_dtensor_bridge.kernels.fbgemm import available as tbe_available
+from torchrec_dtensor_bridge.optim_kinds import Hyper, WeightDecayMode, lookup
 
 from .random_bags import random_bags
 
-KINDS = {"sgd": native.SGD, "rowwise_adagrad": native.ROWWISE_ADAGRAD, "adagrad": native.ADAGRAD}
+KINDS = ["sgd", "rowwise_adagrad", "adagrad"]
 LR, EPS = 0.05, 1e-3
 
 
@@ -29,6 +34,28 @@ def kernel() -> native.NativeKernel:
     k = native.kernel()
     assert k is not None, "the native kernel must build on this project's machines (a C compiler is there)"
     return k
+
+
+@pytest.fixture(autouse=True)
+def _native_kernels(monkeypatch):
+    """The ops run this package's kernels."""
+    monkeypatch.setenv("TDB_KERNELS", "native")
+
+
+def _update(kind: str, weight, grad, ids, offsets, psw, state, lr=LR, eps=EPS, wd=0.0,
+            mode=WeightDecayMode.NONE, *, state2=None, beta1=0.9, beta2=0.999, step=1) -> None:
+    """``tdb::sparse_update`` of one shard ``weight`` (a contiguous fp32 ``(rows, dim)``), ``offsets`` its
+    ``bags + 1`` bag boundaries, ``state`` (and ``state2``) ``(rows,)`` (a per-row state) or like ``weight``."""
+    rows, dim = weight.shape
+    flat = [None if st is None else st.view(-1) for st in (state, state2)]
+    torch.ops.tdb.sparse_update(weight.view(-1), [0], [dim], [rows], grad, ids, offsets, psw, kind, flat[0],
+                                [0] if flat[0] is not None else [], flat[1], [0] if flat[1] is not None else [],
+                                lr, eps, wd, mode.value, beta1, beta2, step)
+
+
+def _pool(weight, ids, offsets, psw):
+    """``tdb::pool_sum`` of one shard ``weight`` (a contiguous fp32 ``(rows, dim)``)."""
+    return torch.ops.tdb.pool_sum(weight.view(-1), [0], [weight.shape[1]], [weight.shape[0]], ids, offsets, psw)
 
 
 def _case(rows: int, dim: int, bags: int, seed: int, *, strided: bool, psw: bool):
@@ -95,7 +122,7 @@ def _fbgemm(kind, weight, grad, ids, offsets, psw, state):
     return w, s
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("psw", [False, True])
 @pytest.mark.parametrize("dim", [20, 64, 128])  # 64 and 128: the walks with a constant width
@@ -103,7 +130,7 @@ def test_matches_reference_and_fbgemm(kernel, kind, strided, psw, dim):
     weight, grad, ids, offsets, weights = _case(300, dim, 64, seed=7, strided=strided, psw=psw)
     state = _state(kind, weight)
     w, s = weight.clone(), None if state is None else state.clone()
-    kernel.update(KINDS[kind], w, grad, ids, offsets, weights, s, LR, EPS)
+    _update(kind, w, grad, ids, offsets, weights, s)
     want_w, want_s = _reference(kind, weight, grad, ids, offsets, weights, state)
     torch.testing.assert_close(w, want_w)
     untouched = torch.ones(weight.shape[0], dtype=torch.bool)
@@ -126,7 +153,6 @@ def test_constant_width_walk_equals_the_general_one(kernel, kind, dim, psw):
     kinds update each column alone, so a table three columns wider (the general walk) must give the same
     bits in the shared columns, rows and state alike."""
     weight, grad, ids, offsets, weights = _case(300, dim + 3, 64, seed=21, strided=True, psw=psw)
-    code = {"sgd": native.SGD, "adagrad": native.ADAGRAD, "adam": native.ADAM}[kind]
     state = None if kind == "sgd" else torch.rand_like(weight)
     state2 = torch.rand_like(weight) if kind == "adam" else None
     results = []
@@ -134,7 +160,7 @@ def test_constant_width_walk_equals_the_general_one(kernel, kind, dim, psw):
         w = weight[:, :width].clone(memory_format=torch.contiguous_format)
         s, s2 = (None if x is None else x[:, :width].clone(memory_format=torch.contiguous_format)
                  for x in (state, state2))
-        kernel.update(code, w, grad[:, :width], ids, offsets, weights, s, LR, EPS, state2=s2, step=3)
+        _update(kind, w, grad[:, :width], ids, offsets, weights, s, state2=s2, step=3)
         results.append([x[:, :dim] for x in (w, s, s2) if x is not None])
     general, constant = results
     assert not torch.equal(constant[0], weight[:, :dim]), "the update changed nothing"
@@ -142,7 +168,7 @@ def test_constant_width_walk_equals_the_general_one(kernel, kind, dim, psw):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_threads_split_on_row_boundaries(kernel, kind):
     """Enough ids for several threads (each a disjoint range of rows): the same result as one thread."""
     weight, grad, ids, offsets, weights = _case(2000, 8, 20000, seed=3, strided=False, psw=True)
@@ -156,7 +182,7 @@ def test_threads_split_on_row_boundaries(kernel, kind):
             assert len(native._row_cuts(ids.sort().values.int(), threads)) - 1 == min(
                 threads, ids.numel() // native._MIN_PER_THREAD)
             w, s = weight.clone(), None if state is None else state.clone()
-            kernel.update(KINDS[kind], w, grad, ids, offsets, weights, s, LR, EPS)
+            _update(kind, w, grad, ids, offsets, weights, s)
             results.append((w, s))
     finally:
         torch.set_num_threads(before)
@@ -189,7 +215,7 @@ def test_ids_out_of_range_raise_and_change_nothing(kernel):
     ids[-1] = 50
     w = weight.clone()
     with pytest.raises(ValueError, match=r"outside \[0, 50\)"):
-        kernel.update(native.SGD, w, grad, ids, offsets, None, None, LR, EPS)
+        _update("sgd", w, grad, ids, offsets, None, None)
     assert torch.equal(w, weight)
 
 
@@ -221,12 +247,13 @@ def test_build_failure_falls_back(tmp_path, monkeypatch):
 def _build_and_use(cache: str) -> str:
     """In a fresh process: build the kernel into ``cache`` and run one update; the library's path."""
     os.environ["TDB_KERNEL_CACHE"] = cache
+    os.environ["TDB_KERNELS"] = "native"
     from torchrec_dtensor_bridge.kernels import native as fresh
 
     k = fresh.kernel()
     assert k is not None
     w = torch.zeros(4, 2)
-    k.update(fresh.SGD, w, torch.ones(1, 2), torch.tensor([1, 1]), torch.tensor([0, 2]), None, None, 0.5, 0.0)
+    _update("sgd", w, torch.ones(1, 2), torch.tensor([1, 1]), torch.tensor([0, 2]), None, None, 0.5, 0.0)
     assert torch.equal(w[1], torch.tensor([-1.0, -1.0])) and not w[[0, 2, 3]].any()
     return str(k.path)
 
@@ -251,8 +278,8 @@ def test_strided_ids_and_offsets(kernel):
     wide = torch.zeros(2 * offsets.numel(), dtype=torch.int64)
     wide[::2] = offsets
     a, b = weight.clone(), weight.clone()
-    kernel.update(native.SGD, a, grad, spread[::2], wide[::2], None, None, LR, EPS)
-    kernel.update(native.SGD, b, grad, ids, offsets, None, None, LR, EPS)
+    _update("sgd", a, grad, spread[::2], wide[::2], None, None)
+    _update("sgd", b, grad, ids, offsets, None, None)
     assert torch.equal(a, b)
 
 
@@ -260,8 +287,8 @@ def test_zero_width_shard(kernel):
     """A shard of no columns (an empty column block): nothing to read or write, no error."""
     weight = torch.empty(10, 0)
     ids, offsets = torch.tensor([1, 2, 2]), torch.tensor([0, 1, 3])
-    assert kernel.pool_sum(weight, ids, offsets, None).shape == (2, 0)
-    kernel.update(native.SGD, weight, torch.empty(2, 0), ids, offsets, None, None, LR, EPS)
+    assert _pool(weight, ids, offsets, None).shape == (2, 0)
+    _update("sgd", weight, torch.empty(2, 0), ids, offsets, None, None)
 
 
 def test_pool_sum_threads_give_the_same_bits(kernel):
@@ -276,7 +303,7 @@ def test_pool_sum_threads_give_the_same_bits(kernel):
         outs = []
         for threads in (1, 4):
             torch.set_num_threads(threads)
-            outs.append(kernel.pool_sum(weight, ids, offsets, psw))
+            outs.append(_pool(weight, ids, offsets, psw))
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1])
@@ -287,21 +314,22 @@ def test_pool_sum_threads_give_the_same_bits(kernel):
     torch.set_num_threads(4)
     try:
         with pytest.raises(ValueError, match=r"outside \[0, 5000\)"):
-            kernel.pool_sum(weight, bad, offsets, psw)
+            _pool(weight, bad, offsets, psw)
     finally:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("kind,mode", [("sgd", native.DECAY_L2), ("adagrad", native.DECAY_L2),
-                                       ("rowwise_adagrad", native.DECAY_L2), ("rowwise_adagrad", native.DECAY_DECOUPLED)])
+@pytest.mark.parametrize("kind,mode", [("sgd", WeightDecayMode.L2), ("adagrad", WeightDecayMode.L2),
+                                       ("rowwise_adagrad", WeightDecayMode.L2),
+                                       ("rowwise_adagrad", WeightDecayMode.DECOUPLED)])
 def test_weight_decay_matches_reference(kernel, kind, mode):
     """Weight decay (which fbgemm-gpu-cpu's kernels ignore) as optim/update.py applies it."""
     weight, grad, ids, offsets, weights = _case(300, 20, 64, seed=9, strided=True, psw=True)
     state = _state(kind, weight)
     w, s = weight.clone(), None if state is None else state.clone()
-    kernel.update(KINDS[kind], w, grad, ids, offsets, weights, s, LR, EPS, 0.3, mode)
+    _update(kind, w, grad, ids, offsets, weights, s, LR, EPS, 0.3, mode)
     want_w, want_s = _reference(kind, weight, grad, ids, offsets, weights, state, wd=0.3,
-                                decoupled=mode == native.DECAY_DECOUPLED)
+                                decoupled=mode is WeightDecayMode.DECOUPLED)
     torch.testing.assert_close(w, want_w)
     if state is not None:
         torch.testing.assert_close(s, want_s)
@@ -313,8 +341,8 @@ def test_weight_decay_matches_reference(kernel, kind, mode):
 def test_decoupled_decay_is_rowwise_adagrads_only(kernel):
     weight, grad, ids, offsets, _ = _case(50, 4, 8, seed=1, strided=False, psw=False)
     before = weight.clone()
-    with pytest.raises(ValueError, match="sparse update: decay must be"):
-        kernel.update(native.SGD, weight, grad, ids, offsets, None, None, LR, EPS, 0.3, native.DECAY_DECOUPLED)
+    with pytest.raises(ValueError, match="sparse_update: decay must be"):
+        _update("sgd", weight, grad, ids, offsets, None, None, LR, EPS, 0.3, WeightDecayMode.DECOUPLED)
     assert torch.equal(weight, before)
 
 
@@ -342,8 +370,8 @@ def test_adam_matches_reference(kernel, wd):
     w, a, b = weight.clone(), m1.clone(), m2.clone()
     want = (weight, m1, m2)
     for step in (1, 2):
-        kernel.update(native.ADAM, w, grad, ids, offsets, weights, a, LR, EPS, wd, native.DECAY_DECOUPLED,
-                      state2=b, beta1=0.8, beta2=0.9, step=step)
+        _update("adam", w, grad, ids, offsets, weights, a, LR, EPS, wd, WeightDecayMode.DECOUPLED, state2=b,
+                beta1=0.8, beta2=0.9, step=step)
         want = _adam_reference(*want[:1], grad, ids, offsets, weights, want[1], want[2], step, wd)
     torch.testing.assert_close(w, want[0])
     torch.testing.assert_close(a, want[1])
@@ -373,7 +401,7 @@ def _tables(seed: int, bags: int, max_len: int):
     return flat, woff, dims, rows, state, soff, ids, torch.cat(bounds), parts, grad, psw
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_one_call_over_tables_equals_one_call_per_table(kernel, kind):
     """update_tables / pool_tables over three tables of one storage (state in one buffer, both with gaps):
     bit for bit the calls per table, nothing outside the tables and their state touched; with 1 and 4 threads
@@ -392,17 +420,18 @@ def test_one_call_over_tables_equals_one_call_per_table(kernel, kind):
         s = s.view(rows[t], dims[t]) if elementwise else s
         lo = int(offsets[t * 6000])
         st = None if kind == "sgd" else s
-        kernel.update(KINDS[kind], w, grad[:, cols[t] : cols[t + 1]], tid, toff, psw[lo : lo + tid.numel()], st,
-                      LR, EPS)
-        assert torch.equal(kernel.pool_sum(w, tid, toff, psw[lo : lo + tid.numel()]),
-                           kernel.pool_tables(ref_w, woff, dims, rows, ids, offsets, psw)[:, cols[t] : cols[t + 1]])
+        _update(kind, w, grad[:, cols[t] : cols[t + 1]], tid, toff, psw[lo : lo + tid.numel()], st)
+        assert torch.equal(_pool(w, tid, toff, psw[lo : lo + tid.numel()]),
+                           kernel.pool_tables(Tables(ref_w, woff, dims, rows), Batch(ids, offsets, psw))[
+                               :, cols[t] : cols[t + 1]])
     before = torch.get_num_threads()
     try:
         for threads in (1, 4):
             torch.set_num_threads(threads)
             w, s = flat.clone(), state.clone()
-            kernel.update_tables(KINDS[kind], w, woff, dims, rows, grad, ids, offsets, psw,
-                                 None if kind == "sgd" else s, soff, LR, EPS)
+            kernel.update_tables(Tables(w, woff, dims, rows), Batch(ids, offsets, psw), grad,
+                                 State() if kind == "sgd" else State(s, soff, step=1),
+                                 Hyper(lookup(kind), LR, EPS, 0.0, WeightDecayMode.NONE, 0.9, 0.999))
             assert torch.equal(w, ref_w), (kind, threads)
             assert torch.equal(s, ref_s), (kind, threads)
             assert not torch.equal(w, flat)
@@ -432,12 +461,18 @@ def test_row_cuts_over_several_tables_never_split_a_row():
     assert inside >= 5, "cuts inside tables were exercised"
 
 
+def _update_tables(kind: str, w, woff, dims, rows, grad, ids, offsets, psw, state, soff) -> None:
+    """``tdb::sparse_update`` of several tables of one storage, their state in one buffer."""
+    torch.ops.tdb.sparse_update(w, woff, dims, rows, grad, ids, offsets, psw, kind, state,
+                                soff if state is not None else [], None, [], LR, EPS, 0.0, 0, 0.9, 0.999, 1)
+
+
 def test_a_bad_id_of_a_later_table_refuses_before_any_update(kernel):
     flat, woff, dims, rows, state, soff, ids, offsets, _, grad, psw = _tables(6, 40, 5)
     ids[-1] = rows[2]  # the last table's last id, one past its rows
     w, s = flat.clone(), state.clone()
     with pytest.raises(ValueError, match=r"ids of table 2 outside \[0, 200\)"):
-        kernel.update_tables(native.ROWWISE_ADAGRAD, w, woff, dims, rows, grad, ids, offsets, psw, s, soff, LR, EPS)
+        _update_tables("rowwise_adagrad", w, woff, dims, rows, grad, ids, offsets, psw, s, soff)
     assert torch.equal(w, flat) and torch.equal(s, state), "modified before refusing"
     assert not kernel.ids_valid(ids, offsets, rows)
     ids[-1] = rows[2] - 1
@@ -446,10 +481,9 @@ def test_a_bad_id_of_a_later_table_refuses_before_any_update(kernel):
     bad[5] = bad[7] + 1  # backwards
     assert not kernel.ids_valid(ids, bad, rows)
     with pytest.raises(ValueError, match="offsets must be non-decreasing"):
-        kernel.update_tables(native.SGD, w, woff, dims, rows, grad, ids, bad, None, None, [], LR, EPS)
-    with pytest.raises(ValueError, match="state of table 1"):
-        kernel.update_tables(native.ROWWISE_ADAGRAD, w, woff, dims, rows, grad, ids, offsets, None, s[:soff[1] + 10],
-                             soff, LR, EPS)
+        _update_tables("sgd", w, woff, dims, rows, grad, ids, bad, None, None, [])
+    with pytest.raises(ValueError, match="momentum1 of table 1"):
+        _update_tables("rowwise_adagrad", w, woff, dims, rows, grad, ids, offsets, None, s[:soff[1] + 10], soff)
     assert torch.equal(w, flat)
 
 
@@ -460,7 +494,7 @@ def test_ids_outside_every_bag_are_not_read(kernel):
     tail = torch.tensor([7, 8, 9, 40])  # the last one outside the table: never read
     longer = torch.cat([ids, tail])
     w = weight.clone()
-    kernel.update(native.SGD, w, grad, longer, offsets, None, None, LR, EPS)
+    _update("sgd", w, grad, longer, offsets, None, None)
     want, _ = _reference("sgd", weight, grad, ids, offsets, None, None)
     torch.testing.assert_close(w, want)
-    assert torch.equal(kernel.pool_sum(weight, longer, offsets, None), kernel.pool_sum(weight, ids, offsets, None))
+    assert torch.equal(_pool(weight, longer, offsets, None), _pool(weight, ids, offsets, None))

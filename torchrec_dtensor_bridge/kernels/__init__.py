@@ -1,33 +1,33 @@
-"""The kernel layer: the bottom of the lookup stack (lookup -> optim -> kernels; nothing here imports up).
+"""The kernel layer: the bottom of the lookup stack (it imports nothing of the package but the optimizer kinds'
+registry, :mod:`..optim_kinds`).
 
-Modules, bottom up: ``build`` (compiles ``cpu_kernels.c`` into the per-user cache), ``native`` (this
-package's C kernels through ctypes, every argument checked), ``fbgemm`` (the only ``fbgemm_gpu`` import),
-``impl`` (the implementations over one argument form), ``choose`` (which implementation runs, one place per
-op and device, calibrated on the machine at hand), ``ops`` (the ``torch.ops.tdb`` ops with fake kernels).
+Modules, bottom up: ``build`` (compiles ``cpu_kernels.c`` into the per-user cache), ``args`` (the ops'
+arguments grouped: tables, batch, state), ``native`` (this package's C kernels through ctypes), ``fbgemm``
+(the only ``fbgemm_gpu`` import), ``reference`` (torch's ops), ``choose`` (which implementation runs, one
+place per op and device, calibrated on the machine at hand), ``ops`` (the ``torch.ops.tdb`` ops with fake
+kernels: the one check of their arguments, and the dispatch to the implementations) and ``calls`` (many
+shards at once: one op call per storage).
 
 Steps of a kernel call from a lookup:
 
 1. The caller asks :func:`accepts` whether a shard can go through the ops (fp32, contiguous, on CPU, or on
-   CUDA with fbgemm's CUDA build and rows its kernels can read); MAX pooling and other shards use torch
-   directly.
-2. It calls ``torch.ops.tdb.pool_sum`` / ``pool_sum_backward`` / ``sparse_update`` once per storage.
-3. The op checks its arguments, asks :mod:`.choose` for the implementation, and runs it.
+   CUDA with fbgemm's CUDA build and rows its kernels can read), and :func:`update_supported` whether its
+   fused update can; MAX pooling and other shards use torch directly.
+2. It hands its requests to :func:`pool`, :func:`weight_grad` and :func:`update`, which call
+   ``torch.ops.tdb.pool_sum`` / ``pool_sum_backward`` / ``sparse_update`` once per storage.
+3. The op groups and checks its arguments, takes the implementation :mod:`.choose` decided, and runs it.
 """
 
 from __future__ import annotations
 
-import torch
+from . import ops  # noqa: F401 - registers torch.ops.tdb
+from .args import Batch, State, Tables
+from .calls import Pooling, Update, accepts, pool, update, update_supported, weight_grad
+from .choose import Impl, calibrated, choice_code, dense_impl, pool_impl, settle, update_impl
+from .reference import add_bag_grads
 
-from . import fbgemm, ops  # noqa: F401 - ops registers torch.ops.tdb
-from .choose import calibrated, choice_code, dense_impl, pool_impl, settle, update_impl
-from .impl import Impl, add_bag_grads
-
-__all__ = ["Impl", "accepts", "add_bag_grads", "calibrated", "choice_code", "dense_impl", "pool_impl", "settle", "update_impl"]
-
-
-def accepts(shard: torch.Tensor) -> bool:
-    """Whether ``shard`` can be looked up and updated through the ops (whatever runs underneath): on CUDA,
-    only where fbgemm's CUDA kernels can read its rows (:func:`.fbgemm.fits`: 16-byte aligned)."""
-    return (shard.dtype == torch.float32 and shard.dim() == 2 and shard.is_contiguous()
-            and (shard.device.type == "cpu" or (shard.device.type == "cuda" and fbgemm.cuda_available()
-                                                 and fbgemm.fits(shard, [0], [shard.shape[1]]))))
+__all__ = [
+    "Batch", "Impl", "Pooling", "State", "Tables", "Update", "accepts", "add_bag_grads", "calibrated",
+    "choice_code", "dense_impl", "pool", "pool_impl", "settle", "update", "update_impl", "update_supported",
+    "weight_grad",
+]

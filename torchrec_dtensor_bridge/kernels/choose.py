@@ -14,11 +14,18 @@ Steps of a choice (:func:`pool_impl`, :func:`update_impl`, :func:`dense_impl`):
 
 A lookup's ranks agree on the choices (:func:`choice_code` travels in the lookup's agreement, :func:`settle`):
 an implementation runs only where every rank has it, and the first rank's calibration decides between the
-two C kernels, so every rank runs the same kernels.
+two C kernels, so every rank runs the same kernels. Once settled, a choice is remembered (per op, device
+type, optimizer kind, weight decay or not, and ``$TDB_KERNELS`` / ``$TDB_NATIVE_KERNELS``): a call then
+consults nothing else; an agreement that settles on other codes forgets every remembered choice.
+
+Which kinds an update can run with is the kinds' registry's (:mod:`...optim_kinds`): ours for a kind with a
+``native`` code, fbgemm's for one with ``fbgemm_cpu`` (``fbgemm_cuda`` on CUDA); a kind neither lists
+gets :attr:`Impl.TORCH`: its torch-op math on the touched rows.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import logging
@@ -29,12 +36,21 @@ from collections.abc import Callable
 
 import torch
 
-from . import build, fbgemm, impl, native
-from .impl import Impl
+from ..optim_kinds import Hyper, OptimKind, StateKind, WeightDecayMode, lookup
+from . import build, fbgemm, native
+from .args import Batch, State, Tables
 
 __all__ = ["Impl", "calibrated", "choice_code", "dense_impl", "pool_impl", "settle", "update_impl"]
 
 log = logging.getLogger(__name__)
+
+
+class Impl(enum.IntEnum):
+    """An implementation; the order is the fallback order (ranks that disagree fall back to the lowest)."""
+
+    TORCH = 0
+    FBGEMM = 1
+    NATIVE = 2
 
 
 def _forced() -> Impl | None:
@@ -52,11 +68,29 @@ def _warn_once(message: str) -> None:
     log.warning("torchrec_dtensor_bridge: %s", message)
 
 
-_CALIBRATED = ("pool", "update_sgd", "update_rowwise_adagrad", "update_adagrad")
-"""The kernel kinds both C implementations have: the ones a machine's calibration chooses between."""
+def _calibrated() -> list[str]:
+    """The work both C implementations can do: the pooled sum, and the update of each kind both list (in the
+    registry's order); a machine's calibration chooses between them for each."""
+    return ["pool", *(f"update_{k.name}" for k in OptimKind if k.native is not None and k.fbgemm_cpu)]
+
 
 _agreed: dict[str, int] = {}
 """Per device type, the choices of the ranks of the last lookup agreement, as :func:`settle` combined them."""
+
+_settled: dict[tuple[object, ...], Impl] = {}
+"""The choices made since the last agreement that changed :data:`_agreed` (see the module docstring)."""
+
+
+def _remembered(what: tuple[object, ...], device: torch.device, decide: Callable[[], Impl]) -> Impl:
+    """``decide()`` for ``what``, remembered once the device type's choices are settled."""
+    code = _agreed.get(device.type)
+    if code is None:
+        return decide()
+    key = (*what, device.type, code, os.environ.get("TDB_KERNELS"), os.environ.get("TDB_NATIVE_KERNELS"))
+    found = _settled.get(key)
+    if found is None:
+        found = _settled[key] = decide()
+    return found
 
 
 def _local(impl: Impl) -> bool:
@@ -78,7 +112,7 @@ def _prefers_native(what: str, device: torch.device) -> bool:
     code = _agreed.get(device.type)
     if code is None:
         return calibrated(what) is Impl.NATIVE
-    return bool(code >> (2 + _CALIBRATED.index(what)) & 1)
+    return bool(code >> (2 + _calibrated().index(what)) & 1)
 
 
 def _on_device(device: torch.device, fbgemm_can: bool) -> Impl:
@@ -107,34 +141,46 @@ def _pick(candidates: list[Impl], what: str, device: torch.device) -> Impl:
 
 def pool_impl(device: torch.device) -> Impl:
     """The implementation of ``tdb::pool_sum`` on ``device``."""
-    return _pick([Impl.NATIVE, Impl.FBGEMM], "pool", device)
+    return _remembered(("pool",), device, lambda: _pick([Impl.NATIVE, Impl.FBGEMM], "pool", device))
 
 
 def dense_impl(device: torch.device) -> Impl:
     """The implementation of ``tdb::pool_sum_backward`` (the dense weight gradient) on ``device``."""
-    return _pick([Impl.FBGEMM], "dense", device)
+    return _remembered(("dense",), device, lambda: _pick([Impl.FBGEMM], "dense", device))
 
 
-def update_impl(device: torch.device, kind: str, weight_decay: float) -> Impl:
+def update_impl(device: torch.device, kind: OptimKind | str, weight_decay: float) -> Impl:
     """The implementation of ``tdb::sparse_update`` for optimizer ``kind`` on ``device``; :attr:`Impl.TORCH`
-    means no one-pass kernel (the caller runs the optimizer's torch-op math on the touched rows)."""
+    means no one-pass kernel (the caller runs the optimizer's torch-op math on the touched rows).
+
+    Raises:
+        ValueError: for a kind the registry does not know.
+    """
+    found = lookup(kind)
+    return _remembered(("update", found, bool(weight_decay)), device,
+                       lambda: _update_impl(device, found, bool(weight_decay)))
+
+
+def _update_impl(device: torch.device, kind: OptimKind, decayed: bool) -> Impl:
     if device.type != "cpu":  # weight decay: fbgemm's SGD and Adagrad have none; the torch-op math applies it
-        return _on_device(device, kind in fbgemm.CUDA_UPDATE_KINDS and not weight_decay)
-    candidates = [Impl.NATIVE]
-    if kind in fbgemm.UPDATE_KINDS and not weight_decay:  # fbgemm-gpu-cpu ignores weight decay
+        return _on_device(device, kind.fbgemm_cuda and not decayed)
+    candidates = [Impl.NATIVE] if kind.native is not None else []
+    if kind.fbgemm_cpu and not decayed:  # fbgemm-gpu-cpu ignores weight decay
         candidates.append(Impl.FBGEMM)
-    return _pick(candidates, f"update_{kind}", device)
+    if not candidates:  # no kernel lists the kind
+        return Impl.TORCH
+    return _pick(candidates, f"update_{kind.name}", device)
 
 
 def choice_code(device: torch.device) -> int:
     """What this process would run on ``device``, as one integer for a lookup's agreement: bit 0 the native
-    kernels built, bit 1 fbgemm's installed, then one bit per calibrated kind (:data:`_CALIBRATED`):
+    kernels built, bit 1 fbgemm's installed, then one bit per calibrated work (:func:`_calibrated`):
     ours measured faster here. Off the CPU: bit 1 alone, fbgemm's CUDA build installed."""
     if device.type != "cpu":
         return int(device.type == "cuda" and fbgemm.cuda_available()) << 1
     code = int(_local(Impl.NATIVE)) | int(_local(Impl.FBGEMM)) << 1
     if code == 3 and _forced() is None:
-        for k, what in enumerate(_CALIBRATED):
+        for k, what in enumerate(_calibrated()):
             code |= int(calibrated(what) is Impl.NATIVE) << (2 + k)
     return code
 
@@ -142,11 +188,15 @@ def choice_code(device: torch.device) -> int:
 def settle(device: torch.device, codes: list[int]) -> None:
     """Every rank's :func:`choice_code` (in rank order), from a lookup's agreement: until the next one, an
     implementation runs only when every rank has it, and where both C kernels can do the work, the first
-    rank's calibration decides, so that every rank runs the same kernels."""
+    rank's calibration decides, so that every rank runs the same kernels. Choices remembered under other
+    codes are forgotten."""
     both = 3
     for c in codes:
         both &= c
-    _agreed[device.type] = both | (codes[0] & ~3 if codes else 0)
+    code = both | (codes[0] & ~3 if codes else 0)
+    if _agreed.get(device.type) != code:
+        _settled.clear()
+    _agreed[device.type] = code
 
 
 # --- step 3: calibration -------------------------------------------------------------------------------------
@@ -202,17 +252,20 @@ def _measure(what: str) -> tuple[float, float]:
     ids = torch.randint(0, _ROWS, (_BAGS * _PER_BAG,), generator=gen)
     offsets = torch.arange(0, ids.numel() + 1, _PER_BAG)
     grad = torch.rand(_BAGS, _DIM, generator=gen) * 1e-3
-    kind = what.removeprefix("update_")
-    state = None if kind == "sgd" else torch.zeros(_ROWS if kind == "rowwise_adagrad" else _ROWS * _DIM)
-    state2 = torch.zeros(_ROWS * _DIM) if kind == "adam" else None
-
-    def run(which: Impl) -> Callable[[], object]:
-        if what == "pool":
-            return lambda: impl.pool_sum(which, weights, [0], [_DIM], [_ROWS], ids, offsets, None)
-        return lambda: impl.sparse_update(which, weights, [0], [_DIM], [_ROWS], grad, ids, offsets, None, kind,
-                                              state, [0], state2, [0], 0.01, 1e-8, 0.0, 0, 0.9, 0.999, 1)
-
-    jobs = {Impl.NATIVE: run(Impl.NATIVE), Impl.FBGEMM: run(Impl.FBGEMM)}
+    tables, batch = Tables(weights, [0], [_DIM], [_ROWS]), Batch(ids, offsets)
+    kernel = native.kernel()
+    assert kernel is not None, "calibrated only where both C kernels are"
+    if what == "pool":
+        jobs: dict[Impl, Callable[[], object]] = {Impl.NATIVE: lambda: kernel.pool_tables(tables, batch),
+                                                  Impl.FBGEMM: lambda: fbgemm.pool_sum(tables, batch)}
+    else:
+        kind = lookup(what.removeprefix("update_"))
+        m1, m2 = [torch.zeros(_ROWS if s.shape is StateKind.ROW else _ROWS * _DIM) for s in kind.tensor_states
+                  ] + [None] * (2 - len(kind.tensor_states))
+        state = State(m1, [0] if m1 is not None else [], m2, [0] if m2 is not None else [], step=1)
+        hyper = Hyper(kind, 0.01, 1e-8, 0.0, WeightDecayMode.NONE, 0.9, 0.999)
+        jobs = {Impl.NATIVE: lambda: kernel.update_tables(tables, batch, grad, state, hyper),
+                Impl.FBGEMM: lambda: fbgemm.update(tables, batch, grad, state, hyper)}
     times: dict[Impl, list[float]] = {k: [] for k in jobs}
     for _ in range(_REPS):
         for which, job in jobs.items():

@@ -56,7 +56,7 @@
 
 /* One copy per x86-64 feature level, picked at load time by what the CPU supports (levels, not CPU
    names: virtual machines report generic models, which "arch=<cpu>" clones never match); v3 and v4 have
-   FMA, so fmaf is one instruction. native.py retries with TDB_NO_CLONES for compilers without them. */
+   FMA, so fmaf is one instruction. build.py compiles again with TDB_NO_CLONES for compilers without them. */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(TDB_NO_CLONES)
 #define TDB_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -193,9 +193,9 @@ TDB_PREFETCHES void tdb_prefetch_whole_row(const float* p, int64_t d) {
    row) when one of their ids lies outside [0, rows), their offsets run backwards or past the n_ids
    ids, or dim > TDB_MAX_DIM. */
 TDB_CLONES
-int tdb_pool_sum(const float* restrict weight, int64_t ldw, int64_t dim, int64_t rows, float* restrict out,
-                 int64_t ldo, const int64_t* ids, int64_t n_ids, const int64_t* offsets, int64_t b0, int64_t b1,
-                 const float* psw) {
+static int tdb_pool_sum(const float* restrict weight, int64_t ldw, int64_t dim, int64_t rows, float* restrict out,
+                        int64_t ldo, const int64_t* ids, int64_t n_ids, const int64_t* offsets, int64_t b0,
+                        int64_t b1, const float* psw) {
   if (dim > TDB_MAX_DIM || !tdb_offsets_in_order(offsets + b0, b1 - b0, n_ids)) return -1;
   int64_t n = offsets[b1];
   if (!tdb_ids_inside(ids, offsets[b0], n, rows)) return -1;
@@ -265,7 +265,7 @@ int tdb_pool_tables(const float* weights, int64_t tables, const int64_t* woff, c
 /* out[b] = sum of squares of bag b's gradient row: row-wise Adagrad's statistic of a row touched once,
    known before that row is visited (its update then waits on no gradient load). */
 TDB_CLONES
-void tdb_bag_square_sums(const float* grad, int64_t ldg, int64_t dim, int64_t bags, float* out) {
+static void tdb_bag_square_sums(const float* grad, int64_t ldg, int64_t dim, int64_t bags, float* out) {
   for (int64_t b = 0; b < bags; ++b) out[b] = tdb_square_sum(grad + b * ldg, dim);
 }
 

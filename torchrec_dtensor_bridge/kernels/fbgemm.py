@@ -13,9 +13,9 @@ On CPU (``fbgemm-gpu-cpu``), the kernels themselves:
 * dense weight gradient: ``split_embedding_backward_codegen_dense_cpu``. It does not
   read the weights, so it is given a packed scratch layout and returns every table's
   gradient back to back (no gradient as large as the storage);
-* fused update: ``split_embedding_backward_codegen_{sgd,rowwise_adagrad,adagrad}_cpu``
-  update the rows (and momentum) in place. fbgemm_gpu-cpu 1.8 builds no CPU Adam,
-  and ignores weight decay in these kernels.
+* fused update: ``split_embedding_backward_codegen_{name}_cpu`` (the kinds whose record
+  says ``fbgemm_cpu``, :mod:`...optim_kinds`) update the rows (and momentum) in place.
+  fbgemm_gpu-cpu 1.8 builds no CPU Adam, and ignores weight decay in these kernels.
 
 On CUDA (``fbgemm-gpu``), fbgemm's own lookup functions, as its training module calls them
 (not measured on a GPU yet):
@@ -23,11 +23,12 @@ On CUDA (``fbgemm-gpu``), fbgemm's own lookup functions, as its training module 
 * forward: ``split_embedding_codegen_lookup_sgd_function_pt2`` under ``no_grad``;
 * dense weight gradient: ``dense_embedding_codegen_lookup_function`` over a packed scratch
   layout, then its backward;
-* fused update: ``split_embedding_codegen_lookup_{sgd,rowwise_adagrad,adagrad,adam}_function_pt2``,
-  then its backward from the output gradient: fbgemm's backward updates the rows (and
-  momentum) in place (:func:`run_backward`).
+* fused update: ``split_embedding_codegen_lookup_{name}_function_pt2`` (the kinds whose record
+  says ``fbgemm_cuda``; each one's extra arguments in :data:`_OPTIMIZER_ARGS`), then its backward
+  from the output gradient: fbgemm's backward updates the rows (and momentum) in place
+  (:func:`run_backward`).
 
-Steps of a call:
+Steps of a call (:func:`pool_sum`, :func:`dense_grad`, :func:`update`: the records of :mod:`.args`):
 
 1. :func:`table_args` builds the per-table tensors shared by every call, once per tables and
    device (cached), on the tables' device: the same code for every device, the device decides
@@ -40,34 +41,33 @@ Steps of a call:
 
 Tensors built here are cached per device: build them outside any ``FakeTensorMode`` (under
 one, the kernel ops' fakes stand in for the implementations and nothing here runs). The caller
-(:mod:`.ops`) has checked shapes, dtypes, devices and alignment.
+(:mod:`.ops`) has checked shapes, dtypes, devices and alignment (:func:`fits`).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from ..optim_kinds import ADAGRAD, ADAM, ROWWISE_ADAGRAD, SGD, Hyper, OptimKind
+from .args import Batch, State, Tables
+
 __all__ = [
-    "CUDA_UPDATE_KINDS", "TableArgs", "UPDATE_KINDS", "available", "constant", "cuda_available", "dense_grad",
-    "fits", "lookup_args", "lookup_dense_grad", "lookup_forward", "lookup_update", "optimizer_args", "pool_sum",
-    "run_backward", "run_forward", "state_list", "table_args", "update", "weights_list",
+    "TableArgs", "available", "constant", "cuda_available", "dense_grad", "fits", "lookup_args",
+    "lookup_dense_grad", "lookup_forward", "lookup_update", "optimizer_args", "pool_sum", "run_backward",
+    "run_forward", "state_list", "table_args", "update", "weights_list",
 ]
 
 POOL_SUM = 0  # fbgemm_gpu PoolingMode.SUM
 OUTPUT_FP32 = 0  # fbgemm_gpu SparseType.FP32.as_int()
 HOST = 3  # fbgemm_gpu EmbeddingLocation.HOST
 DEVICE = 0  # fbgemm_gpu EmbeddingLocation.DEVICE
-UPDATE_KINDS = ("sgd", "rowwise_adagrad", "adagrad")
-"""Kinds with a CPU backward-with-optimizer kernel in fbgemm_gpu-cpu 1.8."""
-CUDA_UPDATE_KINDS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
-"""Kinds whose fbgemm lookup function updates in its CUDA backward."""
 ALIGN = 4
 """fbgemm's CUDA kernels read fp32 rows four at a time: dims, element offsets and (in bytes) 4 x this."""
 
@@ -81,6 +81,7 @@ def _module() -> ModuleType | None:
     return fbgemm_gpu
 
 
+@functools.lru_cache(maxsize=1)
 def available() -> bool:
     """True when fbgemm_gpu (CPU or CUDA build) is importable and has its CPU TBE kernels."""
     return _module() is not None and hasattr(torch.ops.fbgemm, "split_embedding_codegen_forward_cpu")
@@ -96,7 +97,7 @@ def cuda_available() -> bool:
     return _module() is not None and hasattr(torch.ops.fbgemm, "split_embedding_codegen_forward_unweighted_cuda")
 
 
-def fits(weights: torch.Tensor, offsets: list[int], dims: list[int]) -> bool:
+def fits(weights: torch.Tensor, offsets: Sequence[int], dims: Sequence[int]) -> bool:
     """Whether fbgemm's CUDA kernels can read the tables of ``weights`` at element ``offsets`` with ``dims``
     columns: 16-byte aligned rows (dims and offsets multiples of :data:`ALIGN`, an aligned start)."""
     return (weights.data_ptr() % (4 * ALIGN) == 0 and all(o % ALIGN == 0 for o in offsets)
@@ -182,57 +183,71 @@ def _infos(tables: int) -> tuple[int, int]:
     return int(bits), int(mask)
 
 
-# --- the CPU kernels ----------------------------------------------------------------------------------------
+# --- the entry points -------------------------------------------------------------------------------------
 
-def pool_sum(weights: torch.Tensor, args: TableArgs, ids: torch.Tensor, offsets: torch.Tensor,
-             per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+def pool_sum(tables: Tables, batch: Batch) -> torch.Tensor:
     """``(bags, total_d)``: every table's bag sums side by side (fbgemm's forward, one call)."""
+    args = table_args(tuple(tables.offsets), tuple(tables.dims), tuple(tables.rows), tables.storage.device)
     if not args.on_host:
-        return lookup_forward(weights, args, ids, offsets, per_sample_weights)
+        return lookup_forward(tables.storage, args, batch)
     return torch.ops.fbgemm.split_embedding_codegen_forward_cpu(
-        weights, args.weights_offsets, args.d_offsets, args.total_d, args.hash_size_cumsum, ids, offsets, POOL_SUM,
-        per_sample_weights, OUTPUT_FP32,
+        tables.storage, args.weights_offsets, args.d_offsets, args.total_d, args.hash_size_cumsum, batch.ids,
+        batch.offsets, POOL_SUM, batch.per_sample_weights, OUTPUT_FP32,
     )
 
 
-def dense_grad(grad: torch.Tensor, packed: TableArgs, ids: torch.Tensor, offsets: torch.Tensor,
-               per_sample_weights: torch.Tensor | None, numel: int) -> torch.Tensor:
-    """Every table's dense weight gradient, back to back at ``packed``'s offsets (``numel`` elements)."""
-    if not packed.on_host:
-        return lookup_dense_grad(grad, packed, ids, offsets, per_sample_weights, numel)
-    scratch = torch.empty(numel, dtype=torch.float32, device=grad.device)  # shape and dtype only: never read
-    return torch.ops.fbgemm.split_embedding_backward_codegen_dense_cpu(
-        grad, scratch, packed.weights_offsets, packed.d_offsets, packed.total_d, packed.hash_size_cumsum,
-        packed.hash_bits, ids, offsets, POOL_SUM, per_sample_weights,
-    )
-
-
-def update(kind: str, weights: torch.Tensor, args: TableArgs, grad: torch.Tensor, ids: torch.Tensor,
-           offsets: torch.Tensor, per_sample_weights: torch.Tensor | None, momentum: torch.Tensor | None,
-           momentum_offsets: torch.Tensor | None, lr: float, eps: float, *, momentum2: torch.Tensor | None = None,
-           momentum2_offsets: torch.Tensor | None = None, weight_decay: float = 0.0, decay: int = 0,
-           beta1: float = 0.9, beta2: float = 0.999, step: int = 1) -> None:
-    """The fused update of every table of one call, in place (``kind`` in :data:`UPDATE_KINDS` on CPU, in
-    :data:`CUDA_UPDATE_KINDS` on CUDA).
-
-    ``grad``: ``(bags, total_d)`` with unit column stride (rows may be strided); ``momentum``: the flat
-    state buffer with each table's first element at ``momentum_offsets`` (``momentum2`` likewise, Adam).
-    """
+def dense_grad(grad: torch.Tensor, dims: Sequence[int], rows: Sequence[int], batch: Batch) -> torch.Tensor:
+    """Every table's dense weight gradient, back to back (table ``t``'s ``rows[t] x dims[t]``)."""
+    packed = list(itertools.accumulate([r * d for r, d in zip(rows, dims)], initial=0))
+    args = table_args(tuple(packed[:-1]), tuple(dims), tuple(rows), grad.device)
     if not args.on_host:
-        lookup_update(kind, weights, args, grad, ids, offsets, per_sample_weights, momentum, momentum_offsets,
-                      momentum2, momentum2_offsets, lr=lr, eps=eps, weight_decay=weight_decay, decay=decay,
-                      beta1=beta1, beta2=beta2, step=step)
+        return lookup_dense_grad(grad, args, batch, packed[-1])
+    scratch = torch.empty(packed[-1], dtype=torch.float32, device=grad.device)  # shape and dtype only: never read
+    return torch.ops.fbgemm.split_embedding_backward_codegen_dense_cpu(
+        grad, scratch, args.weights_offsets, args.d_offsets, args.total_d, args.hash_size_cumsum, args.hash_bits,
+        batch.ids, batch.offsets, POOL_SUM, batch.per_sample_weights,
+    )
+
+
+def update(tables: Tables, batch: Batch, grad: torch.Tensor, state: State, hyper: Hyper) -> None:
+    """The fused update of every table, in place, with ``hyper.kind`` (whose record says ``fbgemm_cpu`` on CPU,
+    ``fbgemm_cuda`` on CUDA). ``grad``: ``(bags, total_d)`` with unit column stride (rows may be strided)."""
+    device = tables.storage.device
+    args = table_args(tuple(tables.offsets), tuple(tables.dims), tuple(tables.rows), device)
+    if not args.on_host:
+        lookup_update(tables.storage, args, batch, grad, state, hyper)
         return
+    m1 = state.momentum1
+    if m1 is None or not hyper.kind.per_element or list(state.momentum1_offsets) == list(tables.offsets):
+        at = None if m1 is None else constant(tuple(state.momentum1_offsets), device)
+        _update_on_host(tables.storage, args, batch, grad, m1, at, hyper)
+        return
+    # fbgemm's CPU kernels address element-wise state by the WEIGHTS' offsets (the state's are unread): for
+    # state laid out otherwise, one call per table
+    dims, rows = tables.dims, tables.rows
+    starts = list(itertools.accumulate(dims, initial=0))
+    bags = (batch.offsets.numel() - 1) // len(dims)
+    for t in range(len(dims)):
+        mine = batch.table(t, bags)
+        if mine.ids.numel() == 0:
+            continue
+        one = table_args((0,), (dims[t],), (rows[t],), device)
+        first = state.momentum1_offsets[t]
+        _update_on_host(tables.view(t).view(-1), one, mine, grad[:, starts[t] : starts[t + 1]],
+                        m1[first : first + rows[t] * dims[t]], one.weights_offsets, hyper)
+
+
+def _update_on_host(weights: torch.Tensor, args: TableArgs, batch: Batch, grad: torch.Tensor,
+                    momentum: torch.Tensor | None, momentum_offsets: torch.Tensor | None, hyper: Hyper) -> None:
+    """fbgemm_gpu-cpu's backward-with-optimizer kernel for ``hyper.kind``: one call."""
     place = args.placements
     common = (grad, weights, place, args.weights_offsets, args.d_offsets, args.total_d, args.hash_size_cumsum,
-              args.hash_bits, ids, offsets, POOL_SUM, per_sample_weights, False)
-    rate = _learning_rate(lr)
-    if kind == "sgd":
-        torch.ops.fbgemm.split_embedding_backward_codegen_sgd_cpu(*common, rate)
-        return
-    op = (torch.ops.fbgemm.split_embedding_backward_codegen_adagrad_cpu if kind == "adagrad"
-          else torch.ops.fbgemm.split_embedding_backward_codegen_rowwise_adagrad_cpu)
-    op(*common, momentum, place, momentum_offsets, rate, eps=eps)
+              args.hash_bits, batch.ids, batch.offsets, POOL_SUM, batch.per_sample_weights, False)
+    op = getattr(torch.ops.fbgemm, f"split_embedding_backward_codegen_{hyper.kind.fbgemm}_cpu")
+    if momentum is None:
+        op(*common, _learning_rate(hyper.lr))
+    else:
+        op(*common, momentum, place, momentum_offsets, _learning_rate(hyper.lr), eps=hyper.eps)
 
 
 # --- fbgemm's lookup functions (CUDA; the same calls run on CPU with the CPU forms) ---------------------------
@@ -254,16 +269,15 @@ def state_list(state: torch.Tensor, at: torch.Tensor, args: TableArgs) -> list[t
     return [state, _unused(str(state.device)).uvm, args.placements, at]
 
 
-def lookup_args(weights: torch.Tensor, args: TableArgs, ids: torch.Tensor, offsets: torch.Tensor,
-                per_sample_weights: torch.Tensor | None, placeholder: torch.Tensor, *, lr: float = 0.0,
-                step: int = 0) -> dict[str, Any]:
+def lookup_args(weights: torch.Tensor, args: TableArgs, batch: Batch, placeholder: torch.Tensor, *,
+                lr: float = 0.0, step: int = 0) -> dict[str, Any]:
     """The keyword arguments every ``split_embedding_codegen_lookup_*_function_pt2`` takes (``step``: the
     optimizer's iteration, read by Adam's bias correction)."""
     tables = args.weights_offsets.numel()
     bits, mask = _infos(tables)
-    batch = (offsets.numel() - 1) // tables
-    if batch > mask:
-        raise ValueError(f"fbgemm: {batch} bags per table exceed the {mask} its kernels address for {tables} tables")
+    bags = (batch.offsets.numel() - 1) // tables
+    if bags > mask:
+        raise ValueError(f"fbgemm: {bags} bags per table exceed the {mask} its kernels address for {tables} tables")
     return {
         "placeholder_autograd_tensor": placeholder,
         "weights": weights_list(weights, args),
@@ -272,10 +286,10 @@ def lookup_args(weights: torch.Tensor, args: TableArgs, ids: torch.Tensor, offse
         "max_D": args.max_d,
         "hash_size_cumsum": args.hash_size_cumsum,
         "total_hash_size_bits": args.hash_bits,
-        "indices": ids,
-        "offsets": offsets,
+        "indices": batch.ids,
+        "offsets": batch.offsets,
         "pooling_mode": POOL_SUM,
-        "indice_weights": per_sample_weights,
+        "indice_weights": batch.per_sample_weights,
         "feature_requires_grad": None,
         "output_dtype": OUTPUT_FP32,
         # B_offsets, vbe_output_offsets_feature_rank, vbe_B_offsets_rank_per_feature, lxu_cache_locations,
@@ -290,33 +304,35 @@ def lookup_args(weights: torch.Tensor, args: TableArgs, ids: torch.Tensor, offse
     }
 
 
-def optimizer_args(kind: str, args: TableArgs, momentum1: torch.Tensor | None, momentum1_offsets: torch.Tensor | None,
-                   momentum2: torch.Tensor | None, momentum2_offsets: torch.Tensor | None, *, eps: float,
-                   weight_decay: float, decay: int, beta1: float, beta2: float) -> dict[str, Any]:
-    """The keyword arguments of ``split_embedding_codegen_lookup_{kind}_function_pt2`` beyond
-    :func:`lookup_args` (``decay``: fbgemm's ``WeightDecayMode`` value)."""
-    if kind == "sgd":
-        return {}
-    assert momentum1 is not None and momentum1_offsets is not None, f"{kind} keeps a momentum"
-    out: dict[str, Any] = {"momentum1": state_list(momentum1, momentum1_offsets, args)}
-    if kind == "adagrad":
-        out["optim_float"] = [eps]
-    elif kind == "rowwise_adagrad":
-        out["optim_int"] = [decay]
-        out["optim_float"] = [eps, weight_decay, 0.0]  # max_norm 0: none
-    elif kind == "adam":
-        assert momentum2 is not None and momentum2_offsets is not None, "adam keeps two momenta"
-        out["momentum2"] = state_list(momentum2, momentum2_offsets, args)
-        out["optim_tensor"] = [None] * 5  # no row counter (row-wise bias correction off)
-        out["optim_float"] = [eps, beta1, beta2, weight_decay]
-        out["optim_bool"] = [False]
-    else:
-        raise ValueError(f"fbgemm: no lookup function updates with {kind!r}; expected one of {CUDA_UPDATE_KINDS}")
+_OPTIMIZER_ARGS: dict[OptimKind, Callable[[Hyper], dict[str, list[Any]]]] = {
+    SGD: lambda h: {},
+    ADAGRAD: lambda h: {"optim_float": [h.eps]},
+    ROWWISE_ADAGRAD: lambda h: {"optim_int": [h.weight_decay_mode.value],  # weight_decay_mode
+                                "optim_float": [h.eps, h.weight_decay, 0.0]},  # max_norm 0: none
+    ADAM: lambda h: {"optim_tensor": [None] * 5,  # no row counter (row-wise bias correction off)
+                     "optim_float": [h.eps, h.beta1, h.beta2, h.weight_decay], "optim_bool": [False]},
+}
+"""Per kind, the arguments of its lookup function beyond its states (its ``optim_*`` lists, fbgemm's order)."""
+
+
+def optimizer_args(args: TableArgs, state: State, hyper: Hyper) -> dict[str, Any]:
+    """The keyword arguments of ``hyper.kind``'s ``split_embedding_codegen_lookup_{name}_function_pt2`` beyond
+    :func:`lookup_args`: its states (``momentum1``, ``momentum2``) and its ``optim_*`` lists."""
+    extra = _OPTIMIZER_ARGS.get(hyper.kind)
+    if extra is None:
+        raise ValueError(f"fbgemm: no lookup function updates with {hyper.kind.name!r}; kinds "
+                         f"{[k.name for k in _OPTIMIZER_ARGS]}")
+    out = extra(hyper)
+    device = args.weights_offsets.device
+    for name, m, at in (("momentum1", state.momentum1, state.momentum1_offsets),
+                        ("momentum2", state.momentum2, state.momentum2_offsets)):
+        if m is not None:
+            out[name] = state_list(m, constant(tuple(at), device), args)
     return out
 
 
-def _lookup_function(kind: str) -> Callable[..., torch.Tensor]:
-    return getattr(torch.ops.fbgemm, f"split_embedding_codegen_lookup_{kind}_function_pt2")
+def _lookup_function(kind: OptimKind) -> Callable[..., torch.Tensor]:
+    return getattr(torch.ops.fbgemm, f"split_embedding_codegen_lookup_{kind.fbgemm}_function_pt2")
 
 
 def run_forward(op: Callable[..., torch.Tensor], kwargs: dict[str, Any]) -> torch.Tensor:
@@ -334,16 +350,13 @@ def run_backward(op: Callable[..., torch.Tensor], kwargs: dict[str, Any], grad: 
         return torch.autograd.grad(out, wrt, grad, allow_unused=True)[0]
 
 
-def lookup_forward(weights: torch.Tensor, args: TableArgs, ids: torch.Tensor, offsets: torch.Tensor,
-                   per_sample_weights: torch.Tensor | None) -> torch.Tensor:
+def lookup_forward(weights: torch.Tensor, args: TableArgs, batch: Batch) -> torch.Tensor:
     """``(bags, total_d)`` through fbgemm's lookup function (no update: under ``no_grad``)."""
     placeholder = torch.empty(0, dtype=torch.float32, device=weights.device)
-    return run_forward(_lookup_function("sgd"), lookup_args(weights, args, ids, offsets, per_sample_weights,
-                                                           placeholder))
+    return run_forward(_lookup_function(SGD), lookup_args(weights, args, batch, placeholder))
 
 
-def lookup_dense_grad(grad: torch.Tensor, packed: TableArgs, ids: torch.Tensor, offsets: torch.Tensor,
-                      per_sample_weights: torch.Tensor | None, numel: int) -> torch.Tensor:
+def lookup_dense_grad(grad: torch.Tensor, packed: TableArgs, batch: Batch, numel: int) -> torch.Tensor:
     """Every table's dense weight gradient, back to back at ``packed``'s offsets, through fbgemm's dense
     lookup function and its backward (forward over a zero scratch of ``numel`` elements, then discarded)."""
     scratch = torch.zeros(numel, dtype=torch.float32, device=grad.device, requires_grad=True)
@@ -351,23 +364,20 @@ def lookup_dense_grad(grad: torch.Tensor, packed: TableArgs, ids: torch.Tensor, 
     kwargs = {
         "dev_weights": scratch, "weights_offsets": packed.weights_offsets, "D_offsets": packed.d_offsets,
         "total_D": packed.total_d, "max_D": packed.max_d, "hash_size_cumsum": packed.hash_size_cumsum,
-        "total_hash_size_bits": packed.hash_bits, "indices": ids, "offsets": offsets, "pooling_mode": POOL_SUM,
-        "indice_weights": per_sample_weights, "feature_requires_grad": None, "output_dtype": OUTPUT_FP32,
+        "total_hash_size_bits": packed.hash_bits, "indices": batch.ids, "offsets": batch.offsets,
+        "pooling_mode": POOL_SUM, "indice_weights": batch.per_sample_weights, "feature_requires_grad": None,
+        "output_dtype": OUTPUT_FP32,
     }
     out = run_backward(torch.ops.fbgemm.dense_embedding_codegen_lookup_function, kwargs, grad, scratch)
     return torch.zeros_like(scratch, requires_grad=False) if out is None else out
 
 
-def lookup_update(kind: str, weights: torch.Tensor, args: TableArgs, grad: torch.Tensor, ids: torch.Tensor,
-                  offsets: torch.Tensor, per_sample_weights: torch.Tensor | None, momentum1: torch.Tensor | None,
-                  momentum1_offsets: torch.Tensor | None, momentum2: torch.Tensor | None,
-                  momentum2_offsets: torch.Tensor | None, *, lr: float, eps: float, weight_decay: float, decay: int,
-                  beta1: float, beta2: float, step: int) -> None:
-    """The fused update of every table of one call through fbgemm's lookup function for ``kind``: its
+def lookup_update(weights: torch.Tensor, args: TableArgs, batch: Batch, grad: torch.Tensor, state: State,
+                  hyper: Hyper) -> None:
+    """The fused update of every table of one call through fbgemm's lookup function for ``hyper.kind``: its
     forward, then its backward from ``grad``, which updates the rows and state in place."""
     placeholder = torch.zeros(0, dtype=torch.float32, device=weights.device, requires_grad=True)
     grad = grad.contiguous()  # rows back to back, as fbgemm's module hands its output gradients
-    kwargs = lookup_args(weights, args, ids, offsets, per_sample_weights, placeholder, lr=lr, step=step)
-    kwargs.update(optimizer_args(kind, args, momentum1, momentum1_offsets, momentum2, momentum2_offsets, eps=eps,
-                                 weight_decay=weight_decay, decay=decay, beta1=beta1, beta2=beta2))
-    run_backward(_lookup_function(kind), kwargs, grad, placeholder)
+    kwargs = lookup_args(weights, args, batch, placeholder, lr=hyper.lr, step=state.step)
+    kwargs.update(optimizer_args(args, state, hyper))
+    run_backward(_lookup_function(hyper.kind), kwargs, grad, placeholder)

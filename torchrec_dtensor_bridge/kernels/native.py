@@ -12,16 +12,17 @@ bits). The math is fbgemm's (``EXACT_SGD`` / ``EXACT_ROWWISE_ADAGRAD`` /
 ``EXACT_ADAGRAD`` / ``ADAM``; weight decay as :mod:`..optim.update`), tested
 against fbgemm's own kernels and the unsharded reference optimizer; whether it
 is faster than fbgemm's depends on the CPU (BENCHMARKS.md), which is why
-:mod:`.choose` measures both on the machine at hand.
+:mod:`.choose` measures both on the machine at hand. The kinds it updates are
+those whose record (:mod:`...optim_kinds`) has a ``native`` code: the code
+``cpu_kernels.c`` knows the kind by.
 
-Steps of a call (every table of one storage at once, in fbgemm's form: element offsets into one flat
-storage, ``T * B + 1`` table-major bag boundaries):
+Steps of a call (every table of one storage at once, in the form of :mod:`.args`):
 
 1. :func:`kernel` loads the library :mod:`.build` compiled (rebuilt once if it does not load).
-2. :meth:`NativeKernel.pool_tables` / :meth:`NativeKernel.update_tables` check every argument (a
-   ``ValueError`` naming it; the C code trusts what passes), shapes, dtypes, strides and every table's
-   place in the storage and in the state buffers included; an update's C grouping pass checks every
-   table's ids before any row is written.
+2. :meth:`NativeKernel.pool_tables` / :meth:`NativeKernel.update_tables` trust their arguments: the ops
+   (:mod:`.ops`) checked them, and :func:`fits` says whether the tables are within the C code's limits.
+   The C code checks the ids itself, in the pass that groups them (an update) or sums them (pooling),
+   before any row is written.
 3. The work is split on bag (pooling) or row (update) boundaries over the torch threads; ctypes
    releases the GIL during each call.
 
@@ -40,29 +41,36 @@ import functools
 import itertools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from ..optim_kinds import Hyper, WeightDecayMode
 from . import build
+from .args import Batch, State, Tables
 
-__all__ = ["ADAGRAD", "ADAM", "DECAY_DECOUPLED", "DECAY_L2", "DECAY_NONE", "ROWWISE_ADAGRAD", "SGD", "NativeKernel", "kernel"]
+__all__ = ["MAX_DIM", "NativeKernel", "fits", "kernel"]
 
 log = logging.getLogger(__name__)
 
-SGD, ROWWISE_ADAGRAD, ADAGRAD, ADAM = 0, 1, 2, 3
-DECAY_NONE, DECAY_L2, DECAY_DECOUPLED = 0, 1, 2  # as optim.kinds.WeightDecayMode
 _VERSION = 8
-_MAX_DIM = 8192
+MAX_DIM = 8192
+"""The widest table the C code takes (``TDB_MAX_DIM``)."""
+_MAX_ROWS = 2**31  # rows and ids are grouped as 32-bit keys
 _MIN_PER_THREAD = 16384  # occurrences: below this, one thread
 _BAD_ARGUMENTS = -1000000  # cpu_kernels.c's TDB_BAD_ARGUMENTS
 
 
+def fits(tables: Tables, batch: Batch) -> bool:
+    """Whether the C code can take ``tables`` and ``batch`` (checked by :mod:`.ops` otherwise): at most
+    :data:`MAX_DIM` columns and fewer than ``2**31`` rows per table, fewer than ``2**31`` ids."""
+    return max(tables.dims) <= MAX_DIM and max(tables.rows) < _MAX_ROWS and batch.ids.numel() < _MAX_ROWS
+
+
 class NativeKernel:
     """The loaded library: :meth:`pool_tables` (a lookup's forward) and :meth:`update_tables` (an optimizer
-    step) over every table of one flat storage in one call each; :meth:`pool_sum` and :meth:`update` for one
-    2-D shard."""
+    step) over every table of one flat storage in one call each."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
@@ -85,7 +93,7 @@ class NativeKernel:
         lib.tdb_check_tables.restype = i32
         self.lib, self.path = lib, path
 
-    def ids_valid(self, ids: torch.Tensor, offsets: torch.Tensor, rows: list[int]) -> bool:
+    def ids_valid(self, ids: torch.Tensor, offsets: torch.Tensor, rows: Sequence[int]) -> bool:
         """Whether every table's ids lie inside its ``rows`` and the ``T * B + 1`` ``offsets`` (absolute
         positions in ``ids``, table-major) run forward inside ``ids``: one pass, no row read. ``ids``,
         ``offsets``: contiguous 1-D int64 CPU tensors (checked by the caller)."""
@@ -94,234 +102,103 @@ class NativeKernel:
         return self.lib.tdb_check_tables(tables, _i64(tuple(rows)).data_ptr(), ids.data_ptr(), ids.numel(),
                                          offsets.data_ptr(), bags) == 0
 
-    def pool_tables(self, weights: torch.Tensor, weights_offsets: list[int], dims: list[int], rows: list[int],
-                    ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+    def pool_tables(self, tables: Tables, batch: Batch) -> torch.Tensor:
         """``(B, sum(dims))``: every table's bag sums side by side, each added in id order (as fbgemm's forward
-        and ``torch.embedding_bag`` add them), in one call.
-
-        ``weights``: a flat contiguous fp32 CPU storage, table ``t``'s ``rows[t] x dims[t]`` rows at element
-        ``weights_offsets[t]`` (read in place); ``ids``, ``offsets``: int64, ``T * B + 1`` bag boundaries
-        (absolute positions in ``ids``, table-major); ``out``: where to write (``(B, sum(dims))`` fp32 with
-        unit column stride), else a new tensor.
-        """
-        what = "pooled lookup"
-        tables, ids, offsets, psw = _inputs(what, weights, weights_offsets, dims, rows, ids, offsets,
-                                            per_sample_weights)
-        bags, width = (offsets.numel() - 1) // tables, sum(dims)
-        if out is None:
-            out = torch.empty(bags, width, dtype=torch.float32)
-        elif out.dtype != torch.float32 or tuple(out.shape) != (bags, width) or (width and out.stride(1) != 1) or (
-                bags > 1 and out.stride(0) < width):
-            raise _fail(what, "out", f"{out.dtype} {tuple(out.shape)} strides {out.stride()}",
-                        f"float32 ({bags}, {width}) with unit column stride")
-        head = (weights.data_ptr(), tables, _i64(tuple(weights_offsets)).data_ptr(), _i64(tuple(dims)).data_ptr(),
+        and ``torch.embedding_bag`` add them), in one call. The ids are checked as they are read (before any
+        row is): ``ValueError`` naming the table."""
+        weights, dims, rows = tables.storage, tables.dims, tables.rows
+        ids, offsets, psw = _contiguous(batch)
+        n = len(dims)
+        bags, width = (offsets.numel() - 1) // n, sum(dims)
+        out = torch.empty(bags, width, dtype=torch.float32)
+        head = (weights.data_ptr(), n, _i64(tuple(tables.offsets)).data_ptr(), _i64(tuple(dims)).data_ptr(),
                 _i64(tuple(rows)).data_ptr(), out.data_ptr(), out.stride(0) if bags else width,
                 _i64(tuple(_starts(dims))).data_ptr(), ids.data_ptr(), ids.numel(), offsets.data_ptr(), bags)
         # all tables' bags split evenly over the torch threads (each bag's sum is the same whatever the split)
-        total = tables * bags
+        total = n * bags
         parts = max(1, min(torch.get_num_threads(), ids.numel() // _MIN_PER_THREAD, total))
         for rc in _in_parts(self.lib.tdb_pool_tables, head, [total * k // parts for k in range(parts + 1)],
                             (_ptr(psw),)):
             if rc != 0:
-                raise ValueError(f"{what}: ids of table {-1 - rc} outside [0, {rows[-1 - rc]}) or offsets out "
-                                 "of order")
+                raise ValueError(f"pooled lookup: ids of table {-1 - rc} outside [0, {rows[-1 - rc]}) or offsets "
+                                 "out of order")
         return out
 
-    def update_tables(
-        self, kind: int, weights: torch.Tensor, weights_offsets: list[int], dims: list[int], rows: list[int],
-        grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
-        state: torch.Tensor | None, state_offsets: list[int], lr: float, eps: float, weight_decay: float = 0.0,
-        decay: int = DECAY_NONE, *, state2: torch.Tensor | None = None, state2_offsets: list[int] | None = None,
-        beta1: float = 0.9, beta2: float = 0.999, step: int = 1,
-    ) -> None:
-        """Update every table's touched rows (and their state) in place, in one call; nothing is modified
-        unless every argument (every table's ids included) is valid.
+    def update_tables(self, tables: Tables, batch: Batch, grad: torch.Tensor, state: State, hyper: Hyper) -> None:
+        """Update every table's touched rows (and their state) in place, in one call, with ``hyper.kind`` (a kind
+        with a ``native`` code); nothing is modified unless every id is valid (``ValueError`` naming the table).
 
-        ``weights``, ``ids``, ``offsets``: as :meth:`pool_tables`; ``grad``: the bags' output gradient
-        ``(B, sum(dims))`` fp32 with unit column stride, table ``t`` at its columns; ``state``: a flat fp32
-        buffer with table ``t``'s state at element ``state_offsets[t]``: per row (``rows[t]`` values,
-        row-wise Adagrad) or like its rows (Adagrad; Adam's momentum1, with ``state2`` its momentum2 at
-        ``state2_offsets``), else ``None``; ``weight_decay`` with ``decay`` :data:`DECAY_L2` (not Adam) or
-        :data:`DECAY_DECOUPLED` (row-wise Adagrad, Adam), as :mod:`..optim.update`; Adam's ``beta1``,
-        ``beta2`` and ``step`` (counted from 1, this one included) as there.
+        ``grad``: the bags' output gradient ``(B, sum(dims))`` fp32 with unit column stride, table ``t`` at its
+        columns; ``state``: as :class:`.args.State`; weight decay as :mod:`..optim.update`; the step counts
+        from 1, this one included.
         """
-        what = "sparse update"
-        tables, ids, offsets, psw = _inputs(what, weights, weights_offsets, dims, rows, ids, offsets,
-                                            per_sample_weights)
-        bags = (offsets.numel() - 1) // tables
-        _check_grad(grad, bags, sum(dims))
-        if kind not in (SGD, ROWWISE_ADAGRAD, ADAGRAD, ADAM):
-            raise _fail(what, "kind", kind, "one of SGD, ROWWISE_ADAGRAD, ADAGRAD, ADAM")
-        want = {SGD: (False, False), ROWWISE_ADAGRAD: (True, False), ADAGRAD: (True, False), ADAM: (True, True)}[kind]
-        if (state is not None, state2 is not None) != want:
-            raise _fail(what, "state, state2", (state is not None, state2 is not None),
-                        f"given as {want} for kind {kind}")
-        per_row = kind == ROWWISE_ADAGRAD
-        for name, st, at in (("state", state, state_offsets), ("state2", state2, state2_offsets)):
-            if st is not None:
-                _check_state(name, st, at, dims, rows, per_row)
-        if decay not in (DECAY_NONE, DECAY_L2, DECAY_DECOUPLED) or (decay == DECAY_L2 and kind == ADAM) or (
-                decay == DECAY_DECOUPLED and kind not in (ROWWISE_ADAGRAD, ADAM)):
-            raise _fail(what, "decay", decay, "L2 (not Adam), decoupled (row-wise Adagrad, Adam) or none")
-        n = ids.numel()
+        weights, dims, rows, kind = tables.storage, tables.dims, tables.rows, hyper.kind
+        assert kind.native is not None, f"{kind.name}: no native kernel"
+        ids, offsets, psw = _contiguous(batch)
+        n_tables = len(dims)
+        bags, n = (offsets.numel() - 1) // n_tables, ids.numel()
         if n == 0 or bags == 0:
             return
         work = torch.empty(5, n, dtype=torch.int32)
         keys, occ, bag_of = work[0], work[1], work[2]
-        if not weight_decay:
-            decay = DECAY_NONE
+        decay = hyper.weight_decay_mode if hyper.weight_decay else WeightDecayMode.NONE
         rows_t, goff, dims_t = _i64(tuple(rows)), _i64(tuple(_starts(dims))), _i64(tuple(dims))
-        woff_t = _i64(tuple(weights_offsets))
-        soff_t = None if state is None else _i64(tuple(state_offsets))
-        s2off_t = None if state2 is None else _i64(tuple(state2_offsets or ()))
-        bag_sq = None  # row-wise Adagrad: a row touched once takes its statistic from its bag's
-        if kind == ROWWISE_ADAGRAD and decay != DECAY_L2:
-            bag_sq = torch.empty(tables * bags, dtype=torch.float32)
-        hyper = torch.tensor([lr, eps, weight_decay, beta1, beta2, lr / (1 - beta1**step) if kind == ADAM else 0.0,
-                              1 - beta2**step if kind == ADAM else 1.0], dtype=torch.float32)
-        tables_args = (weights.data_ptr(), tables, woff_t.data_ptr(), dims_t.data_ptr())
-        states = (_ptr(state), _ptr(soff_t), _ptr(state2), _ptr(s2off_t))
+        woff_t = _i64(tuple(tables.offsets))
+        m1, m2 = state.momentum1, state.momentum2
+        m1_at = None if m1 is None else _i64(tuple(state.momentum1_offsets))
+        m2_at = None if m2 is None else _i64(tuple(state.momentum2_offsets))
+        bag_sq = None  # a per-row state: a row touched once takes its statistic from its bag's
+        if kind.row_wise and decay is not WeightDecayMode.L2:
+            bag_sq = torch.empty(n_tables * bags, dtype=torch.float32)
+        lr, step, b1, b2 = hyper.lr, state.step, hyper.beta1, hyper.beta2
+        counts = kind.counts_steps  # bias corrections of this step
+        values = torch.tensor([lr, hyper.eps, hyper.weight_decay, b1, b2, lr / (1 - b1**step) if counts else 0.0,
+                               1 - b2**step if counts else 1.0], dtype=torch.float32)
+        tables_args = (weights.data_ptr(), n_tables, woff_t.data_ptr(), dims_t.data_ptr())
+        states = (_ptr(m1), _ptr(m1_at), _ptr(m2), _ptr(m2_at))
         grads = (grad.data_ptr(), grad.stride(0), goff.data_ptr(), _ptr(psw))
         threads = torch.get_num_threads()
         if threads == 1 or n < 2 * _MIN_PER_THREAD:  # each table grouped right before its walk
             rc = self.lib.tdb_update_tables(
-                kind, decay, *tables_args, rows_t.data_ptr(), *states, *grads, ids.data_ptr(), n, offsets.data_ptr(),
-                bags, *(w.data_ptr() for w in work), _ptr(bag_sq), hyper.data_ptr())
+                kind.native, decay.value, *tables_args, rows_t.data_ptr(), *states, *grads, ids.data_ptr(), n,
+                offsets.data_ptr(), bags, *(w.data_ptr() for w in work), _ptr(bag_sq), values.data_ptr())
             self._raise(rc, rows, n)
             return
         # several threads: every table grouped first (nothing written unless every id is valid), then the
         # walks, cut over all tables' occurrences on row boundaries
-        rc = self.lib.tdb_group_tables(tables, rows_t.data_ptr(), ids.data_ptr(), n, offsets.data_ptr(), bags,
+        rc = self.lib.tdb_group_tables(n_tables, rows_t.data_ptr(), ids.data_ptr(), n, offsets.data_ptr(), bags,
                                        *(w.data_ptr() for w in work))
         self._raise(rc, rows, n)
         if bag_sq is not None:
-            self.lib.tdb_bag_square_sums_tables(grad.data_ptr(), grad.stride(0), tables, goff.data_ptr(),
+            self.lib.tdb_bag_square_sums_tables(grad.data_ptr(), grad.stride(0), n_tables, goff.data_ptr(),
                                                 dims_t.data_ptr(), bags, bag_sq.data_ptr())
-        head = (kind, decay, *tables_args, *states, *grads, keys.data_ptr(), occ.data_ptr(), bag_of.data_ptr(),
-                _ptr(bag_sq), offsets.data_ptr(), bags)
+        head = (kind.native, decay.value, *tables_args, *states, *grads, keys.data_ptr(), occ.data_ptr(),
+                bag_of.data_ptr(), _ptr(bag_sq), offsets.data_ptr(), bags)
         bounds = offsets[::bags].tolist()
-        for rc in _in_parts(self.lib.tdb_apply_tables, head, _row_cuts(keys, threads, bounds), (hyper.data_ptr(),)):
+        for rc in _in_parts(self.lib.tdb_apply_tables, head, _row_cuts(keys, threads, bounds), (values.data_ptr(),)):
             self._raise(rc, rows, n)
 
     @staticmethod
-    def _raise(rc: int, rows: list[int], n: int) -> None:
+    def _raise(rc: int, rows: Sequence[int], n: int) -> None:
         """The exception for a return code of the update's C functions (none for 0)."""
         if rc == 0:
             return
         if rc == -1:
-            raise _fail("sparse update", "offsets", "boundaries out of order", f"non-decreasing within [0, {n}]")
+            raise ValueError(f"sparse update: offsets must be non-decreasing within [0, {n}], got boundaries out "
+                             "of order")
         if rc == _BAD_ARGUMENTS:
             raise RuntimeError("sparse update kernel: bad arguments (kind, decay or width)")
         raise ValueError(f"sparse update: ids of table {-2 - rc} outside [0, {rows[-2 - rc]})")
 
-    def pool_sum(self, weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
-                 per_sample_weights: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """:meth:`pool_tables` of one shard ``weight`` (a contiguous fp32 CPU ``(rows, dim)``), ``offsets`` its
-        ``bags + 1`` bag boundaries."""
-        _check_shard("pooled lookup", weight)
-        return self.pool_tables(weight.view(-1), [0], [weight.shape[1]], [weight.shape[0]], ids, offsets,
-                                per_sample_weights, out)
 
-    def update(
-        self, kind: int, weight: torch.Tensor, grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor,
-        per_sample_weights: torch.Tensor | None, state: torch.Tensor | None, lr: float, eps: float,
-        weight_decay: float = 0.0, decay: int = DECAY_NONE, *, state2: torch.Tensor | None = None,
-        beta1: float = 0.9, beta2: float = 0.999, step: int = 1,
-    ) -> None:
-        """:meth:`update_tables` of one shard ``weight`` (a contiguous fp32 CPU ``(rows, dim)``), ``offsets``
-        its ``bags + 1`` bag boundaries, ``state`` (and ``state2``) ``(rows,)`` (row-wise Adagrad) or like
-        ``weight``."""
-        _check_shard("sparse update", weight)
-        rows, dim = weight.shape
-        want = (rows,) if kind == ROWWISE_ADAGRAD else (rows, dim)
-        flat = []
-        for name, st in (("state", state), ("state2", state2)):
-            if st is not None and tuple(st.shape) != want:
-                raise _fail("sparse update", name, f"shape {tuple(st.shape)}", f"{want}: " + (
-                    "row-wise Adagrad keeps one value per row" if kind == ROWWISE_ADAGRAD else "element-wise state"))
-            if st is not None and not st.is_contiguous():
-                raise _fail("sparse update", name, f"strides {st.stride()}", "contiguous")
-            flat.append(None if st is None else st.view(-1))
-        self.update_tables(kind, weight.view(-1), [0], [dim], [rows], grad, ids, offsets, per_sample_weights,
-                           flat[0], [0], lr, eps, weight_decay, decay, state2=flat[1], state2_offsets=[0],
-                           beta1=beta1, beta2=beta2, step=step)
+def _contiguous(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The batch as the C code reads it: contiguous ids and offsets (a strided view is copied), fp32 weights."""
+    psw = batch.per_sample_weights
+    return (batch.ids.contiguous(), batch.offsets.contiguous(),
+            None if psw is None else psw.to(torch.float32).contiguous())
 
 
-def _fail(what: str, name: str, got: object, want: str) -> ValueError:
-    return ValueError(f"{what}: {name} must be {want}, got {got}")
-
-
-def _check_shard(what: str, weight: torch.Tensor) -> None:
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise _fail(what, "weight", f"{weight.dtype} {tuple(weight.shape)} on {weight.device}",
-                    "a 2-D float32 CPU tensor")
-    if not weight.is_contiguous():
-        raise _fail(what, "weight", f"strides {weight.stride()}", "contiguous")
-
-
-def _inputs(what: str, weights: torch.Tensor, weights_offsets: list[int], dims: list[int], rows: list[int],
-            ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None,
-            ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Checks a kernel's tables and batch (exceptions naming the argument: the C code trusts what passes);
-    returns the table count, the ids and offsets contiguous (a strided view of the caller's is read as is)
-    and the per-sample weights as contiguous fp32 (or ``None``)."""
-    if weights.dim() != 1 or weights.dtype != torch.float32 or weights.device.type != "cpu" or (
-            weights.numel() > 1 and weights.stride(0) != 1):
-        raise _fail(what, "weights", f"{weights.dtype} {tuple(weights.shape)} strides {weights.stride()} on "
-                    f"{weights.device}", "a flat contiguous float32 CPU tensor")
-    tables = len(dims)
-    if tables == 0 or len(rows) != tables or len(weights_offsets) != tables:
-        raise _fail(what, "weights_offsets, dims, rows", (weights_offsets, dims, rows), "one entry per table (>= 1)")
-    for t, (at, d, r) in enumerate(zip(weights_offsets, dims, rows)):
-        if not 0 <= d <= _MAX_DIM:
-            raise _fail(what, f"table {t}", f"{d} columns", f"at most {_MAX_DIM} columns wide")
-        if not 0 <= r < 2**31:
-            raise _fail(what, f"table {t}", f"{r} rows", "below 2**31 rows")
-        if at < 0 or at + r * d > weights.numel():
-            raise _fail(what, f"table {t}", f"offset {at}, {r} rows x {d} columns",
-                        f"inside weights of {weights.numel()} elements")
-    for name, x in (("ids", ids), ("offsets", offsets)):
-        if x.dim() != 1 or x.dtype != torch.int64 or x.device.type != "cpu":
-            raise _fail(what, name, f"{x.dtype} {tuple(x.shape)} on {x.device}", "a 1-D int64 CPU tensor")
-    if offsets.numel() < 1 or (offsets.numel() - 1) % tables:
-        raise _fail(what, "offsets", f"{offsets.numel()} boundaries", f"T * B + 1 bag boundaries for T = {tables}")
-    if ids.numel() >= 2**31:
-        raise _fail(what, "ids", f"{ids.numel()} ids", "fewer than 2**31")
-    psw = None
-    if per_sample_weights is not None:
-        if per_sample_weights.shape != ids.shape or not per_sample_weights.is_floating_point():
-            raise _fail(what, "per_sample_weights", f"{per_sample_weights.dtype} {tuple(per_sample_weights.shape)}",
-                        f"floating point of shape {tuple(ids.shape)} (one per id)")
-        psw = per_sample_weights.to(torch.float32).contiguous()
-    return tables, ids.contiguous(), offsets.contiguous(), psw
-
-
-def _check_grad(grad: torch.Tensor, bags: int, width: int) -> None:
-    if grad.dtype != torch.float32 or grad.device.type != "cpu" or tuple(grad.shape) != (bags, width):
-        raise _fail("sparse update", "grad", f"{grad.dtype} {tuple(grad.shape)} on {grad.device}",
-                    f"float32 on CPU of shape ({bags}, {width})")
-    if width and (grad.stride(1) != 1 or (bags > 1 and grad.stride(0) < width)):
-        raise _fail("sparse update", "grad", f"strides {grad.stride()}", "rows of unit column stride")
-
-
-def _check_state(name: str, st: torch.Tensor, at: list[int] | None, dims: list[int], rows: list[int],
-                 per_row: bool) -> None:
-    """A flat fp32 state buffer holding every table's state where ``at`` says: ``rows[t]`` values per table
-    (``per_row``: row-wise Adagrad), else ``rows[t] x dims[t]``."""
-    if st.dim() != 1 or st.dtype != torch.float32 or st.device.type != "cpu" or (st.numel() > 1 and st.stride(0) != 1):
-        raise _fail("sparse update", name, f"{st.dtype} {tuple(st.shape)} strides {st.stride()} on {st.device}",
-                    "a flat contiguous float32 CPU tensor")
-    if at is None or len(at) != len(dims):
-        raise _fail("sparse update", f"{name}_offsets", at, "one offset per table")
-    for t, (o, d, r) in enumerate(zip(at, dims, rows)):
-        size = r if per_row else r * d
-        if o < 0 or o + size > st.numel():
-            raise _fail("sparse update", f"{name} of table {t}", f"offset {o}, {size} values",
-                        f"inside {name} of {st.numel()} elements ({r} rows" + ("" if per_row else f" x {d}") + ")")
-
-
-def _starts(sizes: list[int]) -> list[int]:
+def _starts(sizes: Sequence[int]) -> list[int]:
     """Where each of ``sizes`` starts when laid back to back."""
     return list(itertools.accumulate(sizes[:-1], initial=0))
 

@@ -4,65 +4,104 @@
   the pooled SUM of every table of one storage, ``(B, sum(dims))``.
 * ``tdb::pool_sum_backward(grad, dims, rows, ids, offsets, per_sample_weights) -> Tensor``: the dense
   weight gradients of that lookup, flat, back to back.
-* ``tdb::sparse_update(weights!, ..., grad, ids, offsets, per_sample_weights, kind, momentum1!, ...,
-  momentum2!, ..., lr, eps, weight_decay, decay, beta1, beta2, step) -> ()``: a fused optimizer's update of
-  the touched rows of every table of one storage (and their state), in place.
+* ``tdb::sparse_update(weights!, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind,
+  momentum1!, momentum1_offsets, momentum2!, momentum2_offsets, lr, eps, weight_decay, decay, beta1, beta2,
+  step) -> ()``: a fused optimizer's update of the touched rows of every table of one storage (and their
+  state), in place; ``kind`` a registered kind's name (:mod:`...optim_kinds`), ``decay`` a
+  ``WeightDecayMode`` value.
 
-The form of the arguments is :mod:`.impl`'s (fbgemm's): tables addressed by element offsets into one flat
-storage. Steps of a call:
+A custom op's schema takes flat tensors and scalars. Below it, Python passes the records of :mod:`.args`
+(tables, batch, state) and the hyper-parameters (:class:`...optim_kinds.Hyper`). Steps of a call:
 
-1. The arguments are checked here, before any kernel runs: a ``ValueError`` names the argument and its
-   values (never an ``assert``; the kernels trust what passes).
-2. The implementation for the device is :mod:`.choose`'s decision (one place per op and device).
-3. It runs (:mod:`.impl`).
+1. The flat arguments are grouped into those records (:func:`_pool_args`, :func:`_grad_args`,
+   :func:`_update_args`).
+2. They are checked, once, here, before any kernel runs: a ``ValueError`` names the argument and its values
+   (never an ``assert``; the implementations trust what passes). The ids are checked in one pass: on CPU in
+   this package's C code when it is built (:meth:`.native.NativeKernel.ids_valid`; when the C kernels run,
+   in their own pass), on CUDA on the device (one synchronisation).
+3. The implementation is :mod:`.choose`'s decision (remembered once the ranks of a lookup settled it), then
+   what the tables allow: fbgemm's CUDA kernels read 16-byte aligned rows only (:func:`.fbgemm.fits`), ours
+   tables of at most :data:`.native.MAX_DIM` columns (:func:`.native.fits`); pooling and the dense gradient
+   fall back to torch's ops (:mod:`.reference`) otherwise, an update refuses.
+4. It runs: :func:`run_pool_sum`, :func:`run_dense_grad`, :func:`run_sparse_update`.
 
-The ops are declared with ``torch.library.Library`` (schemas, with the in-place arguments marked) and their
-CPU, CUDA and fake implementations registered under the same names: the dispatcher calls each
-implementation directly (``torch.library.custom_op`` adds Python layers that cost more per call than a
-small lookup's kernel, BENCHMARKS.md). An update bumps the version counters of the tensors it wrote, as
-in-place ops do. On CPU the ids are checked in one pass of this package's C code when it is built
-(:meth:`.native.NativeKernel.ids_valid`). On CUDA the ids are checked in
-one pass on the device (one synchronisation), and fbgemm's kernels run only on tables whose rows they can
-read (:func:`.fbgemm.fits`); pooling and the dense gradient fall back to torch's ops otherwise, a fused
-update refuses. The fakes give the output shapes, so FakeTensor and ``torch.compile`` trace the ops, and the
-profiler names them.
+Each op has one implementation for the CPU and CUDA dispatch keys (the devices' differences are the
+branches above) and one fake, registered with ``torch.library.Library`` (``torch.library.custom_op`` adds
+Python layers that cost more per call than a small lookup's kernel, BENCHMARKS.md). The fakes give the
+output shapes, so FakeTensor and ``torch.compile`` trace the ops, and the profiler names them. An update
+bumps the version counters of the tensors it wrote, as in-place ops do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from . import choose, fbgemm, impl, native
+from ..optim_kinds import Hyper, StateKind, WeightDecayMode, lookup, names
+from . import choose, fbgemm, native, reference
+from .args import Batch, State, Tables
+from .choose import Impl
 
-__all__ = ["dense_grad", "pool_sum", "sparse_update"]
+__all__ = ["check_ids_on_device", "run_dense_grad", "run_pool_sum", "run_sparse_update"]
 
 Tensor = torch.Tensor
-_KINDS = ("sgd", "rowwise_adagrad", "adagrad", "adam")
+
+
+_DECAY_VALUES = frozenset(m.value for m in WeightDecayMode)
 
 
 def _fail(op: str, name: str, got: object, want: str) -> ValueError:
     return ValueError(f"tdb::{op}: {name} must be {want}, got {got}")
 
 
-def _check_tables(op: str, weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int]) -> None:
-    tables = len(dims)
-    if tables == 0 or len(rows) != tables or (weights_offsets is not None and len(weights_offsets) != tables):
-        raise _fail(op, "weights_offsets, dims, rows", (weights_offsets, dims, rows), "one entry per table (>= 1)")
+# --- step 1: the flat arguments grouped ------------------------------------------------------------------------
+
+def _pool_args(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], ids: Tensor,
+               offsets: Tensor, per_sample_weights: Tensor | None) -> tuple[Tables, Batch]:
+    return Tables(weights, weights_offsets, dims, rows), Batch(ids, offsets, per_sample_weights)
+
+
+def _grad_args(grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
+               per_sample_weights: Tensor | None) -> tuple[Tensor, list[int], list[int], Batch]:
+    return grad, dims, rows, Batch(ids, offsets, per_sample_weights)
+
+
+def _update_args(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], grad: Tensor,
+                 ids: Tensor, offsets: Tensor, per_sample_weights: Tensor | None, kind: str, momentum1: Tensor | None,
+                 momentum1_offsets: list[int], momentum2: Tensor | None, momentum2_offsets: list[int], lr: float,
+                 eps: float, weight_decay: float, decay: int, beta1: float, beta2: float, step: int,
+                 ) -> tuple[Tables, Batch, Tensor, State, Hyper]:
+    try:
+        found = lookup(kind)
+    except ValueError:
+        raise _fail("sparse_update", "kind", repr(kind), f"one of {names()}") from None
+    if decay not in _DECAY_VALUES:
+        raise _fail("sparse_update", "decay", decay, f"one of {sorted(_DECAY_VALUES)}")
+    return (Tables(weights, weights_offsets, dims, rows), Batch(ids, offsets, per_sample_weights), grad,
+            State(momentum1, momentum1_offsets, momentum2, momentum2_offsets, step),
+            Hyper(found, lr, eps, weight_decay, WeightDecayMode(decay), beta1, beta2))
+
+
+# --- step 2: the checks -----------------------------------------------------------------------------------------
+
+def _check_tables(op: str, tables: Tables) -> None:
+    weights, at, dims, rows = tables.storage, tables.offsets, tables.dims, tables.rows
+    if len(dims) == 0 or len(rows) != len(dims) or len(at) != len(dims):
+        raise _fail(op, "weights_offsets, dims, rows", (at, dims, rows), "one entry per table (>= 1)")
     if weights.dim() != 1 or weights.dtype != torch.float32 or weights.stride(0) != 1:
         raise _fail(op, "weights", f"{weights.dtype} of shape {tuple(weights.shape)} strides {weights.stride()}",
                     "a flat contiguous float32 tensor")
-    for t, (at, d, r) in enumerate(zip(weights_offsets, dims, rows)):
-        if d < 0 or r < 0 or at < 0 or at + d * r > weights.numel():
-            raise _fail(op, f"table {t}", f"offset {at}, {r} rows x {d} columns",
+    for t, (o, d, r) in enumerate(zip(at, dims, rows)):
+        if d < 0 or r < 0 or o < 0 or o + d * r > weights.numel():
+            raise _fail(op, f"table {t}", f"offset {o}, {r} rows x {d} columns",
                         f"inside weights of {weights.numel()} elements")
 
 
-def _check_batch(op: str, tables: int, ids: Tensor, offsets: Tensor, psw: Tensor | None, device: torch.device,
-                 ) -> int:
+def _check_batch(op: str, tables: int, batch: Batch, device: torch.device) -> int:
     """The batch size ``B`` of every table."""
+    ids, offsets, psw = batch.ids, batch.offsets, batch.per_sample_weights
     for name, t in (("ids", ids), ("offsets", offsets)):
         if t.dim() != 1 or t.dtype != torch.int64 or t.device != device:
             raise _fail(op, name, f"{t.dtype} of shape {tuple(t.shape)} on {t.device}", f"1-D int64 on {device}")
@@ -74,7 +113,7 @@ def _check_batch(op: str, tables: int, ids: Tensor, offsets: Tensor, psw: Tensor
     return (offsets.numel() - 1) // tables
 
 
-def _check_ids(op: str, ids: Tensor, offsets: Tensor, rows: list[int], b: int) -> None:
+def _check_ids(op: str, ids: Tensor, offsets: Tensor, rows: Sequence[int], b: int) -> None:
     """Offsets in order and every table's ids inside its rows (the kernels read where they point)."""
     if ids.device.type == "meta" or offsets.numel() == 0:
         return
@@ -93,7 +132,7 @@ def _check_ids(op: str, ids: Tensor, offsets: Tensor, rows: list[int], b: int) -
                 raise _fail(op, f"ids of table {t}", f"ids from {int(lo)} to {int(hi)}", f"inside [0, {r})")
 
 
-def check_ids_on_device(op: str, ids: Tensor, offsets: Tensor, rows: list[int], b: int) -> None:
+def check_ids_on_device(op: str, ids: Tensor, offsets: Tensor, rows: Sequence[int], b: int) -> None:
     """:func:`_check_ids` for tensors on an accelerator: one pass on the device and one synchronisation; on a
     problem, the CPU check on copies names it."""
     if offsets.numel() == 0:
@@ -112,9 +151,172 @@ def check_ids_on_device(op: str, ids: Tensor, offsets: Tensor, rows: list[int], 
         raise _fail(op, "ids, offsets", "ids outside their tables or offsets out of order", "valid")
 
 
-def _fbgemm_fits(which: impl.Impl, weights: Tensor, weights_offsets: list[int], dims: list[int]) -> bool:
-    return which is not impl.Impl.FBGEMM or fbgemm.fits(weights, weights_offsets, dims)
+def _check_grad(op: str, grad: Tensor, dims: Sequence[int], rows: Sequence[int], batch: Batch) -> int:
+    if len(dims) == 0 or len(rows) != len(dims) or min(dims) < 0 or min(rows) < 0:
+        raise _fail(op, "dims, rows", (dims, rows), "one non-negative entry per table (>= 1)")
+    b = _check_batch(op, len(dims), batch, grad.device)
+    width = sum(dims)
+    if grad.dtype != torch.float32 or tuple(grad.shape) != (b, width) or (
+            width > 0 and grad.stride(1) != 1) or (b > 1 and grad.stride(0) < width):
+        raise _fail(op, "grad", f"{grad.dtype} of shape {tuple(grad.shape)} strides {grad.stride()}",
+                    f"float32 ({b}, {width}) with unit column stride")
+    return b
 
+
+def _check_update(tables: Tables, batch: Batch, grad: Tensor, state: State, hyper: Hyper) -> int:
+    op, weights, dims, rows, kind = "sparse_update", tables.storage, tables.dims, tables.rows, hyper.kind
+    _check_tables(op, tables)
+    b = _check_grad(op, grad, dims, rows, batch)
+    if grad.device != weights.device:
+        raise _fail(op, "grad", f"on {grad.device}", f"on the weights' device {weights.device}")
+    if hyper.weight_decay_mode is not WeightDecayMode.NONE and hyper.weight_decay_mode not in kind.decay_modes:
+        raise _fail(op, "decay", hyper.weight_decay_mode.value,
+                    f"none or one of {[m.value for m in kind.decay_modes]} for {kind.name!r}")
+    specs = kind.tensor_states
+    given = (state.momentum1 is not None, state.momentum2 is not None)
+    wants = (len(specs) > 0, len(specs) > 1)
+    if given != wants:
+        raise _fail(op, "momentum1, momentum2", f"given: {given}", f"given: {wants} for {kind.name!r}")
+    for spec, name, m, at in zip(specs, ("momentum1", "momentum2"), (state.momentum1, state.momentum2),
+                                 (state.momentum1_offsets, state.momentum2_offsets)):
+        assert m is not None, "checked above"
+        if m.dim() != 1 or m.dtype != torch.float32 or m.stride(0) != 1 or m.device != weights.device:
+            raise _fail(op, name, f"{m.dtype} of shape {tuple(m.shape)} on {m.device}",
+                        f"a flat contiguous float32 tensor on {weights.device}")
+        if len(at) != len(dims):
+            raise _fail(op, f"{name}_offsets", at, "one offset per table")
+        for t, (o, d, r) in enumerate(zip(at, dims, rows)):
+            size = r if spec.shape is StateKind.ROW else r * d  # a per-row state: one value per row
+            if o < 0 or o + size > m.numel():
+                raise _fail(op, f"{name} of table {t}", f"offset {o}, {size} values",
+                            f"inside {name} of {m.numel()} elements ({r} rows of table {t})")
+    return b
+
+
+# --- steps 3 and 4: the implementations --------------------------------------------------------------------------
+
+def _pool_sum(tables: Tables, batch: Batch) -> Tensor:
+    """The pooled SUM of every table of one storage (see the module docstring)."""
+    _check_tables("pool_sum", tables)
+    device = tables.storage.device
+    b = _check_batch("pool_sum", len(tables.dims), batch, device)
+    on_cpu = device.type == "cpu"
+    if not on_cpu:
+        check_ids_on_device("pool_sum", batch.ids, batch.offsets, tables.rows, b)
+        if b == 0 or batch.ids.numel() == 0:
+            return tables.storage.new_zeros(b, sum(tables.dims))
+    which = choose.pool_impl(device)
+    if (which is Impl.NATIVE and not native.fits(tables, batch)) or (
+            which is Impl.FBGEMM and not on_cpu and not fbgemm.fits(tables.storage, tables.offsets, tables.dims)):
+        which = Impl.TORCH
+    if on_cpu and which is not Impl.NATIVE:  # ours checks the ids in its own pass
+        _check_ids("pool_sum", batch.ids, batch.offsets, tables.rows, b)
+    return run_pool_sum(which, tables, batch)
+
+
+def run_pool_sum(which: Impl, tables: Tables, batch: Batch) -> Tensor:
+    """``(B, sum(dims))``: every table's bag sums side by side, by ``which``."""
+    kernel = native.kernel() if which is Impl.NATIVE else None
+    if kernel is not None:  # one call for every table
+        with torch.profiler.record_function("tdb::native_pool_sum"):
+            return kernel.pool_tables(tables, batch)
+    if which is Impl.FBGEMM:
+        return fbgemm.pool_sum(tables, batch)
+    return reference.pool_sum(tables, batch)
+
+
+def _fake_pool_sum(tables: Tables, batch: Batch) -> Tensor:
+    _check_tables("pool_sum", tables)
+    b = _check_batch("pool_sum", len(tables.dims), batch, tables.storage.device)
+    return tables.storage.new_empty(b, sum(tables.dims))
+
+
+def _dense_grad(grad: Tensor, dims: list[int], rows: list[int], batch: Batch) -> Tensor:
+    """The dense weight gradients of :func:`_pool_sum`, flat, table ``t``'s ``rows[t] x dims[t]`` after table
+    ``t - 1``'s."""
+    b = _check_grad("pool_sum_backward", grad, dims, rows, batch)
+    if grad.device.type == "cpu":
+        _check_ids("pool_sum_backward", batch.ids, batch.offsets, rows, b)
+    else:
+        check_ids_on_device("pool_sum_backward", batch.ids, batch.offsets, rows, b)
+        if b == 0 or batch.ids.numel() == 0:
+            return grad.new_zeros(sum(r * d for r, d in zip(rows, dims)))
+    which = choose.dense_impl(grad.device)
+    if which is Impl.FBGEMM and grad.device.type != "cpu" and any(d % fbgemm.ALIGN for d in dims):
+        which = Impl.TORCH  # the packed gradient's rows: unaligned
+    return run_dense_grad(which, grad, dims, rows, batch)
+
+
+def run_dense_grad(which: Impl, grad: Tensor, dims: Sequence[int], rows: Sequence[int], batch: Batch) -> Tensor:
+    """Every table's dense weight gradient, flat and back to back, by ``which``."""
+    if which is Impl.FBGEMM:
+        return fbgemm.dense_grad(grad, dims, rows, batch)
+    return reference.dense_grad(grad, dims, rows, batch)
+
+
+def _fake_dense_grad(grad: Tensor, dims: list[int], rows: list[int], batch: Batch) -> Tensor:
+    _check_grad("pool_sum_backward", grad, dims, rows, batch)
+    return grad.new_empty(sum(r * d for r, d in zip(rows, dims)))
+
+
+def _sparse_update(tables: Tables, batch: Batch, grad: Tensor, state: State, hyper: Hyper) -> None:
+    """A fused optimizer's update of every table of one storage, in place (see the module docstring)."""
+    b = _check_update(tables, batch, grad, state, hyper)
+    device = tables.storage.device
+    which = choose.update_impl(device, hyper.kind, hyper.weight_decay)
+    if which is Impl.TORCH:
+        raise ValueError(f"tdb::sparse_update: no one-pass kernel for kind {hyper.kind.name!r} with "
+                         f"weight_decay={hyper.weight_decay} on {device} (kernels.choose.update_impl)")
+    if device.type == "cpu":
+        if which is Impl.NATIVE and not native.fits(tables, batch):
+            raise _fail("sparse_update", "dims, rows, ids", (list(tables.dims), list(tables.rows), batch.ids.numel()),
+                        f"at most {native.MAX_DIM} columns, fewer than 2**31 rows and ids (the C kernels)")
+        if which is not Impl.NATIVE:  # ours checks every table's in its grouping pass, before any update
+            _check_ids("sparse_update", batch.ids, batch.offsets, tables.rows, b)
+    else:
+        per_element = hyper.kind.per_element  # element-wise state is read like the rows
+        at = (state.momentum1_offsets, state.momentum2_offsets)
+        states_fit = not per_element or all(fbgemm.fits(m, o, tables.dims) for m, o in zip(
+            (state.momentum1, state.momentum2), at) if m is not None)
+        if not fbgemm.fits(tables.storage, tables.offsets, tables.dims) or not states_fit:
+            raise ValueError(f"tdb::sparse_update: fbgemm's CUDA kernels read 16-byte aligned rows: dims "
+                             f"{list(tables.dims)}, element offsets {list(tables.offsets)} (state "
+                             f"{list(at[0])}, {list(at[1])}) must be multiples of {fbgemm.ALIGN} and the storage "
+                             "aligned")
+        check_ids_on_device("sparse_update", batch.ids, batch.offsets, tables.rows, b)
+        if b == 0 or batch.ids.numel() == 0:
+            _bump_versions(tables.storage, state.momentum1, state.momentum2)
+            return
+    run_sparse_update(which, tables, batch, grad, state, hyper)
+    _bump_versions(tables.storage, state.momentum1, state.momentum2)
+
+
+def run_sparse_update(which: Impl, tables: Tables, batch: Batch, grad: Tensor, state: State, hyper: Hyper) -> None:
+    """Every table's touched rows (and their state) updated in place by ``which`` (:attr:`Impl.NATIVE` or
+    :attr:`Impl.FBGEMM`)."""
+    kernel = native.kernel() if which is Impl.NATIVE else None
+    if kernel is not None:  # one call for every table
+        with torch.profiler.record_function(f"tdb::native_update_{hyper.kind.name}"):
+            kernel.update_tables(tables, batch, grad, state, hyper)
+    elif which is Impl.FBGEMM:
+        fbgemm.update(tables, batch, grad, state, hyper)
+    else:
+        raise RuntimeError(f"sparse update: no one-pass kernel for {which.name.lower()} (choose.update_impl decides)")
+
+
+def _fake_sparse_update(tables: Tables, batch: Batch, grad: Tensor, state: State, hyper: Hyper) -> None:
+    _check_update(tables, batch, grad, state, hyper)
+
+
+def _bump_versions(*mutated: Tensor | None) -> None:
+    """What an in-place op owes autograd: the version counters of the tensors it wrote move on, so that a
+    graph that saved one of them refuses its backward instead of using changed values."""
+    for t in mutated:
+        if t is not None:
+            torch.autograd.graph.increment_version(t)
+
+
+# --- the registrations --------------------------------------------------------------------------------------------
 
 _LIB = torch.library.Library("tdb", "DEF")  # held here: the ops live as long as this module
 _LIB.define("pool_sum(Tensor weights, int[] weights_offsets, int[] dims, int[] rows, Tensor ids, Tensor offsets, "
@@ -127,187 +329,15 @@ _LIB.define("sparse_update(Tensor(a!) weights, int[] weights_offsets, int[] dims
             "float weight_decay, int decay, float beta1, float beta2, int step) -> ()")
 
 
-def _register(name: str, device: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Registers the decorated function as ``tdb::name``'s kernel for ``device`` ("CPU", "CUDA") or, for
-    "fake", its fake implementation; returns it unchanged."""
-
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        if device == "fake":
-            torch.library.register_fake(f"tdb::{name}", fn, lib=_LIB)
-        else:
-            _LIB.impl(name, fn, device)
-        return fn
-
-    return register
+def _register(name: str, grouped: Callable[..., tuple[Any, ...]], run: Callable[..., Any],
+              fake: Callable[..., Any]) -> None:
+    """``tdb::name``: its flat arguments grouped by ``grouped``, then ``run`` for the CPU and CUDA keys and
+    ``fake`` for fake tensors."""
+    _LIB.impl(name, lambda *flat: run(*grouped(*flat)), "CPU")
+    _LIB.impl(name, lambda *flat: run(*grouped(*flat)), "CUDA")
+    torch.library.register_fake(f"tdb::{name}", lambda *flat: fake(*grouped(*flat)), lib=_LIB)
 
 
-def _bump_versions(*mutated: Tensor | None) -> None:
-    """What an in-place op owes autograd: the version counters of the tensors it wrote move on, so that a
-    graph that saved one of them refuses its backward instead of using changed values."""
-    for t in mutated:
-        if t is not None:
-            torch.autograd.graph.increment_version(t)
-
-
-@_register("pool_sum", "CPU")
-def pool_sum(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], ids: Tensor,
-             offsets: Tensor, per_sample_weights: Tensor | None) -> Tensor:
-    """The pooled SUM of every table of one storage (see the module docstring)."""
-    _check_tables("pool_sum", weights, weights_offsets, dims, rows)
-    b = _check_batch("pool_sum", len(dims), ids, offsets, per_sample_weights, weights.device)
-    which = choose.pool_impl(weights.device)
-    if which is not impl.Impl.NATIVE:  # ours checks in its own pass
-        _check_ids("pool_sum", ids, offsets, rows, b)
-    return impl.pool_sum(which, weights, weights_offsets, dims, rows, ids, offsets, per_sample_weights)
-
-
-@_register("pool_sum", "fake")
-def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
-      per_sample_weights: Tensor | None) -> Tensor:
-    _check_tables("pool_sum", weights, weights_offsets, dims, rows)
-    b = _check_batch("pool_sum", len(dims), ids, offsets, per_sample_weights, weights.device)
-    return weights.new_empty(b, sum(dims))
-
-
-@_register("pool_sum", "CUDA")
-def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
-      per_sample_weights: Tensor | None) -> Tensor:
-    _check_tables("pool_sum", weights, weights_offsets, dims, rows)
-    b = _check_batch("pool_sum", len(dims), ids, offsets, per_sample_weights, weights.device)
-    check_ids_on_device("pool_sum", ids, offsets, rows, b)
-    if b == 0 or ids.numel() == 0:
-        return weights.new_zeros(b, sum(dims))
-    which = choose.pool_impl(weights.device)
-    if not _fbgemm_fits(which, weights, weights_offsets, dims):
-        which = impl.Impl.TORCH
-    return impl.pool_sum(which, weights, weights_offsets, dims, rows, ids, offsets, per_sample_weights)
-
-
-@_register("pool_sum_backward", "CPU")
-def dense_grad(grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
-               per_sample_weights: Tensor | None) -> Tensor:
-    """The dense weight gradients of :func:`pool_sum`, flat, table ``t``'s ``rows[t] x dims[t]`` after table
-    ``t - 1``'s."""
-    b = _check_grad("pool_sum_backward", grad, dims, rows, ids, offsets, per_sample_weights)
-    _check_ids("pool_sum_backward", ids, offsets, rows, b)
-    return impl.dense_grad(choose.dense_impl(grad.device), grad, dims, rows, ids, offsets, per_sample_weights)
-
-
-@_register("pool_sum_backward", "fake")
-def _(grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
-      per_sample_weights: Tensor | None) -> Tensor:
-    _check_grad("pool_sum_backward", grad, dims, rows, ids, offsets, per_sample_weights)
-    return grad.new_empty(sum(r * d for r, d in zip(rows, dims)))
-
-
-@_register("pool_sum_backward", "CUDA")
-def _(grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
-      per_sample_weights: Tensor | None) -> Tensor:
-    b = _check_grad("pool_sum_backward", grad, dims, rows, ids, offsets, per_sample_weights)
-    check_ids_on_device("pool_sum_backward", ids, offsets, rows, b)
-    if b == 0 or ids.numel() == 0:
-        return grad.new_zeros(sum(r * d for r, d in zip(rows, dims)))
-    which = choose.dense_impl(grad.device)
-    if which is impl.Impl.FBGEMM and any(d % fbgemm.ALIGN for d in dims):  # the packed gradient's rows
-        which = impl.Impl.TORCH
-    return impl.dense_grad(which, grad, dims, rows, ids, offsets, per_sample_weights)
-
-
-def _check_grad(op: str, grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
-                psw: Tensor | None) -> int:
-    if len(dims) == 0 or len(rows) != len(dims) or min(dims) < 0 or min(rows) < 0:
-        raise _fail(op, "dims, rows", (dims, rows), "one non-negative entry per table (>= 1)")
-    b = _check_batch(op, len(dims), ids, offsets, psw, grad.device)
-    width = sum(dims)
-    if grad.dtype != torch.float32 or tuple(grad.shape) != (b, width) or (
-            width > 0 and grad.stride(1) != 1) or (b > 1 and grad.stride(0) < width):
-        raise _fail(op, "grad", f"{grad.dtype} of shape {tuple(grad.shape)} strides {grad.stride()}",
-                    f"float32 ({b}, {width}) with unit column stride")
-    return b
-
-
-@_register("sparse_update", "CPU")
-def sparse_update(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], grad: Tensor,
-                  ids: Tensor, offsets: Tensor, per_sample_weights: Tensor | None, kind: str,
-                  momentum1: Tensor | None, momentum1_offsets: list[int], momentum2: Tensor | None,
-                  momentum2_offsets: list[int], lr: float, eps: float, weight_decay: float, decay: int,
-                  beta1: float, beta2: float, step: int) -> None:
-    """A fused optimizer's update of every table of one storage, in place (see the module docstring)."""
-    b = _check_update(weights, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind,
-                      momentum1, momentum1_offsets, momentum2, momentum2_offsets)
-    which = choose.update_impl(weights.device, kind, weight_decay)
-    if which is impl.Impl.TORCH:
-        raise ValueError(f"tdb::sparse_update: no one-pass kernel for kind {kind!r} with weight_decay={weight_decay} "
-                         "on this host (kernels.choose.update_impl)")
-    if which is not impl.Impl.NATIVE:  # ours checks every table's in its grouping pass, before any update
-        _check_ids("sparse_update", ids, offsets, rows, b)  # every table's, before the first one is updated
-    impl.sparse_update(which, weights, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind,
-                       momentum1, momentum1_offsets, momentum2, momentum2_offsets, lr, eps, weight_decay, decay,
-                       beta1, beta2, step)
-    _bump_versions(weights, momentum1, momentum2)
-
-
-@_register("sparse_update", "fake")
-def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], grad: Tensor, ids: Tensor,
-      offsets: Tensor, per_sample_weights: Tensor | None, kind: str, momentum1: Tensor | None,
-      momentum1_offsets: list[int], momentum2: Tensor | None, momentum2_offsets: list[int], lr: float, eps: float,
-      weight_decay: float, decay: int, beta1: float, beta2: float, step: int) -> None:
-    _check_update(weights, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind, momentum1,
-                  momentum1_offsets, momentum2, momentum2_offsets)
-
-
-@_register("sparse_update", "CUDA")
-def _(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], grad: Tensor, ids: Tensor,
-      offsets: Tensor, per_sample_weights: Tensor | None, kind: str, momentum1: Tensor | None,
-      momentum1_offsets: list[int], momentum2: Tensor | None, momentum2_offsets: list[int], lr: float, eps: float,
-      weight_decay: float, decay: int, beta1: float, beta2: float, step: int) -> None:
-    b = _check_update(weights, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind,
-                      momentum1, momentum1_offsets, momentum2, momentum2_offsets)
-    which = choose.update_impl(weights.device, kind, weight_decay)
-    if which is impl.Impl.TORCH:
-        raise ValueError(f"tdb::sparse_update: no one-pass kernel for kind {kind!r} with weight_decay={weight_decay} "
-                         f"on {weights.device} (kernels.choose.update_impl)")
-    per_element = kind in ("adagrad", "adam")  # element-wise state is read like the rows
-    states_fit = not per_element or all(fbgemm.fits(m, at, dims) for m, at in (
-        (momentum1, momentum1_offsets), (momentum2, momentum2_offsets)) if m is not None)
-    if not fbgemm.fits(weights, weights_offsets, dims) or not states_fit:
-        raise ValueError(f"tdb::sparse_update: fbgemm's CUDA kernels read 16-byte aligned rows: dims {dims}, "
-                         f"element offsets {weights_offsets} (state {momentum1_offsets}, {momentum2_offsets}) must "
-                         f"be multiples of {fbgemm.ALIGN} and the storage aligned")
-    check_ids_on_device("sparse_update", ids, offsets, rows, b)
-    if b == 0 or ids.numel() == 0:
-        _bump_versions(weights, momentum1, momentum2)
-        return
-    impl.sparse_update(which, weights, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind,
-                       momentum1, momentum1_offsets, momentum2, momentum2_offsets, lr, eps, weight_decay, decay,
-                       beta1, beta2, step)
-    _bump_versions(weights, momentum1, momentum2)
-
-
-def _check_update(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], grad: Tensor,
-                  ids: Tensor, offsets: Tensor, psw: Tensor | None, kind: str, momentum1: Tensor | None,
-                  momentum1_offsets: list[int], momentum2: Tensor | None, momentum2_offsets: list[int]) -> int:
-    _check_tables("sparse_update", weights, weights_offsets, dims, rows)
-    b = _check_grad("sparse_update", grad, dims, rows, ids, offsets, psw)
-    if grad.device != weights.device:
-        raise _fail("sparse_update", "grad", f"on {grad.device}", f"on the weights' device {weights.device}")
-    if kind not in _KINDS:
-        raise _fail("sparse_update", "kind", repr(kind), f"one of {list(_KINDS)}")
-    wants = {"sgd": (False, False), "rowwise_adagrad": (True, False), "adagrad": (True, False), "adam": (True, True)}
-    given = (momentum1 is not None, momentum2 is not None)
-    if given != wants[kind]:
-        raise _fail("sparse_update", "momentum1, momentum2", f"given: {given}", f"given: {wants[kind]} for {kind!r}")
-    for name, m, at in (("momentum1", momentum1, momentum1_offsets), ("momentum2", momentum2, momentum2_offsets)):
-        if m is None:
-            continue
-        if m.dim() != 1 or m.dtype != torch.float32 or m.stride(0) != 1 or m.device != weights.device:
-            raise _fail("sparse_update", name, f"{m.dtype} of shape {tuple(m.shape)} on {m.device}",
-                        f"a flat contiguous float32 tensor on {weights.device}")
-        if len(at) != len(dims):
-            raise _fail("sparse_update", f"{name}_offsets", at, "one offset per table")
-        for t, (o, d, r) in enumerate(zip(at, dims, rows)):
-            size = r if kind == "rowwise_adagrad" else r * d  # per-row state: one value per row
-            if o < 0 or o + size > m.numel():
-                raise _fail("sparse_update", f"{name} of table {t}", f"offset {o}, {size} values",
-                            f"inside {name} of {m.numel()} elements ({r} rows of table {t})")
-    return b
+_register("pool_sum", _pool_args, _pool_sum, _fake_pool_sum)
+_register("pool_sum_backward", _grad_args, _dense_grad, _fake_dense_grad)
+_register("sparse_update", _update_args, _sparse_update, _fake_sparse_update)

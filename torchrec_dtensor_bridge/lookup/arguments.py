@@ -30,10 +30,10 @@ from .. import agreement
 from ..agreement import RejectedArguments, float_code
 from ..optim import FusedOptimizer
 
-from ..optim.kinds import OptimKind
+from .. import optim_kinds
 
 if TYPE_CHECKING:
-    from ..optim.kinds import Hyper
+    from ..optim_kinds import Hyper
     from ..optim.state import Binding
 
 __all__ = [
@@ -370,7 +370,7 @@ class TableCodes:
         num_embeddings, embedding_dim: the weight's shape (-1: not 2-D).
         dtype: index of the weight's dtype in :data:`DTYPES`.
         layout: ``ShardLayout.digest()`` of the weight's layout in the group (-1: unknown).
-        optimizer: index of the fused optimizer's kind in ``OptimKind`` (-1: none).
+        optimizer: index of the fused optimizer's kind among the registered kinds (-1: none).
         psw_grad: 1 when backward computes the per-sample weights' gradient.
         hyper: a digest of the fused optimizer's hyper-parameters (lr, eps, weight decay and its
             mode, betas; 0: none): ranks stepping with different ones would part ways silently.
@@ -400,7 +400,7 @@ class TableCodes:
             float_code(norm_type) if isinstance(norm_type, (int, float)) else -1,
             int(shape[0]) if two_d else -1, int(shape[1]) if two_d else -1,
             DTYPES.index(dtype) if dtype in DTYPES else -1, layout,
-            -1 if optimizer is None else list(OptimKind).index(optimizer.hyper.kind), int(psw_grad),
+            -1 if optimizer is None else optim_kinds.names().index(optimizer.hyper.kind.name), int(psw_grad),
             0 if optimizer is None else _hyper_code(optimizer.hyper),
         )
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..optim.kinds import OptimKind
 from ..optim.state import Binding
 from ..optim.update import apply_elementwise, apply_rowwise, row_square_sums
 from ..collectives import share_flat
@@ -106,7 +105,7 @@ def _prepare(plan: LookupPlan, t: int, blocks: list[Block], pieces: list[torch.T
     copies = Counter(s.box for s in plan.table.layout.shards if s.numel)
     dim = plan.table.layout.global_shape[1]
     everyone = plan.table.strategy.sums_every_rank(plan)
-    column_cut = bind.hyper.kind is OptimKind.ROWWISE_ADAGRAD and any(s.sizes[1] != dim for s in unique if s.numel)
+    column_cut = bind.hyper.kind.row_wise and any(s.sizes[1] != dim for s in unique if s.numel)
     table = _Table(t, plan, bind, {}, everyone, copies, keys, column_cut)
     segments = []
     for k, b in enumerate(blocks):
@@ -192,7 +191,7 @@ def _row_squares(table: _Table, got: list[_Segment], rows: torch.Tensor) -> torc
 def _apply(table: _Table, got: list[_Segment]) -> None:
     plan, hyper, state = table.plan, table.bind.hyper, table.bind.table
     grads = _gradients(table, got)
-    if hyper.kind is not OptimKind.ROWWISE_ADAGRAD:
+    if not hyper.kind.row_wise:
         for i, (rows, grad) in grads.items():
             apply_elementwise(hyper, plan.table.shards[i], rows, grad, state.elements[i], int(state.step))
         return
@@ -221,7 +220,7 @@ def apply_optimizers(
     for t in tables:  # Adam's step counts this one before any update (the one-pass kernel reads it)
         bind = plans[t].optimizer
         assert isinstance(bind, Binding)
-        if bind.hyper.kind is OptimKind.ADAM:
+        if bind.hyper.kind.counts_steps:
             bind.table.step += 1
     prepared, segments = [], []
     one_pass: list[Update] = []

@@ -14,13 +14,38 @@ from .._compat import ShardedTensor
 from ..agreement import Rejected
 from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards_of
 from ..convert.reshard import copy_into
-from .kinds import STATES, Hyper, OptimKind, StateKind, WeightDecayMode
+from ..optim_kinds import Hyper, OptimKind, StateKind, WeightDecayMode, lookup
 from .state import Binding, TableState, share_storage
-from .torchrec_state import MAPPED, export_torchrec, import_torchrec
+from .torchrec_state import export_torchrec, import_torchrec
+from .update import check_math
 
 __all__ = ["FusedOptimizer"]
 
 _DECAY_MODES = {"l2": WeightDecayMode.L2, "decoupled": WeightDecayMode.DECOUPLED}
+
+
+def _kind(kind: object) -> OptimKind:
+    """The registered kind named ``kind`` (:func:`..optim_kinds.lookup`), refused with the kinds there are."""
+    try:
+        return lookup(kind if isinstance(kind, (str, OptimKind)) else repr(kind))
+    except ValueError as e:
+        raise ValueError(f"FusedOptimizer: {e}") from None
+
+
+def _decay_mode(kind: OptimKind, asked: str, weight_decay: float) -> WeightDecayMode:
+    """The weight decay mode ``kind`` applies for ``weight_decay_mode=asked``: the one asked for when the kind
+    has it, else the kind's own for the default ``"l2"`` (Adam's is decoupled, as fbgemm's)."""
+    if asked not in _DECAY_MODES:
+        raise ValueError(f"FusedOptimizer: weight_decay_mode must be one of {list(_DECAY_MODES)}, got {asked!r}")
+    mode = _DECAY_MODES[asked]
+    if not weight_decay or mode in kind.decay_modes:
+        return mode if weight_decay else WeightDecayMode.NONE
+    if not kind.decay_modes:
+        raise ValueError(f"FusedOptimizer: kind {kind.name!r} applies no weight decay, got weight_decay={weight_decay}")
+    if mode is WeightDecayMode.L2:
+        return kind.decay_modes[0]
+    having = [k.name for k in OptimKind if mode in k.decay_modes]
+    raise ValueError(f"FusedOptimizer: weight_decay_mode={asked!r} is for {having}, not {kind.name!r}")
 
 
 def _named(weights: object, *, training: bool) -> dict[str, DTensor]:
@@ -64,14 +89,14 @@ class FusedOptimizer:
     Args:
         weights: ``name -> DTensor`` (or a sequence, named ``"0"``, ``"1"``, ...);
             every weight requires grad (to convert state only, see :meth:`for_conversion`).
-        kind: ``"sgd"``, ``"rowwise_adagrad"`` (fbgemm's EXACT_ROWWISE_ADAGRAD),
-            ``"adagrad"`` or ``"adam"``.
+        kind: a registered kind (:mod:`..optim_kinds`): ``"sgd"``, ``"rowwise_adagrad"`` (fbgemm's
+            EXACT_ROWWISE_ADAGRAD), ``"adagrad"`` or ``"adam"`` built in.
         lr: learning rate.
-        eps: the denominators' epsilon (Adagrad kinds, Adam).
+        eps: the denominators' epsilon (Adagrad kinds, Adam); ``None``: the kind's default.
         weight_decay: 0 for none.
         weight_decay_mode: ``"l2"`` (added to the gradient) or ``"decoupled"``
             (row-wise Adagrad only; Adam's decay is always decoupled, as fbgemm's).
-        beta1, beta2: Adam's moment decays.
+        beta1, beta2: Adam's moment decays; ``None``: the kind's defaults.
 
     Example::
 
@@ -87,22 +112,19 @@ class FusedOptimizer:
         kind: str,
         *,
         lr: float,
-        eps: float = 1e-8,
+        eps: float | None = None,
         weight_decay: float = 0.0,
         weight_decay_mode: str = "l2",
-        beta1: float = 0.9,
-        beta2: float = 0.999,
+        beta1: float | None = None,
+        beta2: float | None = None,
     ) -> None:
-        okind = OptimKind.parse(kind)
+        okind = _kind(kind)
+        check_math(okind)
         named = _named(weights, training=True)
-        if weight_decay_mode not in _DECAY_MODES:
-            raise ValueError(f"FusedOptimizer: weight_decay_mode must be one of {list(_DECAY_MODES)}, "
-                             f"got {weight_decay_mode!r}")
-        mode = _DECAY_MODES[weight_decay_mode] if weight_decay else WeightDecayMode.NONE
-        if okind is OptimKind.ADAM and weight_decay:
-            mode = WeightDecayMode.DECOUPLED
-        elif mode is WeightDecayMode.DECOUPLED and okind is not OptimKind.ROWWISE_ADAGRAD:
-            raise ValueError(f"FusedOptimizer: weight_decay_mode='decoupled' is for rowwise_adagrad, not {kind!r}")
+        mode = _decay_mode(okind, weight_decay_mode, weight_decay)
+        eps = okind.default("eps") if eps is None else eps
+        beta1 = okind.default("beta1") if beta1 is None else beta1
+        beta2 = okind.default("beta2") if beta2 is None else beta2
         for what, v in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             if not isinstance(v, (int, float)) or v < 0 or v != v:
                 raise ValueError(f"FusedOptimizer: {what} must be a non-negative number, got {v!r}")
@@ -127,7 +149,8 @@ class FusedOptimizer:
         Args:
             weights: ``name -> DTensor`` (or a sequence, named ``"0"``, ``"1"``, ...); names as
                 TorchRec's tables or parameters (``"t0"`` or ``"ebc.embedding_bags.t0.weight"``).
-            kind: ``"sgd"``, ``"rowwise_adagrad"`` or ``"adagrad"``.
+            kind: a kind whose TorchRec state converts (:attr:`..optim_kinds.OptimKind.torchrec_mapped`):
+                ``"sgd"``, ``"rowwise_adagrad"`` or ``"adagrad"`` built in.
 
         Example::
 
@@ -136,10 +159,10 @@ class FusedOptimizer:
             >>> opt.load_torchrec_state_dict(dmp.fused_optimizer.state_dict())
             >>> tdb.checkpoint.save({"tables": tables, "opt": opt}, "/ckpt/ours")
         """
-        okind = OptimKind.parse(kind)
-        if okind not in MAPPED:
-            raise NotImplementedError(f"FusedOptimizer.for_conversion: TorchRec state for kind {kind!r} is not "
-                                      f"mapped; kinds {[k.value for k in MAPPED]}")
+        okind = _kind(kind)
+        if not okind.torchrec_mapped:
+            raise NotImplementedError(f"FusedOptimizer.for_conversion: TorchRec state for kind {okind.name!r} is "
+                                      f"not mapped; kinds {[k.name for k in OptimKind if k.torchrec_mapped]}")
         opt = cls.__new__(cls)
         opt._build(_named(weights, training=False), okind, None)
         return opt
@@ -175,7 +198,7 @@ class FusedOptimizer:
     @property
     def kind(self) -> str:
         """The optimizer's kind, as given (``"sgd"``, ...)."""
-        return self._kind.value
+        return self._kind.name
 
     def names(self) -> list[str]:
         """The tables' names, in the order given."""
@@ -207,7 +230,8 @@ class FusedOptimizer:
         out: dict[str, Any] = {}
         for name, t in self._tables.items():
             mesh = t.weight.device_mesh
-            for state, skind in STATES[t.kind]:
+            for spec in t.kind.states:
+                state, skind = spec.name, spec.shape
                 key = f"{name}.{state}"
                 if skind is StateKind.SCALAR:
                     out[key] = t.step

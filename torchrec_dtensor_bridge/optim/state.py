@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..layout import ShardLayout, ShardSpec
-from .kinds import STATES, Hyper, OptimKind, StateKind
+from ..optim_kinds import Hyper, OptimKind, StateKind
 
 __all__ = ["Binding", "TableState", "row_layout", "share_storage"]
 
@@ -78,13 +78,13 @@ class TableState:
     step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
 
     def __post_init__(self) -> None:
-        names = STATES[self.kind]
-        if any(k is StateKind.ROW for _, k in names):
-            self.rows = row_layout(self.layout, f"{self.name}.momentum1")
+        per_row = [s.name for s in self.kind.states if s.shape is StateKind.ROW]
+        if per_row:
+            self.rows = row_layout(self.layout, f"{self.name}.{per_row[0]}")
             lay, _ = self.rows
             self.row_states = [torch.zeros(s.sizes, dtype=torch.float32, device=self._device())
                                for s in lay.shards_on(self.rank)]
-        element = [n for n, k in names if k is StateKind.ELEMENT]
+        element = [s.name for s in self.kind.states if s.shape is StateKind.ELEMENT]
         self.elements = [{n: torch.zeros_like(s) for n in element} for s in self.shards]
 
     def _device(self) -> torch.device:

@@ -1,8 +1,9 @@
 """TorchRec's ``fused_optimizer.state_dict()`` in and out of a :class:`.optimizer.FusedOptimizer`.
 
 TorchRec's format: ``{"state": {param_key: {f"{table}.{state}": ShardedTensor}}, "param_groups": [...]}``.
-A table's state is matched by name: our table named ``table`` or ``param_key``.
-What moves, and what is refused (with the reason):
+A table's state is matched by name: our table named ``table`` or ``param_key``; each state by the key its
+kind's record gives TorchRec's (:attr:`...optim_kinds.StateSpec.torchrec`). What moves, and what is refused
+(with the reason):
 
 * ``rowwise_adagrad`` <-> ``EXACT_ROWWISE_ADAGRAD`` ``momentum1``: one value per row, when
   TorchRec's state has one value per row (table-wise, row-wise, table-row-wise,
@@ -35,14 +36,9 @@ from torch.distributed.tensor import DTensor
 from .._compat import ShardedTensor
 from ..convert.dtensor import layout_of, local_shards_of
 from ..convert.reshard import copy_into
-from .kinds import OptimKind
+from ..optim_kinds import lookup
 
-__all__ = ["MAPPED", "export_torchrec", "import_torchrec"]
-
-_STATES = {OptimKind.SGD: (), OptimKind.ROWWISE_ADAGRAD: ("momentum1",), OptimKind.ADAGRAD: ("momentum1",)}
-
-MAPPED = tuple(_STATES)
-"""The kinds whose TorchRec state converts."""
+__all__ = ["export_torchrec", "import_torchrec"]
 
 
 def _theirs(osd: Mapping[str, Any], names: list[str]) -> dict[str, dict[str, torch.Tensor]]:
@@ -78,21 +74,23 @@ def _no_state(table: str, state: str, theirs: list[str]) -> str:
 
 
 def _pairs(opt: Any, osd: Mapping[str, Any]) -> list[tuple[str, str, Any, torch.Tensor | None]]:
-    """(table, state, our DTensor, TorchRec's tensor or None on a rank without it), checked on every rank."""
-    kind = OptimKind.parse(opt.kind)
-    if kind not in _STATES:
-        raise NotImplementedError(f"FusedOptimizer: TorchRec state for kind {kind.value!r} is not mapped")
+    """(table, state, our DTensor, TorchRec's tensor or None on a rank without it), checked on every rank; the
+    state by our name (TorchRec's key for it is the kind's :attr:`..optim_kinds.StateSpec.torchrec`)."""
+    kind = lookup(opt.kind)
+    if not kind.torchrec_mapped:
+        raise NotImplementedError(f"FusedOptimizer: TorchRec state for kind {kind.name!r} is not mapped")
+    ours_of = {spec.torchrec: spec.name for spec in kind.states}
     names = opt.names()
-    theirs = _theirs(osd, names)
+    theirs = {n: {ours_of[k]: v for k, v in per.items() if k in ours_of} for n, per in _theirs(osd, names).items()}
     mine = opt.state_dict()
-    have = {(n, s): tuple(theirs[n][s].shape) for n in theirs for s in theirs[n] if s in _STATES[kind]}
+    have = {(n, s): tuple(theirs[n][s].shape) for n in theirs for s in theirs[n]}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (have, _their_tables(osd)))
     seen = [h for h, _ in gathered]
     their_tables = sorted({t for _, tables in gathered for t in tables})
     problems, out = [], []
     for n in names:
-        for s in _STATES[kind]:
+        for s in (spec.name for spec in kind.states):
             shapes = {r: h[(n, s)] for r, h in enumerate(seen) if (n, s) in h}
             ours = mine[f"{n}.{s}"]
             if not shapes:
@@ -102,7 +100,7 @@ def _pairs(opt: Any, osd: Mapping[str, Any]) -> list[tuple[str, str, Any, torch.
             if shape != tuple(ours.shape):
                 why = (" (TorchRec keeps a per-row state for every column shard of a column-wise table: "
                        "its row-wise Adagrad is not the unsharded one, so the states do not convert)"
-                       if kind is OptimKind.ROWWISE_ADAGRAD and len(shape) == 1 else "")
+                       if kind.row_wise and len(shape) == 1 else "")
                 problems.append(f"{n}.{s}: TorchRec's has shape {list(shape)}, ours {list(ours.shape)}{why}")
                 continue
             lay = layout_of(ours, name=f"{n}.{s}")

@@ -1,0 +1,162 @@
+"""Which kernels the ranks of one lookup run when their kernel settings differ (2 gloo ranks).
+
+The contract (``kernels/choose.py``): a lookup's ranks exchange what each of them can run and what the
+first of them chose, so that "an implementation runs only where every rank has it, and the first rank's
+calibration decides between the two C kernels". Every rank of one machine shares one calibration, so ranks
+disagree only when made to; here one rank's worker changes the environment it reads around one training
+step (restored after):
+
+- ``TDB_NATIVE_KERNELS=0``: this rank has no native kernels (as where they could not be built);
+- ``TDB_KERNELS=native|fbgemm``: this rank forces an implementation.
+
+Forcing is the first step of a choice, before the agreement's preference: a rank that forces an
+implementation every rank has runs it, whatever the first rank measured, so ranks forced differently run
+different kernels by design. What forcing leaves observable, and what this module checks, is:
+
+1. what one rank lacks no rank runs: with rank 1 lacking the native kernels, rank 0 does not run them,
+   neither under ``auto`` nor when it forces them (it falls back);
+2. the first rank's choice is every rank's: rank 0 forcing fbgemm's kernels (its choice between the two
+   C kernels), rank 1 under ``auto`` runs fbgemm's too, whatever its own calibration prefers (on a machine
+   whose calibration prefers fbgemm's anyway this case cannot tell; case 1 can everywhere).
+
+Which kernels ran is read from torch's profiler (``tdb::native_*`` for ours,
+``fbgemm::split_embedding_*`` for fbgemm's; both C implementations are expected here, as the package's
+other kernel tests expect them); in every case the outputs, weights and optimizer state equal
+an unsharded reference, and the replicated table's copies are equal bitwise across the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchrec_dtensor_bridge as tdb
+from torchrec_dtensor_bridge.convert import dtensor_from_local_shards, local_shards_of
+from torchrec_dtensor_bridge.layout import ShardLayout
+
+from .harness import make_pool_fixture
+from .sparse_reference import SparseReference
+
+pool = make_pool_fixture(2)
+
+KIND = "rowwise_adagrad"  # both C implementations have its pooling and its update
+HYPER = {"lr": 0.1, "eps": 1e-3}
+SHAPE = (16, 8)
+LAYOUTS = {"rw": ShardLayout.row_wise(SHAPE, 2), "rep": ShardLayout.replicated(SHAPE, [0, 1])}
+STEPS = 2
+ENV_VARS = ("TDB_KERNELS", "TDB_NATIVE_KERNELS")
+
+# case -> (rank 0's environment, rank 1's environment)
+CASES = {
+    "alike": ({}, {}),
+    "rank1_without_native": ({}, {"TDB_NATIVE_KERNELS": "0"}),
+    "rank0_forces_native_rank1_without": ({"TDB_KERNELS": "native"}, {"TDB_NATIVE_KERNELS": "0"}),
+    "rank0_forces_fbgemm": ({"TDB_KERNELS": "fbgemm"}, {}),
+}
+FBGEMM_ONLY = {"forward": ["fbgemm"], "backward": ["fbgemm"]}
+
+
+@contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """The kernel variables set to ``values`` (the others unset) inside, as they were after."""
+    saved = {k: os.environ.get(k) for k in ENV_VARS}
+    for k in ENV_VARS:
+        os.environ.pop(k, None)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _table(t: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(t))
+
+
+def _batch(rank: int, step: int, t: int) -> dict:
+    """Rank ``rank``'s bags of table ``t`` at ``step`` (sizes differ per rank; row 3 in every batch)."""
+    g = torch.Generator().manual_seed(100 * step + 10 * t + rank)
+    lengths = torch.randint(1, 4, (3 + rank,), generator=g)
+    ids = torch.randint(0, SHAPE[0], (int(lengths.sum()),), generator=g)
+    ids[0] = 3
+    return {"input": ids, "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])}
+
+
+def _scale(rank: int, step: int, t: int) -> torch.Tensor:
+    return torch.randn(3 + rank, SHAPE[1], generator=torch.Generator().manual_seed(7 + 100 * step + 10 * t + rank))
+
+
+def _ran(prof: torch.profiler.profile) -> set[str]:
+    """Which C implementations the profiled code ran: ``native`` (events ``tdb::native_*``), ``fbgemm``
+    (``fbgemm::split_embedding_*``); neither: torch's ops."""
+    names = {e.name for e in prof.events()}
+    prefixes = {"native": "tdb::native_", "fbgemm": "fbgemm::split_embedding"}
+    return {impl for impl, prefix in prefixes.items() if any(n.startswith(prefix) for n in names)}
+
+
+def check_kernels_agree(rank: int, world: int, case: str) -> dict[str, list[str]]:
+    """Two steps of one ``sharded_embedding_bags`` call over a row-wise and a replicated table with a fused
+    optimizer, this rank's environment as ``case`` says; returns what ran in forward and in backward."""
+    names = list(LAYOUTS)
+    weights = {}
+    for t, n in enumerate(names):
+        lay = LAYOUTS[n].with_name(n)
+        shards = [_table(t)[s.slices()].clone() for s in lay.shards_on(rank)]
+        weights[n] = dtensor_from_local_shards(lay, shards).requires_grad_()
+    refs = {n: SparseReference(_table(t), KIND, **HYPER) for t, n in enumerate(names)}
+    opt = tdb.FusedOptimizer(weights, KIND, **HYPER)
+    pooled: set[str] = set()
+    updated: set[str] = set()
+    with _environment(CASES[case][rank]):
+        for step in range(STEPS):
+            batches = [_batch(rank, step, t) for t in range(len(names))]
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                outs = tdb.sharded_embedding_bags([b["input"] for b in batches], list(weights.values()),
+                                                  [b["offsets"] for b in batches], mode="sum", optimizer=opt)
+            pooled |= _ran(prof)
+            for t, n in enumerate(names):
+                want = torch.nn.functional.embedding_bag(batches[t]["input"], refs[n].w, batches[t]["offsets"],
+                                                         mode="sum")
+                torch.testing.assert_close(outs[t], want, msg=lambda m, n=n: f"{case} step {step} {n}: {m}")
+            loss = sum((o * _scale(rank, step, t)).sum() for t, o in enumerate(outs))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                loss.backward()
+            updated |= _ran(prof)
+            for t, n in enumerate(names):
+                refs[n].train([_batch(r, step, t) for r in range(world)], [_scale(r, step, t) for r in range(world)])
+    for n, w in weights.items():
+        torch.testing.assert_close(tdb.full_tensor(w), refs[n].w, msg=lambda m, n=n: f"{case}: {n}: {m}")
+    for key, value in opt.state_dict().items():
+        n = key.split(".")[0]
+        torch.testing.assert_close(tdb.full_tensor(value), refs[n].state(n)[key], msg=lambda m, k=key: f"{k}: {m}")
+    mine = [s.clone() for s in local_shards_of(weights["rep"])]
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    for r, theirs in enumerate(every):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs)), (
+            f"{case}: the replicated table's copy on rank {r} differs bitwise from rank {rank}'s")
+    return {"forward": sorted(pooled), "backward": sorted(updated)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ranks_run_what_every_rank_has_as_the_first_rank_chose(pool, case):
+    ran = pool.run(check_kernels_agree, case)
+    if case == "alike":  # whatever this machine's calibration chose: the same, one C kernel per pass
+        assert ran[0] == ran[1], ran
+        assert all(len(impls) == 1 for r in ran for impls in r.values()), ran
+    elif case == "rank1_without_native":  # rank 0 may run what it measured faster only where rank 1 has it
+        assert ran == [FBGEMM_ONLY, FBGEMM_ONLY], ran
+    elif case == "rank0_forces_native_rank1_without":  # forcing cannot run what another rank lacks
+        assert not any("native" in impls for r in ran for impls in r.values()), ran
+        assert ran[1] == FBGEMM_ONLY, ran
+    else:  # rank 0 chose fbgemm's kernels: rank 1 follows, whatever it measured
+        assert ran == [FBGEMM_ONLY, FBGEMM_ONLY], ran

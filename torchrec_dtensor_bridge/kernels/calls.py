@@ -1,0 +1,210 @@
+"""Kernel calls for many shards at once: one call per storage.
+
+A TorchRec fused module keeps the tables of a rank that share a kernel configuration in ONE buffer, and the
+shards :func:`...state_dict_to_dtensor` makes of them are views of it. The kernel ops (:mod:`.ops`) take
+tables as element offsets into one flat storage, so the requests whose shards share a storage are looked
+up, and updated, together. A request holds tensors, an optimizer's hyper-parameters (its kind a record of
+:mod:`...optim_kinds`) and numbers: nothing of the caller's plans.
+
+1. :func:`accepts` - whether a shard can go through the ops at all (fp32, 2-D, contiguous, on CPU, or on CUDA
+   with fbgemm's CUDA build and rows its kernels can read).
+2. :func:`pool` - :class:`Pooling` requests whose shard the ops accept and that sum are grouped by storage
+   (and batch size, and whether they carry per-sample weights); each group is ONE ``tdb::pool_sum`` over a
+   flat view of the storage spanning its shards (no copy), and each request's output is its columns of the
+   result. MAX pooling, other dtypes and strided shards run ``torch.embedding_bag`` on the shard itself
+   (fbgemm has no MAX; max keeps its arg-max rows for backward).
+3. :func:`weight_grad` - the dense gradient of one request's shard (``tdb::pool_sum_backward``; scattered by
+   the arg-max rows for max).
+4. :func:`update` - :class:`Update` requests (each one a shard :func:`update_supported` accepts) are grouped
+   by weight storage, state storage, hyper-parameters and step; each group is ONE ``tdb::sparse_update``.
+
+Example::
+
+    >>> out, _ = kernels.pool([kernels.Pooling(shard, ids, offsets, None, False)])[0]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..optim_kinds import Hyper
+from . import choose, fbgemm
+from .reference import add_bag_grads
+
+__all__ = ["Pooling", "Update", "accepts", "pool", "update", "update_supported", "weight_grad"]
+
+
+def accepts(shard: torch.Tensor) -> bool:
+    """Whether ``shard`` can be looked up and updated through the ops (whatever runs underneath): on CUDA,
+    only where fbgemm's CUDA kernels can read its rows (:func:`.fbgemm.fits`: 16-byte aligned)."""
+    return (shard.dtype == torch.float32 and shard.dim() == 2 and shard.is_contiguous()
+            and (shard.device.type == "cpu" or (shard.device.type == "cuda" and fbgemm.cuda_available()
+                                                 and fbgemm.fits(shard, [0], [shard.shape[1]]))))
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """One shard's pooled lookup.
+
+    Attributes:
+        shard: the table's rows here, ``(rows, dim)``, read in place.
+        ids: its local ids (int64).
+        offsets: its ``bags + 1`` bag boundaries.
+        weights: per-sample weights, one per id, or ``None``.
+        max_mode: MAX pooling (else SUM).
+    """
+
+    shard: torch.Tensor
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    weights: torch.Tensor | None
+    max_mode: bool
+
+
+def _flat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """A flat view of the storage ``tensors`` share, spanning them all, and each one's element offset in it."""
+    lo = min(int(t.storage_offset()) for t in tensors)
+    hi = max(int(t.storage_offset()) + t.numel() for t in tensors)
+    return torch.as_strided(tensors[0], (hi - lo,), (1,), lo), [int(t.storage_offset()) - lo for t in tensors]
+
+
+def _batch(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Several tables' ``(ids, offsets, weights)`` as one batch in the ops' form (offsets table-major)."""
+    if len(parts) == 1:
+        return parts[0]
+    ids = torch.cat([p[0] for p in parts])
+    pieces, at = [parts[0][1][:1]], 0
+    for p in parts:
+        pieces.append(p[1][1:] + at)
+        at += p[0].numel()
+    psw = None if parts[0][2] is None else torch.cat([p[2] for p in parts if p[2] is not None])
+    return ids, torch.cat(pieces), psw
+
+
+def _home(t: torch.Tensor) -> tuple[int, str]:
+    return t.untyped_storage().data_ptr(), str(t.device)
+
+
+def pool(requests: list[Pooling]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per request, its ``(bags, dim)`` output (a column view when it shared a kernel call) and, for max, the
+    arg-max row of every (bag, column) (``None`` for a sum); no autograd graph."""
+    out: list[tuple[torch.Tensor, torch.Tensor | None] | None] = [None] * len(requests)
+    groups: dict[tuple, list[int]] = {}
+    with torch.no_grad():
+        for k, r in enumerate(requests):
+            if r.max_mode or not accepts(r.shard):
+                res, _, _, argmax = torch.embedding_bag(r.shard, r.ids, r.offsets, False, 2 if r.max_mode else 0,
+                                                        False, r.weights, True)
+                out[k] = (res, argmax if r.max_mode else None)
+                continue
+            key = (*_home(r.shard), r.offsets.numel(), r.weights is not None)
+            groups.setdefault(key, []).append(k)
+        for members in groups.values():
+            shards = [requests[k].shard for k in members]
+            flat, at = _flat(shards)
+            ids, offsets, psw = _batch([(requests[k].ids, requests[k].offsets, requests[k].weights)
+                                        for k in members])
+            res = torch.ops.tdb.pool_sum(flat, at, [s.shape[1] for s in shards], [s.shape[0] for s in shards],
+                                         ids, offsets, None if psw is None else psw.to(torch.float32))
+            c0 = 0
+            for k, s in zip(members, shards):
+                out[k] = (res if len(members) == 1 else res[:, c0 : c0 + s.shape[1]], None)
+                c0 += s.shape[1]
+    return [o for o in out if o is not None]
+
+
+def weight_grad(grad: torch.Tensor, r: Pooling, argmax: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense gradient of ``r.shard`` given its output gradient (for max: ``argmax`` from :func:`pool`,
+    and ``grad`` already masked to the entries that count)."""
+    if argmax is not None:
+        return torch.zeros_like(r.shard).scatter_add_(0, argmax.clamp(min=0), grad.to(r.shard.dtype))
+    if not accepts(r.shard):
+        return add_bag_grads(torch.zeros_like(r.shard), grad, r.ids, r.offsets, r.weights)
+    grad = grad.to(torch.float32)
+    grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+    psw = None if r.weights is None else r.weights.to(torch.float32)
+    flat = torch.ops.tdb.pool_sum_backward(grad, [r.shard.shape[1]], [r.shard.shape[0]], r.ids, r.offsets, psw)
+    return flat.view(r.shard.shape)
+
+
+@dataclass(frozen=True)
+class Update:
+    """One shard's fused update: its touched rows, and their state, in place from its output gradient.
+
+    Attributes:
+        shard: the table's rows here, ``(rows, dim)``, updated in place.
+        ids: its local ids (int64), touching the rows to update.
+        offsets: its ``bags + 1`` bag boundaries.
+        weights: per-sample weights (fp32), one per id, or ``None``.
+        grad: the bags' output gradient, ``(bags, dim)``.
+        hyper: the optimizer's hyper-parameters.
+        state: the kind's tensor states for this shard (:attr:`...optim_kinds.OptimKind.tensor_states`, in
+            order): ``(rows,)`` for a per-row state, the shard's shape for an element-wise one.
+        step: the table's step count, this step included.
+    """
+
+    shard: torch.Tensor
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    weights: torch.Tensor | None
+    grad: torch.Tensor
+    hyper: Hyper
+    state: tuple[torch.Tensor, ...]
+    step: int
+
+
+def update_supported(shard: torch.Tensor, hyper: Hyper, weights: torch.Tensor | None = None) -> bool:
+    """Whether :func:`update` can update ``shard`` with ``hyper`` (and per-sample ``weights``): a shard the ops
+    accept, fp32 weights, and a kind a kernel the ranks settled on has (:func:`.choose.update_impl`)."""
+    if not accepts(shard) or (weights is not None and weights.dtype != torch.float32):
+        return False
+    return choose.update_impl(shard.device, hyper.kind, hyper.weight_decay) is not choose.Impl.TORCH
+
+
+def _columns(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The output gradients side by side: the base view itself when they are adjacent columns of one tensor
+    (as the exchanges hand them), else a copy."""
+    g0 = grads[0]
+    adjacent = all(g.untyped_storage().data_ptr() == g0.untyped_storage().data_ptr() and g.stride() == g0.stride()
+                   and g.shape[0] == g0.shape[0] for g in grads)
+    at = g0.storage_offset()
+    for g in grads:
+        adjacent = adjacent and g.storage_offset() == at and g.stride(-1) == 1
+        at += g.shape[1]
+    if adjacent:
+        width = sum(g.shape[1] for g in grads)
+        return torch.as_strided(g0, (g0.shape[0], width), (g0.stride(0) if g0.shape[0] > 1 else width, 1),
+                                g0.storage_offset())
+    return torch.cat([g.to(torch.float32) for g in grads], dim=1)
+
+
+def update(updates: list[Update]) -> None:
+    """Apply each update's optimizer to its shard in place, touched rows only; ONE ``tdb::sparse_update`` per
+    group of shards sharing weight storage, state storage, hyper-parameters and step."""
+    groups: dict[tuple, list[Update]] = {}
+    for u in updates:
+        key = (*_home(u.shard), u.hyper, u.step, u.offsets.numel(), u.weights is not None,
+               *(_home(s) for s in u.state))
+        groups.setdefault(key, []).append(u)
+    for members in groups.values():
+        shards = [u.shard.detach() for u in members]
+        flat, at = _flat(shards)
+        first = members[0]
+        m1: torch.Tensor | None = None
+        m2: torch.Tensor | None = None
+        m1_at: list[int] = []
+        m2_at: list[int] = []
+        if len(first.state) > 0:
+            m1, m1_at = _flat([u.state[0] for u in members])
+        if len(first.state) > 1:
+            m2, m2_at = _flat([u.state[1] for u in members])
+        ids, offsets, psw = _batch([(u.ids, u.offsets, u.weights) for u in members])
+        hyper = first.hyper
+        torch.ops.tdb.sparse_update(
+            flat, at, [s.shape[1] for s in shards], [s.shape[0] for s in shards], _columns([u.grad for u in members]),
+            ids, offsets, psw, hyper.kind.name, m1, m1_at, m2, m2_at, hyper.lr, hyper.eps, hyper.weight_decay,
+            hyper.weight_decay_mode.value, hyper.beta1, hyper.beta2, first.step,
+        )
