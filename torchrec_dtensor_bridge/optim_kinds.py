@@ -30,12 +30,13 @@ lists it, so its math runs on the touched rows::
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
+from dataclasses import dataclass, field
 
 __all__ = [
     "ADAGRAD", "ADAM", "DEFAULTS", "Hyper", "OptimKind", "ROWWISE_ADAGRAD", "SGD", "StateKind", "StateSpec",
-    "WeightDecayMode", "lookup", "names", "register", "unregister",
+    "REGISTERED", "WeightDecayMode", "lookup", "names", "register", "unregister",
 ]
 
 
@@ -77,6 +78,9 @@ class StateSpec:
 
 
 _KINDS: dict[str, OptimKind] = {}
+REGISTERED: Mapping[str, OptimKind] = MappingProxyType(_KINDS)
+"""The registered kinds by name, read-only (a plain mapping read: what the kernels look a kind up in on every
+call)."""
 _BUILT_IN: set[str] = set()
 
 
@@ -117,8 +121,34 @@ class OptimKind(metaclass=_Registered):
     native: int | None = None
     fbgemm_cpu: bool = False
     fbgemm_cuda: bool = False
+    # derived from the above once, when the record is made (read on every step: plain attributes)
+    tensor_states: tuple[StateSpec, ...] = field(init=False, compare=False)
+    """The states kept in tensors beside the weights (per row or per element), in order: what the kernels
+    take as ``momentum1`` and ``momentum2``."""
+    row_wise: bool = field(init=False, compare=False)
+    """It keeps a state with one value per row: a row's update needs the statistics of the whole row (every
+    column piece of it)."""
+    per_element: bool = field(init=False, compare=False)
+    """It keeps a state shaped like the weights."""
+    counts_steps: bool = field(init=False, compare=False)
+    """It keeps a step count (Adam's bias correction), counted once per backward before its update."""
+    kernels: bool = field(init=False, compare=False)
+    """Some one-pass kernel (ours or fbgemm's) lists it."""
+    torchrec_mapped: bool = field(init=False, compare=False)
+    """Its state converts to and from TorchRec's fused optimizer state: TorchRec knows the kind and a key for
+    each of its states."""
 
     def __post_init__(self) -> None:
+        derived = {
+            "tensor_states": tuple(s for s in self.states if s.shape is not StateKind.SCALAR),
+            "row_wise": any(s.shape is StateKind.ROW for s in self.states),
+            "per_element": any(s.shape is StateKind.ELEMENT for s in self.states),
+            "counts_steps": any(s.shape is StateKind.SCALAR for s in self.states),
+            "kernels": self.native is not None or self.fbgemm_cpu or self.fbgemm_cuda,
+            "torchrec_mapped": self.emb_optim_type is not None and all(s.torchrec is not None for s in self.states),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
         names = [s.name for s in self.states]
         if not self.name or len(set(names)) != len(names):
             raise ValueError(f"optimizer kind {self.name!r}: a name, and distinct state names {names}")
@@ -135,39 +165,6 @@ class OptimKind(metaclass=_Registered):
             raise ValueError(f"optimizer kind {self.name!r}: fbgemm's kernels need its name in fbgemm")
         if self.kernels and len(self.tensor_states) > 2:
             raise ValueError(f"optimizer kind {self.name!r}: the kernels take two tensor states at most")
-
-    @property
-    def tensor_states(self) -> tuple[StateSpec, ...]:
-        """The states kept in tensors beside the weights (per row or per element), in order: what the kernels
-        take as ``momentum1`` and ``momentum2``."""
-        return tuple(s for s in self.states if s.shape is not StateKind.SCALAR)
-
-    @property
-    def row_wise(self) -> bool:
-        """It keeps a state with one value per row: a row's update needs the statistics of the whole row
-        (every column piece of it)."""
-        return any(s.shape is StateKind.ROW for s in self.states)
-
-    @property
-    def per_element(self) -> bool:
-        """It keeps a state shaped like the weights."""
-        return any(s.shape is StateKind.ELEMENT for s in self.states)
-
-    @property
-    def counts_steps(self) -> bool:
-        """It keeps a step count (Adam's bias correction), counted once per backward before its update."""
-        return any(s.shape is StateKind.SCALAR for s in self.states)
-
-    @property
-    def kernels(self) -> bool:
-        """Some one-pass kernel (ours or fbgemm's) lists it."""
-        return self.native is not None or self.fbgemm_cpu or self.fbgemm_cuda
-
-    @property
-    def torchrec_mapped(self) -> bool:
-        """Its state converts to and from TorchRec's fused optimizer state: TorchRec knows the kind and a key
-        for each of its states."""
-        return self.emb_optim_type is not None and all(s.torchrec is not None for s in self.states)
 
     def __repr__(self) -> str:
         return f"OptimKind({self.name!r})"

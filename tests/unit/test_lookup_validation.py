@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from torchrec_dtensor_bridge import kernels
 from torchrec_dtensor_bridge.kernels import fbgemm, native
-from torchrec_dtensor_bridge.lookup.local import Pooling, pool, weight_grad
+from torchrec_dtensor_bridge.kernels import Pooling, pool, weight_grad
 from torchrec_dtensor_bridge.lookup.arguments import RejectedArguments, bags_for_embedding, bags_from_input, check_options
 
 from .host_reads import count_host_reads

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..optim_kinds import Hyper, OptimKind, StateKind, WeightDecayMode, lookup
+from ..optim_kinds import REGISTERED, Hyper, OptimKind, StateKind, WeightDecayMode, lookup
 from . import build, fbgemm, native
 from .args import Batch, State, Tables
 
@@ -71,7 +71,7 @@ def _warn_once(message: str) -> None:
 def _calibrated() -> list[str]:
     """The work both C implementations can do: the pooled sum, and the update of each kind both list (in the
     registry's order); a machine's calibration chooses between them for each."""
-    return ["pool", *(f"update_{k.name}" for k in OptimKind if k.native is not None and k.fbgemm_cpu)]
+    return ["pool", *(f"update_{k.name}" for k in REGISTERED.values() if k.native is not None and k.fbgemm_cpu)]
 
 
 _agreed: dict[str, int] = {}
@@ -156,7 +156,9 @@ def update_impl(device: torch.device, kind: OptimKind | str, weight_decay: float
     Raises:
         ValueError: for a kind the registry does not know.
     """
-    found = lookup(kind)
+    found = REGISTERED.get(kind if isinstance(kind, str) else kind.name)
+    if found is None or not (isinstance(kind, str) or found is kind):
+        found = lookup(kind)  # raises, naming the kinds there are
     return _remembered(("update", found, bool(weight_decay)), device,
                        lambda: _update_impl(device, found, bool(weight_decay)))
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..optim_kinds import Hyper, StateKind, WeightDecayMode, lookup, names
+from ..optim_kinds import REGISTERED, Hyper, StateKind, WeightDecayMode, names
 from . import choose, fbgemm, native, reference
 from .args import Batch, State, Tables
 from .choose import Impl
@@ -73,10 +73,9 @@ def _update_args(weights: Tensor, weights_offsets: list[int], dims: list[int], r
                  momentum1_offsets: list[int], momentum2: Tensor | None, momentum2_offsets: list[int], lr: float,
                  eps: float, weight_decay: float, decay: int, beta1: float, beta2: float, step: int,
                  ) -> tuple[Tables, Batch, Tensor, State, Hyper]:
-    try:
-        found = lookup(kind)
-    except ValueError:
-        raise _fail("sparse_update", "kind", repr(kind), f"one of {names()}") from None
+    found = REGISTERED.get(kind)
+    if found is None:
+        raise _fail("sparse_update", "kind", repr(kind), f"one of {names()}")
     if decay not in _DECAY_VALUES:
         raise _fail("sparse_update", "decay", decay, f"one of {sorted(_DECAY_VALUES)}")
     return (Tables(weights, weights_offsets, dims, rows), Batch(ids, offsets, per_sample_weights), grad,

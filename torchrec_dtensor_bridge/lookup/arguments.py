@@ -37,15 +37,12 @@ if TYPE_CHECKING:
     from ..optim.state import Binding
 
 __all__ = [
-    "CODE_WIDTH", "MODES", "Bags", "RankInfo", "TableCodes", "check_same_codes", "table_fields", "RejectedArguments", "TableOptions", "ValueCheck", "bags_for_embedding", "bags_from_input",
-    "bind_optimizer", "check_options", "check_values", "read_together",
+    "CODE_WIDTH", "MODES", "Bags", "RankInfo", "RejectedArguments", "TableCodes", "TableOptions", "ValueCheck",
+    "bags_for_embedding", "bags_from_input", "bind_optimizer", "check_options", "check_same_codes", "check_values",
+    "read_together", "table_fields",
 ]
 
 MODES = ("sum", "mean", "max")
-
-
-def _fail(kind: type[Exception], message: str) -> RejectedArguments:
-    return RejectedArguments(kind, message)
 
 
 @dataclass(frozen=True)
@@ -108,32 +105,10 @@ def bind_optimizer(fn: str, optimizer: FusedOptimizer | None, weight: object) ->
     if bind is None:
         raise RejectedArguments(ValueError, f"{fn}: the weight is not one of the optimizer's tables "
                                 f"{optimizer.names()} (pass the same DTensor objects the optimizer was built with)")
-    _check_state(fn, bind)
+    problem = bind.misfit()
+    if problem is not None:
+        raise RejectedArguments(ValueError, f"{fn}: {problem}")
     return bind
-
-
-def _check_state(fn: str, bind: Binding) -> None:
-    """The binding's state on this rank still fits the weight's shards (the kernels write ``state[row]``
-    unchecked): per-row state one fp32 value per row of each row block, element-wise state shaped as its
-    shard, in its dtype; contiguous, on the shards' device. Checked before the agreement, so a damaged state
-    on one rank makes every rank raise before anything is updated."""
-    t = bind.table
-    checks = []
-    if t.rows is not None:
-        blocks = t.rows[0].shards_on(t.rank)
-        checks.append(("momentum1", list(t.row_states), [(tuple(b.sizes), torch.float32) for b in blocks]))
-    for name in t.elements[0] if t.elements else {}:
-        checks.append((name, [e[name] for e in t.elements], [(tuple(s.shape), s.dtype) for s in t.shards]))
-    for name, got, want in checks:
-        devices = {x.device for x in got} | {s.device for s in t.shards}
-        if [(tuple(x.shape), x.dtype) for x in got] != want or len(devices) > 1 or not all(
-                x.is_contiguous() for x in got):
-            raise RejectedArguments(
-                ValueError, f"{fn}: the optimizer's state '{t.name}.{name}' on this rank no longer fits the "
-                f"table: {[(list(x.shape), x.dtype) for x in got]} on {sorted(map(str, devices))}, the shards need "
-                f"{[(list(shape), dtype) for shape, dtype in want]}, contiguous, on the shards' device"
-            )
-
 
 
 def check_options(
@@ -153,40 +128,28 @@ def check_options(
         RejectedArguments: carrying the ``TypeError``/``ValueError``/``NotImplementedError`` to raise.
     """
     if len(weight_shape) != 2:
-        raise _fail(ValueError, f"{fn}: weight must be 2-D (num_embeddings, dim), got shape {list(weight_shape)}")
+        raise RejectedArguments(ValueError, f"{fn}: weight must be 2-D (num_embeddings, dim), got shape {list(weight_shape)}")
     if mode not in MODES:
-        raise _fail(ValueError, f"{fn}: mode must be one of {list(MODES)}, got mode={mode!r}")
+        raise RejectedArguments(ValueError, f"{fn}: mode must be one of {list(MODES)}, got mode={mode!r}")
     if scale_grad_by_freq:
-        raise _fail(NotImplementedError, f"{fn}: scale_grad_by_freq=True is not supported")
+        raise RejectedArguments(NotImplementedError, f"{fn}: scale_grad_by_freq=True is not supported")
     if sparse:
-        raise _fail(NotImplementedError, f"{fn}: sparse=True is not supported (gradients are dense DTensors)")
+        raise RejectedArguments(NotImplementedError, f"{fn}: sparse=True is not supported (gradients are dense DTensors)")
     if max_norm is not None:
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool):
-            raise _fail(TypeError, f"{fn}: max_norm must be a float, got {type(max_norm).__name__}")
+            raise RejectedArguments(TypeError, f"{fn}: max_norm must be a float, got {type(max_norm).__name__}")
         if not max_norm > 0:
-            raise _fail(ValueError, f"{fn}: max_norm must be > 0, got max_norm={max_norm}")
+            raise RejectedArguments(ValueError, f"{fn}: max_norm must be > 0, got max_norm={max_norm}")
         if not isinstance(norm_type, (int, float)) or isinstance(norm_type, bool) or math.isnan(norm_type):
-            raise _fail(TypeError, f"{fn}: norm_type must be a number, got norm_type={norm_type!r}")
+            raise RejectedArguments(TypeError, f"{fn}: norm_type must be a number, got norm_type={norm_type!r}")
     if padding_idx is None:
         return None
     if not isinstance(padding_idx, int) or isinstance(padding_idx, bool):
-        raise _fail(TypeError, f"{fn}: padding_idx must be an int or None, got {type(padding_idx).__name__}")
+        raise RejectedArguments(TypeError, f"{fn}: padding_idx must be an int or None, got {type(padding_idx).__name__}")
     rows = weight_shape[0]
     if not -rows <= padding_idx < rows:
-        raise _fail(ValueError, f"{fn}: padding_idx must be within num_embeddings={rows}, got padding_idx={padding_idx}")
+        raise RejectedArguments(ValueError, f"{fn}: padding_idx must be within num_embeddings={rows}, got padding_idx={padding_idx}")
     return padding_idx + rows if padding_idx < 0 else padding_idx
-
-
-def _check_ids(fn: str, ids: torch.Tensor, rows: int) -> None:
-    if not isinstance(ids, torch.Tensor):
-        raise _fail(TypeError, f"{fn}: input must be a Tensor, got {type(ids).__name__}")
-    if ids.dtype not in (torch.int32, torch.int64):
-        raise _fail(TypeError, f"{fn}: input must hold int32 or int64 ids, got dtype {ids.dtype}")
-    if ids.numel():
-        lo, hi = torch.stack(torch.aminmax(ids)).tolist()  # one pass, one device sync
-        if lo < 0 or hi >= rows:
-            bad = lo if lo < 0 else hi
-            raise _fail(ValueError, f"{fn}: input holds id {bad}, outside [0, num_embeddings={rows})")
 
 
 def bags_from_input(
@@ -207,40 +170,40 @@ def bags_from_input(
     when ``pending`` is given, appended to it for :func:`check_values` to read with other tables' (one
     host synchronisation per call on an accelerator, whatever the number of tables)."""
     if not isinstance(input, torch.Tensor):
-        raise _fail(TypeError, f"{fn}: input must be a Tensor, got {type(input).__name__}")
+        raise RejectedArguments(TypeError, f"{fn}: input must be a Tensor, got {type(input).__name__}")
     if input.dim() > 2:
-        raise _fail(ValueError, f"{fn}: input must be 1-D (with offsets) or 2-D, got {input.dim()} dims")
+        raise RejectedArguments(ValueError, f"{fn}: input must be 1-D (with offsets) or 2-D, got {input.dim()} dims")
     if input.dtype not in (torch.int32, torch.int64):
-        raise _fail(TypeError, f"{fn}: input must hold int32 or int64 ids, got dtype {input.dtype}")
+        raise RejectedArguments(TypeError, f"{fn}: input must hold int32 or int64 ids, got dtype {input.dtype}")
     if offsets is not None and not isinstance(offsets, torch.Tensor):
-        raise _fail(TypeError, f"{fn}: offsets must be a Tensor or None, got {type(offsets).__name__}")
+        raise RejectedArguments(TypeError, f"{fn}: offsets must be a Tensor or None, got {type(offsets).__name__}")
     if include_last_offset and offsets is None:
-        raise _fail(ValueError, f"{fn}: include_last_offset=True needs offsets (got offsets=None)")
+        raise RejectedArguments(ValueError, f"{fn}: include_last_offset=True needs offsets (got offsets=None)")
     ids = input.reshape(-1).to(torch.int64)
     if input.dim() == 2:
         if offsets is not None:
-            raise _fail(ValueError, f"{fn}: offsets must be None when input is 2-D, got offsets of shape {list(offsets.shape)}")
+            raise RejectedArguments(ValueError, f"{fn}: offsets must be None when input is 2-D, got offsets of shape {list(offsets.shape)}")
         lengths = torch.full((input.shape[0],), input.shape[1], dtype=torch.int64, device=input.device)
         check = ValueCheck.of(fn, ids, rows, None, None, include_last_offset)
     else:
         if offsets is None:
-            raise _fail(ValueError, f"{fn}: 1-D input needs offsets (got offsets=None)")
+            raise RejectedArguments(ValueError, f"{fn}: 1-D input needs offsets (got offsets=None)")
         lengths, bounds = _lengths_from_offsets(fn, offsets, ids.numel(), include_last_offset)
         check = ValueCheck.of(fn, ids, rows, offsets, bounds, include_last_offset)
     weights = None
     if per_sample_weights is not None:
         if not isinstance(per_sample_weights, torch.Tensor):
-            raise _fail(TypeError, f"{fn}: per_sample_weights must be a Tensor or None, got {type(per_sample_weights).__name__}")
+            raise RejectedArguments(TypeError, f"{fn}: per_sample_weights must be a Tensor or None, got {type(per_sample_weights).__name__}")
         if mode != "sum":
-            raise _fail(NotImplementedError, f"{fn}: per_sample_weights is only supported for mode='sum', got mode={mode!r}")
+            raise RejectedArguments(NotImplementedError, f"{fn}: per_sample_weights is only supported for mode='sum', got mode={mode!r}")
         if per_sample_weights.shape != input.shape:
-            raise _fail(
+            raise RejectedArguments(
                 ValueError,
                 f"{fn}: per_sample_weights must have the shape of input {list(input.shape)}, "
                 f"got {list(per_sample_weights.shape)}",
             )
         if per_sample_weights.dtype != weight_dtype:
-            raise _fail(TypeError, f"{fn}: per_sample_weights has dtype {per_sample_weights.dtype}, weight has {weight_dtype}")
+            raise RejectedArguments(TypeError, f"{fn}: per_sample_weights has dtype {per_sample_weights.dtype}, weight has {weight_dtype}")
         weights = per_sample_weights.reshape(-1)
     if pending is None:
         check_values([check])
@@ -254,18 +217,18 @@ def _lengths_from_offsets(fn: str, offsets: torch.Tensor, n: int, include_last_o
     """The bags' lengths and their bounds (``offsets`` with ``n`` appended unless it ends them); checks what
     needs no value (the bounds' values: :class:`ValueCheck`)."""
     if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64):
-        raise _fail(TypeError, f"{fn}: offsets must be a 1-D int32/int64 Tensor, got shape {list(offsets.shape)} dtype {offsets.dtype}")
+        raise RejectedArguments(TypeError, f"{fn}: offsets must be a 1-D int32/int64 Tensor, got shape {list(offsets.shape)} dtype {offsets.dtype}")
     offsets = offsets.to(torch.int64)
     if include_last_offset:
         if offsets.numel() == 0:
-            raise _fail(ValueError, f"{fn}: with include_last_offset=True the last offset must be the input length {n}, got None")
+            raise RejectedArguments(ValueError, f"{fn}: with include_last_offset=True the last offset must be the input length {n}, got None")
         bounds = offsets
     else:
         bounds = torch.cat([offsets, offsets.new_tensor([n])])
     if bounds.numel() > 1:
         return bounds[1:] - bounds[:-1], bounds
     if n:
-        raise _fail(ValueError, f"{fn}: offsets describe no bag but input holds {n} ids")
+        raise RejectedArguments(ValueError, f"{fn}: offsets describe no bag but input holds {n} ids")
     return offsets.new_zeros(0), bounds
 
 
@@ -282,7 +245,7 @@ class ValueCheck:
     include_last_offset: bool
     facts: torch.Tensor
 
-    @classmethod
+    @classmethod  # every rank builds its own, from its arguments; ranks compare them in the agreement step
     def of(cls, fn: str, ids: torch.Tensor, rows: int, offsets: torch.Tensor | None, bounds: torch.Tensor | None,
            include_last_offset: bool) -> ValueCheck:
         dev, n = ids.device, ids.numel()
@@ -300,16 +263,16 @@ class ValueCheck:
         lo, hi, first, backward, last = facts
         if self.n and (lo < 0 or hi >= self.rows):
             bad = lo if lo < 0 else hi
-            raise _fail(ValueError, f"{self.fn}: input holds id {bad}, outside [0, num_embeddings={self.rows})")
+            raise RejectedArguments(ValueError, f"{self.fn}: input holds id {bad}, outside [0, num_embeddings={self.rows})")
         if self.offsets is None:
             return
         if self.include_last_offset and last != self.n:
-            raise _fail(ValueError, f"{self.fn}: with include_last_offset=True the last offset must be the input "
+            raise RejectedArguments(ValueError, f"{self.fn}: with include_last_offset=True the last offset must be the input "
                         f"length {self.n}, got {last}")
         if first != 0:
-            raise _fail(ValueError, f"{self.fn}: offsets[0] must be 0, got {first}")
+            raise RejectedArguments(ValueError, f"{self.fn}: offsets[0] must be 0, got {first}")
         if backward:
-            raise _fail(ValueError, f"{self.fn}: offsets must be non-decreasing and at most the input length "
+            raise RejectedArguments(ValueError, f"{self.fn}: offsets must be non-decreasing and at most the input length "
                         f"{self.n}, got {self.offsets.tolist()}")
 
 
@@ -323,9 +286,11 @@ def check_values(checks: Sequence[ValueCheck]) -> None:
 def bags_for_embedding(fn: str, input: object, rows: int) -> Bags:
     """``embedding`` input (any shape) as bags of one id each."""
     if not isinstance(input, torch.Tensor):
-        raise _fail(TypeError, f"{fn}: input must be a Tensor, got {type(input).__name__}")
-    _check_ids(fn, input, rows)
+        raise RejectedArguments(TypeError, f"{fn}: input must be a Tensor, got {type(input).__name__}")
+    if input.dtype not in (torch.int32, torch.int64):
+        raise RejectedArguments(TypeError, f"{fn}: input must hold int32 or int64 ids, got dtype {input.dtype}")
     ids = input.reshape(-1).to(torch.int64)
+    check_values([ValueCheck.of(fn, ids, rows, None, None, False)])
     return Bags(ids, torch.ones_like(ids), None)
 
 
@@ -370,7 +335,7 @@ class TableCodes:
         num_embeddings, embedding_dim: the weight's shape (-1: not 2-D).
         dtype: index of the weight's dtype in :data:`DTYPES`.
         layout: ``ShardLayout.digest()`` of the weight's layout in the group (-1: unknown).
-        optimizer: index of the fused optimizer's kind among the registered kinds (-1: none).
+        optimizer: a digest of the fused optimizer's kind's name (-1: none).
         psw_grad: 1 when backward computes the per-sample weights' gradient.
         hyper: a digest of the fused optimizer's hyper-parameters (lr, eps, weight decay and its
             mode, betas; 0: none): ranks stepping with different ones would part ways silently.
@@ -389,7 +354,7 @@ class TableCodes:
     psw_grad: int = 0
     hyper: int = 0
 
-    @classmethod
+    @classmethod  # every rank builds its own, from its arguments; ranks compare them in the agreement step
     def of(cls, op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
            shape: tuple[int, ...], dtype: torch.dtype | None, layout: int = -1, *, optimizer: Binding | None = None,
            psw_grad: bool = False) -> TableCodes:
@@ -400,7 +365,7 @@ class TableCodes:
             float_code(norm_type) if isinstance(norm_type, (int, float)) else -1,
             int(shape[0]) if two_d else -1, int(shape[1]) if two_d else -1,
             DTYPES.index(dtype) if dtype in DTYPES else -1, layout,
-            -1 if optimizer is None else optim_kinds.names().index(optimizer.hyper.kind.name), int(psw_grad),
+            -1 if optimizer is None else _name_code(optimizer.hyper.kind.name), int(psw_grad),
             0 if optimizer is None else _hyper_code(optimizer.hyper),
         )
 
@@ -421,10 +386,14 @@ def table_fields(bags: Bags | None, codes: TableCodes, sends: Sequence[int] | No
 
 
 def _hyper_code(hyper: Hyper) -> int:
-    """A digest of an optimizer's hyper-parameters, the same in every process (CRC-32 of their bytes)."""
-    values = [hyper.lr, hyper.eps, hyper.weight_decay, float(hyper.weight_decay_mode.value), hyper.beta1,
-              hyper.beta2]
-    return zlib.crc32(struct.pack(f"<{len(values)}d", *values)) + 1  # never 0 ("no optimizer")
+    """A digest of an optimizer's hyper-parameters, the same in every process, never 0 ("no optimizer")."""
+    values = [hyper.lr, hyper.eps, hyper.weight_decay, float(hyper.weight_decay_mode.value), hyper.beta1, hyper.beta2]
+    return _name_code(struct.pack(f"<{len(values)}d", *values))
+
+
+def _name_code(data: str | bytes) -> int:
+    """A digest of ``data`` (a kind's name), the same in every process: CRC-32 of its bytes, plus 1."""
+    return zlib.crc32(data.encode() if isinstance(data, str) else data) + 1
 
 
 def _float(code: int) -> float:
@@ -440,16 +409,18 @@ def _shown(name: str, column: list[int]) -> list[object]:
         return [None if name == "max_norm" and c == 0 else _float(c) for c in column]
     if name == "padding_idx":
         return [None if c < 0 else c for c in column]
+    if name == "optimizer":
+        known = {_name_code(k): k for k in optim_kinds.names()}
+        return [None if c < 0 else known.get(c, f"an unregistered kind ({c:08x})") for c in column]
     return list(column)
 
 
 def check_same_codes(fn: str, rows: list[list[int]], table: int | None) -> list[RankInfo]:
     """Compare one table's codes across ranks (``rows``: per rank, its :func:`table_fields`); raises the
     ``ValueError`` naming the first difference; else every rank's sizes."""
-    nf = CODE_WIDTH
-    if any(r[_SIZES:nf] != rows[0][_SIZES:nf] for r in rows):
+    if any(r[_SIZES:CODE_WIDTH] != rows[0][_SIZES:CODE_WIDTH] for r in rows):
         _name_the_difference(fn, rows, table)
-    return [RankInfo(r[0], r[1], bool(r[2]), None if r[nf] < 0 else tuple(r[nf:])) for r in rows]
+    return [RankInfo(r[0], r[1], bool(r[2]), None if r[CODE_WIDTH] < 0 else tuple(r[CODE_WIDTH:])) for r in rows]
 
 
 def _name_the_difference(fn: str, rows: list[list[int]], table: int | None) -> None:

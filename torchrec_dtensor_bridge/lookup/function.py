@@ -10,7 +10,7 @@ Steps of forward (every rank, in this order):
 1. Every block this rank pools (the strategy's ``computes``) selects, for each bag of the batch, the ids
    that fall in its rows (:func:`_select`; ids stored elsewhere, and ``padding_idx`` in a bag lookup, are
    filtered out, so a bag with no local id gives 0 for a sum and ``-inf`` for a max).
-2. All tables' blocks are pooled together, one kernel call per storage (:func:`.local.pool`).
+2. All tables' blocks are pooled together, one kernel call per storage (:func:`..kernels.pool`).
 3. Each strategy combines its tables' partial bags (``Strategy.forward``: its forward exchange).
 4. ``mean`` (dividing by the true bag size) and max's "empty bag is 0" are applied by the caller after
    this Function, with plain autograd ops.
@@ -20,23 +20,27 @@ Steps of backward:
 1. Each block receives the output gradient of its bags (``Strategy.backward``: the backward exchange;
    masked to the winning rows for max).
 2. Per-sample weights that require grad get theirs (:func:`.psw.psw_backward`), before any update.
-3. Tables with a fused optimizer are updated in place (:func:`.optimizer_step.apply_optimizers`: one
-   kernel call per storage where a shard needs nothing from other ranks); they get no gradient.
+3. Tables with a fused optimizer are updated in place (:func:`fused_update`: one kernel call per storage
+   where a block's update needs nothing from other ranks, :mod:`.optimizer_step` for the others); they get
+   no gradient.
 4. Other tables get their weight gradient (:mod:`.gradients`) as a DTensor with the weight's mesh,
    placements and layout, equal shard by shard to the unsharded gradient of all ranks' batches.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from ..agreement import timeouts_named
+from .. import kernels
+from ..kernels import Pooling, pool
+from ..optim_kinds import StateKind
 from .gradients import grad_dtensor, table_grads
-from .local import Pooling, pool
-from .optimizer_step import apply_optimizers
+from .optimizer_step import Sharing, apply_optimizers
 from .plan import Block, LookupPlan, Strategy
 from .psw import psw_backward
 
@@ -71,7 +75,7 @@ def _select(plan: LookupPlan, i: int) -> tuple[Pooling, torch.Tensor, torch.Tens
 
 
 def _compute_blocks(plans: list[LookupPlan]) -> list[list[Block]]:
-    """Every table's blocks, pooled together: one kernel call per storage (:func:`.local.pool`)."""
+    """Every table's blocks, pooled together: one kernel call per storage (:func:`..kernels.pool`)."""
     chosen = [[(i, *_select(p, i)) for i, c in enumerate(p.computes) if c] for p in plans]
     outs = iter(pool([r for table in chosen for _, r, _, _ in table]))
     blocks = []
@@ -141,7 +145,7 @@ def _backward(ctx: Any, grad_outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tens
         psw_grads = psw_backward(plans, blocks, pieces)
     fused = [t for t, p in enumerate(plans) if p.optimizer is not None]
     if fused:  # updated in place; no weight gradient
-        apply_optimizers(plans, blocks, pieces, ctx.wins, fused)
+        fused_update(plans, blocks, pieces, ctx.wins, fused)
     grads = [None if p.optimizer is not None else table_grads(p, bl, pc, win)
              for p, bl, pc, win in zip(plans, blocks, pieces, ctx.wins)]
     return (None, *(None if g is None else grad_dtensor(m, p, g)
@@ -158,3 +162,69 @@ def pooled_lookup(
     """
     psws = per_sample_weights if per_sample_weights is not None else [None] * len(plans)
     return list(_PooledLookup.apply(plans, *weights, *psws))
+
+
+def fused_update(plans: list[LookupPlan], blocks: list[list[Block]], pieces: list[list[torch.Tensor]],
+                 wins: list[list[torch.Tensor] | None], tables: list[int]) -> None:
+    """Backward's fused optimizer step for ``tables`` (each with an optimizer), in place; *collective* when a
+    table's update needs other ranks' gradients.
+
+    1. Kinds that count steps (Adam) count this one, before any update (the one-pass kernel reads it).
+    2. Every block whose update needs nothing from other ranks (:data:`.optimizer_step.Sharing`) and that a
+       kernel can update goes into ONE ``tdb::sparse_update`` per storage (:func:`..kernels.update`).
+    3. The others - replicas, row-wise kinds on column cuts, the torch math - are updated by
+       :func:`.optimizer_step.apply_optimizers`, with one exchange for every table that needs one.
+    """
+    one_pass: list[kernels.Update] = []
+    rest: dict[int, Sharing] = {}
+    done: dict[int, set[int]] = {}
+    exchange = False
+    for t in tables:
+        plan, bind = plans[t], plans[t].optimizer
+        assert bind is not None
+        if bind.hyper.kind.counts_steps:
+            bind.table.step += 1
+        layout = plan.table.layout
+        dim = layout.global_shape[1]
+        column_cut = bind.hyper.kind.row_wise and any(s.sizes[1] != dim for s in layout.shards if s.numel)
+        copies = Counter(s.box for s in layout.shards if s.numel)
+        everyone = plan.table.strategy.sums_every_rank(plan)
+        share = (everyone, column_cut, copies)
+        if everyone or column_cut or any(c > 1 for c in copies.values()):  # its copies need the exchange
+            exchange = True
+            rest[t] = share
+        for k, b in enumerate(blocks[t]):
+            if not everyone and not column_cut and copies[plan.mine[b.index].box] == 1 and _one_pass(plan, b):
+                one_pass.append(_request(plan, b, pieces[t][k]))
+                done.setdefault(t, set()).add(b.index)
+            else:
+                rest[t] = share
+    kernels.update(one_pass)  # one kernel call per storage
+    if rest:
+        apply_optimizers(plans, blocks, pieces, wins, rest, done, exchange=exchange)
+
+
+def _one_pass(plan: LookupPlan, block: Block) -> bool:
+    """Whether a kernel can update ``block``'s shard in one pass (its update needing nothing from other ranks):
+    a sum (no arg-max), a shard and kind the kernels take (:func:`..kernels.update_supported`), and, for an
+    un-pooled lookup, no padding row in the shard (the kernel would train it)."""
+    assert plan.optimizer is not None
+    if block.argmax is not None or not kernels.update_supported(plan.table.shards[block.index], plan.optimizer.hyper,
+                                                                block.weights):
+        return False
+    padding = plan.pooling.padding_idx
+    if plan.pooling.skip_padding or padding is None:
+        return True
+    spec = plan.mine[block.index]
+    return not spec.offsets[0] <= padding < spec.offsets[0] + spec.sizes[0]
+
+
+def _request(plan: LookupPlan, block: Block, grad: torch.Tensor) -> kernels.Update:
+    """The kernel layer's request for ``block``'s update: its shard and batch, its views of the table's state."""
+    bind = plan.optimizer
+    assert bind is not None
+    table, i = bind.table, block.index
+    state = tuple(table.row_states[table.local_row_index(i)] if s.shape is StateKind.ROW else table.elements[i][s.name]
+                  for s in bind.hyper.kind.tensor_states)
+    return kernels.Update(plan.table.shards[i], block.ids, block.offsets, block.weights, grad, bind.hyper, state,
+                          int(table.step))

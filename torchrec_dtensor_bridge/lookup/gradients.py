@@ -1,6 +1,6 @@
 """The dense weight gradient of a lookup's tables (those without a fused optimizer).
 
-1. each pooled block's shard gets the gradient of the bags it pooled (:func:`.local.weight_grad`; for max
+1. each pooled block's shard gets the gradient of the bags it pooled (:func:`..kernels.weight_grad`; for max
    only where it won), every other shard zeros;
 2. an un-pooled lookup's padding row gets none;
 3. the table's strategy makes every copy of a block agree (``Strategy.sync_grads``);
@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..wrapper import LocalShardsWrapper
-from .local import Pooling, weight_grad
+from ..kernels import Pooling, weight_grad
 from .plan import Block, LookupPlan
 
 __all__ = ["grad_dtensor", "table_grads"]

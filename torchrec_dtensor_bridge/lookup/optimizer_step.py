@@ -1,14 +1,12 @@
-"""Backward with a fused optimizer: the touched rows' gradients, combined across ranks, applied in place.
+"""The fused updates one kernel pass cannot make: those that need other ranks' gradients, or the torch math.
 
-Part of the lookups' backward (:mod:`.algorithms`), once the output gradients reached every block;
-:mod:`..optim` holds the optimizer, its state and the update math. For each table with an optimizer, in
-this order on every rank:
+Part of the lookups' backward (:func:`.function.fused_update` makes the one-pass updates first: blocks whose
+update needs nothing from other ranks, through the kernel layer); :mod:`..optim` holds the optimizer, its
+state and the update math. For the other blocks of the tables it is given, in this order on every rank:
 
-1. Every block this rank computed turns its output gradient into a sparse
+1. Every block turns its output gradient into a sparse
    gradient: its touched rows (sorted unique ids, padding excluded) and one
-   summed gradient row each - O(batch), no dense gradient. Where the update
-   needs nothing from other ranks, one kernel does steps 1 and 3 in one pass
-   (:func:`.local.update`: one ``tdb::sparse_update`` per storage, for all tables).
+   summed gradient row each - O(batch), no dense gradient.
 2. ONE exchange for all tables that need one (an ``all_gather`` of the sizes,
    then an ``all_to_all`` of the float64 payloads): replicated tables publish each rank's sparse
    gradient (every replica applies the sum of all ranks'), replicated blocks
@@ -29,12 +27,11 @@ import torch
 import torch.distributed as dist
 
 from ..optim.state import Binding
-from ..optim.update import apply_elementwise, apply_rowwise, row_square_sums
 from ..collectives import share_flat
-from .local import Update, update, update_supported
+from ..optim.update import apply_elementwise, apply_rowwise, row_square_sums
 from .plan import Block, LookupPlan
 
-__all__ = ["apply_optimizers", "sparse_grad"]
+__all__ = ["Sharing", "apply_optimizers", "sparse_grad"]
 
 
 class _What(enum.IntEnum):
@@ -97,23 +94,17 @@ class _Table:
 
 
 def _prepare(plan: LookupPlan, t: int, blocks: list[Block], pieces: list[torch.Tensor],
-             wins: list[torch.Tensor] | None, one_pass: list[Update]) -> tuple[_Table, list[_Segment]]:
+             wins: list[torch.Tensor] | None, sharing: Sharing, done: set[int]) -> tuple[_Table, list[_Segment]]:
     bind = plan.optimizer
     assert isinstance(bind, Binding)
-    unique = plan.table.layout.unique_shards()
-    keys = {s.box: k for k, s in enumerate(unique) if s.numel}
-    copies = Counter(s.box for s in plan.table.layout.shards if s.numel)
-    dim = plan.table.layout.global_shape[1]
-    everyone = plan.table.strategy.sums_every_rank(plan)
-    column_cut = bind.hyper.kind.row_wise and any(s.sizes[1] != dim for s in unique if s.numel)
+    keys = {s.box: k for k, s in enumerate(plan.table.layout.unique_shards()) if s.numel}
+    everyone, column_cut, copies = sharing
     table = _Table(t, plan, bind, {}, everyone, copies, keys, column_cut)
     segments = []
     for k, b in enumerate(blocks):
-        spec = plan.mine[b.index]
-        alone = not everyone and copies[spec.box] == 1 and not column_cut
-        if alone and update_supported(bind, plan, b):
-            one_pass.append(Update(bind, plan, b, pieces[k]))
+        if b.index in done:  # updated in one kernel pass
             continue
+        spec = plan.mine[b.index]
         rows, grad = sparse_grad(plan, b, pieces[k], None if wins is None else wins[k])
         table.local[b.index] = (rows, grad)
         r0 = spec.offsets[0]
@@ -211,26 +202,26 @@ def _apply(table: _Table, got: list[_Segment]) -> None:
         apply_rowwise(hyper, pieces, rows, squares, state.row_states[r], dim)
 
 
+Sharing = tuple[bool, bool, Counter]
+"""What a table's update needs from other ranks: whether it sums every rank's gradient (a whole table on
+every rank), whether a row-wise kind's rows are cut into column pieces, and each box's number of copies."""
+
+
 def apply_optimizers(
     plans: list[LookupPlan], blocks: list[list[Block]], pieces: list[list[torch.Tensor]],
-    wins: list[list[torch.Tensor] | None], tables: list[int],
+    wins: list[list[torch.Tensor] | None], tables: dict[int, Sharing], done: dict[int, set[int]], *,
+    exchange: bool,
 ) -> None:
-    """Update ``tables`` (each ``plans[t].optimizer`` set) in place from their blocks' output gradients;
-    *collective* (one exchange for all tables, when any needs one)."""
-    for t in tables:  # Adam's step counts this one before any update (the one-pass kernel reads it)
-        bind = plans[t].optimizer
-        assert isinstance(bind, Binding)
-        if bind.hyper.kind.counts_steps:
-            bind.table.step += 1
+    """Update the blocks of ``tables`` (each with its :data:`Sharing`) not ``done`` (per table, the block
+    indices updated in one kernel pass) in place from their output gradients; *collective* when ``exchange``
+    (some table needs other ranks' gradients: one exchange for all tables, entered by every rank, since the
+    tables' sharing is the same on every rank)."""
     prepared, segments = [], []
-    one_pass: list[Update] = []
-    for t in tables:
-        table, segs = _prepare(plans[t], t, blocks[t], pieces[t], wins[t], one_pass)
+    for t, share in tables.items():
+        table, segs = _prepare(plans[t], t, blocks[t], pieces[t], wins[t], share, done.get(t, set()))
         prepared.append(table)
         segments += segs
-    update(one_pass)  # one kernel call per storage
-    need = any(tb.everyone or tb.column_cut or any(c > 1 for c in tb.copies.values()) for tb in prepared)
-    p0 = plans[tables[0]]
-    got = _exchange(segments, p0.group, p0.batch.bags.ids.device) if need else []
+    p0 = plans[next(iter(tables))]
+    got = _exchange(segments, p0.group, p0.batch.bags.ids.device) if exchange else []
     for table in prepared:
         _apply(table, got)

@@ -106,6 +106,28 @@ class Binding:
     hyper: Hyper
     table: TableState
 
+    def misfit(self) -> str | None:
+        """Why the table's state on this rank no longer fits its shards, or ``None`` when it does: the kernels
+        write ``state[row]`` unchecked, so per-row state must be one fp32 value per row of each row block and
+        element-wise state shaped as its shard, in its dtype; all contiguous, on the shards' device. Lookups
+        check it before their agreement step, so a damaged state on one rank makes every rank raise before
+        anything is updated."""
+        t = self.table
+        checks = []
+        if t.rows is not None:
+            blocks = t.rows[0].shards_on(t.rank)
+            checks.append(("momentum1", list(t.row_states), [(tuple(b.sizes), torch.float32) for b in blocks]))
+        for name in t.elements[0] if t.elements else {}:
+            checks.append((name, [e[name] for e in t.elements], [(tuple(s.shape), s.dtype) for s in t.shards]))
+        for name, got, want in checks:
+            devices = {x.device for x in got} | {s.device for s in t.shards}
+            if [(tuple(x.shape), x.dtype) for x in got] != want or len(devices) > 1 or not all(
+                    x.is_contiguous() for x in got):
+                return (f"the optimizer's state '{t.name}.{name}' on this rank no longer fits the table: "
+                        f"{[(list(x.shape), x.dtype) for x in got]} on {sorted(map(str, devices))}, the shards "
+                        f"need {[(list(shape), dtype) for shape, dtype in want]}, contiguous, on the shards' device")
+        return None
+
 
 def _packed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors``' values in one new buffer, as views of it in order."""
