@@ -9,15 +9,13 @@ step (restored after):
 - ``TDB_NATIVE_KERNELS=0``: this rank has no native kernels (as where they could not be built);
 - ``TDB_KERNELS=native|fbgemm``: this rank forces an implementation.
 
-Forcing is the first step of a choice, before the agreement's preference: a rank that forces an
-implementation every rank has runs it, whatever the first rank measured, so ranks forced differently run
-different kernels by design. What forcing leaves observable, and what this module checks, is:
+A rank that forces an implementation offers that one alone in the agreement. What this module checks:
 
-1. what one rank lacks no rank runs: with rank 1 lacking the native kernels, rank 0 does not run them,
-   neither under ``auto`` nor when it forces them (it falls back);
-2. the first rank's choice is every rank's: rank 0 forcing fbgemm's kernels (its choice between the two
-   C kernels), rank 1 under ``auto`` runs fbgemm's too, whatever its own calibration prefers (on a machine
-   whose calibration prefers fbgemm's anyway this case cannot tell; case 1 can everywhere).
+1. what one rank lacks no rank runs: with rank 1 lacking the native kernels, rank 0 does not run them under
+   ``auto``; when rank 0 forces them, the ranks have no C kernel in common and both run torch's math;
+2. what one rank forces every rank runs: rank 0 or rank 1 forcing ours or fbgemm's kernels, the other rank
+   under ``auto`` runs the same, whatever its own calibration prefers (on a machine whose calibration
+   prefers the forced one anyway such a case cannot tell; the other of the pair can).
 
 Which kernels ran is read from torch's profiler (``tdb::native_*`` for ours,
 ``fbgemm::split_embedding_*`` for fbgemm's; both C implementations are expected here, as the package's
@@ -57,8 +55,13 @@ CASES = {
     "rank1_without_native": ({}, {"TDB_NATIVE_KERNELS": "0"}),
     "rank0_forces_native_rank1_without": ({"TDB_KERNELS": "native"}, {"TDB_NATIVE_KERNELS": "0"}),
     "rank0_forces_fbgemm": ({"TDB_KERNELS": "fbgemm"}, {}),
+    "rank1_forces_fbgemm": ({}, {"TDB_KERNELS": "fbgemm"}),
+    "rank0_forces_native": ({"TDB_KERNELS": "native"}, {}),
+    "rank1_forces_native": ({}, {"TDB_KERNELS": "native"}),
 }
 FBGEMM_ONLY = {"forward": ["fbgemm"], "backward": ["fbgemm"]}
+NATIVE_ONLY = {"forward": ["native"], "backward": ["native"]}
+TORCH_ONLY: dict[str, list[str]] = {"forward": [], "backward": []}
 
 
 @contextmanager
@@ -155,8 +158,9 @@ def test_ranks_run_what_every_rank_has_as_the_first_rank_chose(pool, case):
         assert all(len(impls) == 1 for r in ran for impls in r.values()), ran
     elif case == "rank1_without_native":  # rank 0 may run what it measured faster only where rank 1 has it
         assert ran == [FBGEMM_ONLY, FBGEMM_ONLY], ran
-    elif case == "rank0_forces_native_rank1_without":  # forcing cannot run what another rank lacks
-        assert not any("native" in impls for r in ran for impls in r.values()), ran
-        assert ran[1] == FBGEMM_ONLY, ran
-    else:  # rank 0 chose fbgemm's kernels: rank 1 follows, whatever it measured
+    elif case == "rank0_forces_native_rank1_without":  # no C kernel in common: torch's math on both
+        assert ran == [TORCH_ONLY, TORCH_ONLY], ran
+    elif case.endswith("forces_fbgemm"):  # the other rank follows, whatever it measured
         assert ran == [FBGEMM_ONLY, FBGEMM_ONLY], ran
+    else:
+        assert ran == [NATIVE_ONLY, NATIVE_ONLY], ran

@@ -13,7 +13,8 @@ Steps of a choice (:func:`pool_impl`, :func:`update_impl`, :func:`dense_impl`):
    the CPU model and the thread count, so other processes of the machine reuse it.
 
 A lookup's ranks agree on the choices (:func:`choice_code` travels in the lookup's agreement, :func:`settle`):
-an implementation runs only where every rank has it, and the first rank's calibration decides between the
+an implementation runs only where every rank has it (a rank that forces one offers that one alone: forcing
+``torch`` on one rank makes every rank run torch's), and the first rank's calibration decides between the
 two C kernels, so every rank runs the same kernels. Once settled, a choice is remembered (per op, device
 type, optimizer kind, weight decay or not, and ``$TDB_KERNELS`` / ``$TDB_NATIVE_KERNELS``): a call then
 consults nothing else; an agreement that settles on other codes forgets every remembered choice.
@@ -94,11 +95,17 @@ def _remembered(what: tuple[object, ...], device: torch.device, decide: Callable
 
 
 def _local(impl: Impl) -> bool:
+    """This process has ``impl`` and may run it (a forced implementation is the only one it may run)."""
+    if impl is Impl.TORCH:
+        return True
+    forced = _forced()
+    if forced is not None and forced is not impl:
+        return False
     if impl is Impl.NATIVE:
         return os.environ.get("TDB_NATIVE_KERNELS", "1") != "0" and native.kernel() is not None
     if impl is Impl.FBGEMM:
         return fbgemm.available()
-    return True
+    return False
 
 
 def _available(impl: Impl, device: torch.device) -> bool:

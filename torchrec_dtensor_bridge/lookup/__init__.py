@@ -1,22 +1,22 @@
 """Embedding lookups on DTensor-sharded tables: the kernel layer (:mod:`..kernels`) locally, torch.distributed
 between ranks.
 
-One forward and backward with a :class:`..FusedOptimizer`, in reading order:
+One forward and backward with a :class:`..FusedOptimizer`, in reading order (five files, and the kernel
+layer below them):
 
 1. ``functional`` / ``tables`` - the public functions (one table / several tables in one call);
-   ``dtensor_input`` for DTensor inputs;
-2. ``arguments`` - the local argument checks and the batch in canonical form (:class:`.arguments.Bags`);
-3. ``entry`` - the one entry path every lookup takes: resolve each weight, agree (``agree``: what every
-   rank must agree on), route and exchange the ids, fix each table's plan, run;
-4. ``plan`` - what a lookup is given (frozen plan parts) and the :class:`.plan.Strategy` interface;
-5. ``function`` - the autograd Function: forward and backward, strategy by strategy;
-6. ``strategies`` - one module per way of combining shards across ranks (``whole``, ``columns``,
-   ``rows``): each owns its routing and its forward and backward exchanges;
-7. ``local`` - this rank's work through the kernel layer, one kernel call per storage;
-8. ``optimizer_step`` - backward with a fused optimizer (the update math is :mod:`..optim`'s).
+2. ``arguments`` - the local argument checks, the batch in canonical form (:class:`.arguments.Bags`) and
+   what every rank must agree on (:class:`.arguments.TableCodes`);
+3. ``entry`` - the one entry path every lookup takes: resolve each weight, agree, route and exchange the
+   ids, fix each table's plan (:mod:`.plan`: frozen parts, and the :class:`.plan.Strategy` interface), run;
+4. ``function`` - the autograd Function: forward and backward, strategy by strategy, and backward's fused
+   update where a block needs nothing from other ranks (one kernel call per storage, :mod:`..kernels`);
+5. ``strategies/<one>`` - the table's way of combining shards across ranks (``whole``, ``columns``,
+   ``rows``): its routing and its forward and backward exchanges.
 
-Beside them: ``psw`` (the per-sample weights' gradient) and ``renorm`` (``max_norm``), which run only
-when asked for.
+Beside them, run only when asked for: ``dtensor_input`` (DTensor inputs), ``gradients`` (the dense
+weight gradient, without a fused optimizer), ``optimizer_step`` (fused updates that need other ranks'
+gradients, or the torch math), ``psw`` (the per-sample weights' gradient) and ``renorm`` (``max_norm``).
 """
 
 from .functional import sharded_embedding, sharded_embedding_bag
