@@ -25,7 +25,7 @@ each was checked once against ``F.embedding_bag`` on the full tables:
 * forward (under ``torch.no_grad``) and forward+backward (``out.sum()``);
   TorchRec's fused kernel applies its optimizer (SGD) inside backward and
   writes no ``.grad``, ours and upstream produce a dense weight gradient;
-* the local lookup alone, in this process with one thread: ``lookup.local.pool`` (``tdb::pool_sum``)
+* the local lookup alone, in this process with one thread: ``kernels.pool`` (``tdb::pool_sum``)
   (what ours runs per shard) and ``F.embedding_bag`` on one 200,000 x 64
   shard, in GB/s of rows gathered (``n_ids * dim * 4`` bytes), against the
   ``dst.copy_(src)`` bandwidth of a 256 MiB buffer;
@@ -391,7 +391,7 @@ def _local(cfg: dict, reps: int, warmup: int, threads: int) -> dict:
     import torch.nn.functional as F
 
     from torchrec_dtensor_bridge import kernels
-    from torchrec_dtensor_bridge.lookup.local import Pooling, pool
+    from torchrec_dtensor_bridge.kernels import Pooling, pool
 
     def pool_rows(shard, ids, offsets):
         return pool([Pooling(shard, ids, offsets, None, False)])[0]
