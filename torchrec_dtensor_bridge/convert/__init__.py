@@ -5,8 +5,6 @@ from .dtensor import (
     dtensor_from_local_shards,
     layout_of,
     local_shards_of,
-    state_dict_to_dtensor,
-    state_dict_to_sharded_tensor,
     to_dtensor,
     to_sharded_tensor,
 )
@@ -19,6 +17,7 @@ from .metadata import (
 )
 from .placements import layout_from_placements, placement_for_layout
 from .reshard import copy_into
+from .state_dicts import state_dict_to_dtensor, state_dict_to_sharded_tensor
 
 __all__ = [
     "copy_into",

@@ -1,9 +1,9 @@
-"""Zero-copy ShardedTensor <-> DTensor, for single tensors and whole state_dicts."""
+"""Zero-copy ShardedTensor <-> DTensor for single tensors (whole state_dicts: :mod:`.state_dicts`)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,8 +24,7 @@ __all__ = [
     "layout_of",
     "needs_layout_gather",
     "local_shards_of",
-    "state_dict_to_dtensor",
-    "state_dict_to_sharded_tensor",
+    "sharded_from_layout",
     "to_dtensor",
     "to_sharded_tensor",
 ]
@@ -390,10 +389,10 @@ def to_sharded_tensor(dtensor: DTensor, process_group: dist.ProcessGroup | None 
     """
     if not isinstance(dtensor, DTensor):
         raise TypeError(f"to_sharded_tensor expects a DTensor, got {type(dtensor).__name__}")
-    return _sharded_from_layout(dtensor, layout_of(dtensor, process_group=process_group), process_group)
+    return sharded_from_layout(dtensor, layout_of(dtensor, process_group=process_group), process_group)
 
 
-def _sharded_from_layout(
+def sharded_from_layout(
     dtensor: DTensor, layout: ShardLayout, process_group: dist.ProcessGroup | None
 ) -> ShardedTensor:
     """:func:`to_sharded_tensor` once ``layout_of(dtensor)`` is known (it may be collective)."""
@@ -415,44 +414,3 @@ def _sharded_from_layout(
     )
     local_md = [m for m, s in zip(md.shards_metadata, layout.shards) if s.rank == rank]
     return make_sharded_tensor(list(zip(tensors, local_md)), md, process_group)
-
-
-def _map_state(sd: Any, fn: Any, prefix: str = "") -> Any:
-    """Apply ``fn(key, value)`` to every leaf of a (nested) state_dict; keeps containers' types."""
-    if isinstance(sd, Mapping):
-        out = {k: _map_state(v, fn, f"{prefix}{k}.") for k, v in sd.items()}
-        if type(sd) is dict:
-            return out
-        container: Any = type(sd)
-        res = container(out)  # OrderedDict stays OrderedDict, with a module's _metadata
-        if hasattr(sd, "_metadata"):
-            res._metadata = sd._metadata
-        return res
-    if isinstance(sd, list):
-        return [_map_state(v, fn, f"{prefix}{i}.") for i, v in enumerate(sd)]
-    return fn(prefix[:-1], sd)
-
-
-def state_dict_to_dtensor(sd: Mapping[str, Any]) -> dict[str, Any]:
-    """Every ShardedTensor in ``sd`` as a DTensor (zero-copy); other values unchanged.
-
-    Nested dicts and lists are walked, so a TorchRec fused optimizer's
-    ``state_dict()`` (per-row ``momentum1`` etc.) converts too. Not collective.
-    """
-    return _map_state(sd, lambda k, v: to_dtensor(v, name=k) if isinstance(v, ShardedTensor) else v)
-
-
-def _dtensor_to_sharded(key: str, v: Any) -> Any:
-    if not isinstance(v, DTensor):
-        return v
-    lay = layout_of(v, name=key)  # gathered once even for TorchRec's layout-less wrapper
-    return v.to_local() if lay.kind is LayoutKind.REPLICATED else _sharded_from_layout(v, lay, None)
-
-
-def state_dict_to_sharded_tensor(sd: Mapping[str, Any]) -> dict[str, Any]:
-    """Every sharded DTensor in ``sd`` (nested containers included) as a ShardedTensor (zero-copy).
-
-    A replicated DTensor becomes its local tensor (TorchRec keeps data-parallel
-    tables as plain tensors); other values are unchanged.
-    """
-    return _map_state(sd, _dtensor_to_sharded)

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor

@@ -7,7 +7,6 @@ Registered once, at import, in the table of ``op_table`` (see there).
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
