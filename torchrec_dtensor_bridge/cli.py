@@ -1,4 +1,4 @@
-"""Command line: ``python -m torchrec_dtensor_bridge {inspect,migrate}``.
+"""Command line: ``python -m torchrec_dtensor_bridge {inspect,migrate,export}``.
 
 A thin argparse shell over :mod:`torchrec_dtensor_bridge.checkpoint`; every
 failure prints ``error: ...`` to stderr and exits non-zero.
@@ -39,9 +39,9 @@ DST must not exist, or be a checkpoint written by this tool (it is replaced atom
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m torchrec_dtensor_bridge",
-        description="Inspect and migrate checkpoints of TorchRec sharded tables (DTensor / DCP).",
+        description="Inspect, migrate and export checkpoints of TorchRec sharded tables (DTensor / DCP).",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,migrate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,migrate,export}")
     p = sub.add_parser("inspect", help="print a checkpoint's tables, shapes, dtypes and shard layouts",
                        description="Print every key of a checkpoint: dtype, shape, shard cuts and size.")
     p.add_argument("path", help="a checkpoint written by checkpoint.save, or any DCP directory")
@@ -53,6 +53,16 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
     m.add_argument("--trusted-pickles", action="store_true",
                    help="load per-rank files with weights_only=False (they can run code: trusted files only)")
+    e = sub.add_parser("export", help="write a checkpoint's tensors, unsharded, to one safetensors or torch file",
+                       description="Write the tensors of a checkpoint as plain, unsharded tensors in one file, in "
+                       "this process alone (no process group), verified as a load verifies them, holding a bounded "
+                       "buffer in memory (never a whole table). Non-tensor values are left out.")
+    e.add_argument("src", help="a checkpoint written by checkpoint.save")
+    e.add_argument("dst", help="the file to write (replaced whole)")
+    e.add_argument("--format", choices=checkpoint.FORMATS, default="safetensors")
+    e.add_argument("--keys", action="append", metavar="GLOB",
+                   help="only the keys matching this glob pattern (repeatable; default: every tensor)")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -80,6 +90,12 @@ def _run(args: argparse.Namespace) -> str:
         if args.json:
             return json.dumps(checkpoint.inspect(args.path), indent=2)
         return checkpoint.format_report(args.path)
+    if args.command == "export":
+        done = checkpoint.export(args.src, args.dst, format=args.format, keys=args.keys,
+                                 progress=not args.no_progress)
+        skipped = f"; left out {len(done.skipped)} non-tensor keys" if done.skipped else ""
+        return (f"exported {len(done.keys)} tensors ({format_mib(done.bytes)} MiB) from {args.src} to {done.path} "
+                f"({args.format}){skipped}")
     summary = checkpoint.migrate(args.src, args.dst, progress=not args.no_progress,
                                  trusted_pickles=args.trusted_pickles)
     return (f"migrated {summary['keys']} keys ({format_mib(summary['bytes'])} MiB of tensors) from "

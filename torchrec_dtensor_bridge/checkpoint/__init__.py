@@ -4,6 +4,7 @@
     tdb.checkpoint.save(state_dict, "/ckpt/step100")   # collective, atomic
     tdb.checkpoint.load(state_dict, "/ckpt/step100")   # collective, validated, reshards
     tdb.checkpoint.inspect("/ckpt/step100")            # no process group needed
+    tdb.checkpoint.export("/ckpt/step100", "t.safetensors")  # one process, unsharded, bounded memory
 
 Values may be DCP ``Stateful`` objects (a TorchRec DMP, its ``fused_optimizer``,
 a ``torch.optim`` optimizer, a ``FusedOptimizer``): see :mod:`.stateful`.
@@ -17,6 +18,7 @@ from .errors import (
     IncompleteCheckpointError,
     NotACheckpointError,
 )
+from .export import FORMATS, ExportSummary, export
 from .inspect import format_report, inspect
 from .migrate import migrate
 
@@ -24,8 +26,11 @@ __all__ = [
     "CheckpointBusyError",
     "CheckpointError",
     "CorruptCheckpointError",
+    "ExportSummary",
+    "FORMATS",
     "IncompleteCheckpointError",
     "NotACheckpointError",
+    "export",
     "format_report",
     "inspect",
     "load",

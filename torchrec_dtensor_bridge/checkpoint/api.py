@@ -62,12 +62,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .._compat import quiet_sharded_tensor_deprecation
 from ..agreement import gather_objects
 from ..groups import CommGroup
 from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_gathered
 from .commit import DirLock, SaveLock, commit, generation_dir, prepare_generation, prune, sweep, writable_parent
-from .common import dcp_failures, default_process_group, dtype_of, global_shape, leaves, object_summary, run_dcp
+from .common import (dcp_failures, dcp_quietly, default_process_group, dtype_of, global_shape, leaves, object_summary,
+                     run_dcp)
 from .errors import CheckpointError
 from .keyed import combine_row_states
 from .loading import ROW_STATE_COLUMNS, SafeObjectPlanner, open_agreed
@@ -237,7 +237,7 @@ def _write_generation(state_dict: Mapping[str, Any], gen: Path, g: CommGroup, wh
     writer = ChecksummingWriter(gen, sync_files=True)
     problems: list[Problem] = []
     try:
-        with quiet_sharded_tensor_deprecation():
+        with dcp_quietly():
             dcp.save(state_dict, storage_writer=writer, process_group=g.group)
     except CheckpointException as e:
         local = writer.os_errors

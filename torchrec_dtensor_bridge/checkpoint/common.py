@@ -9,11 +9,14 @@ figure for the same checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
@@ -27,11 +30,13 @@ from .errors import CheckpointError
 __all__ = [
     "MIB",
     "dcp_failures",
+    "dcp_quietly",
     "default_process_group",
     "format_bytes",
     "format_mib",
     "global_shape",
     "leaves",
+    "progress_bar",
     "run_dcp",
     "tensor_bytes",
 ]
@@ -45,6 +50,15 @@ def dcp_failures(e: CheckpointException) -> list[BaseException]:
     return [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
 
 
+@contextlib.contextmanager
+def dcp_quietly() -> Iterator[None]:
+    """Around a DCP call: no ShardedTensor deprecation warning, and no warning that there is no process group
+    (a save or load in one process is what this package's caller asked for, not a mistake)."""
+    with quiet_sharded_tensor_deprecation(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def run_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a DCP entry point; its ``CheckpointException`` (a ``BaseException``) becomes a ``CheckpointError``.
 
@@ -52,7 +66,7 @@ def run_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
     out as itself, not wrapped in DCP's per-rank report.
     """
     try:
-        with quiet_sharded_tensor_deprecation():
+        with dcp_quietly():
             return fn(*args, **kwargs)
     except CheckpointException as e:
         ours = dcp_failures(e)
@@ -156,6 +170,11 @@ def tensor_bytes(md: Metadata, fqn: str | None = None) -> int:
         if isinstance(m, TensorStorageMetadata):
             total += m.size.numel() * m.properties.dtype.itemsize
     return total
+
+
+def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B") -> Any:
+    """A progress bar on stderr (``tqdm``) counting ``total`` ``unit``s; a silent one unless ``enabled``."""
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not enabled, leave=False)
 
 
 def format_mib(nbytes: int) -> str:

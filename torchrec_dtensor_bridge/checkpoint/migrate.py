@@ -42,7 +42,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from .._compat import (
     ChunkShardingSpec,
@@ -58,7 +57,7 @@ from .._compat import (
 from ..convert import state_dict_to_dtensor
 from .api import save
 from .commit import SaveLock, commit, generation_dir, resolve, sweep, writable_parent
-from .common import tensor_bytes
+from .common import progress_bar, tensor_bytes
 from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import BlockHasher, FileSums, check_file_name, read_manifest, write_manifest
 from .validate import read_metadata
@@ -67,10 +66,6 @@ __all__ = ["migrate", "rank_files"]
 
 _RANK = re.compile(r"rank[_\-]?(\d+)", re.IGNORECASE)
 _COPY_BLOCK = 8 << 20
-
-
-def _bar(total: int, desc: str, enabled: bool, unit: str = "B") -> Any:
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", disable=not enabled, leave=False)
 
 
 def rank_files(src: Path) -> list[Path]:
@@ -147,7 +142,7 @@ def _migrate_dcp(root: Path, dst: Path, progress: bool) -> dict[str, Any]:
         try:
             total = sum((root / rel).stat().st_size for rel in files)
             sums: dict[str, FileSums] = {}
-            with _bar(total, "copy", progress) as bar:
+            with progress_bar(total, "copy", progress) as bar:
                 _copy_durably(root, ".metadata", gen, bar)
                 for rel in files:
                     sums[rel] = _copy_durably(root, rel, gen, bar)
@@ -211,7 +206,7 @@ def _rank_worker(rank: int, world: int, port: int, files: list[str], dst: str, p
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))
-        with _bar(3, "migrate", progress and rank == 0, unit="step") as bar:
+        with progress_bar(3, "migrate", progress and rank == 0, unit="step") as bar:
             if trusted:
                 sd = torch.load(files[rank], weights_only=False, map_location="cpu")
             else:
