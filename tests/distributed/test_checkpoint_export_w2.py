@@ -68,10 +68,11 @@ def saved(pool, tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.parametrize("buffer_bytes", [1 << 20, 40])  # whole tables at once; a few rows (one at least)
 @pytest.mark.parametrize("fmt", ["safetensors", "torch"])
-def test_export_writes_every_table_whole(saved, tmp_path, fmt):
+def test_export_writes_every_table_whole(saved, tmp_path, fmt, buffer_bytes):
     dst = tmp_path / f"out.{fmt}"
-    done = tdb.checkpoint.export(saved, dst, format=fmt, progress=False)
+    done = tdb.checkpoint.export(saved, dst, format=fmt, progress=False, buffer_bytes=buffer_bytes)
     got = _read_safetensors(dst) if fmt == "safetensors" else torch.load(dst, weights_only=True)
     assert sorted(got) == sorted(TABLES) == done.keys
     for key in TABLES:
@@ -121,3 +122,35 @@ def test_export_command_line(saved, tmp_path):
     assert list(got) == ["t.grid"] and torch.equal(got["t.grid"], _table("t.grid"))
     bad = run_python(["-m", "torchrec_dtensor_bridge", "export", str(saved), str(dst), "--keys", "zzz"])
     assert bad.returncode != 0 and "match no tensor" in bad.stderr, bad.stderr
+
+
+def _check_memory(tmp_path: Path, mib: int, buffer_mib: int, bound: int) -> None:
+    job = "tests/distributed/jobs/export_memory.py"
+    ck, dst = tmp_path / "big", tmp_path / "big.safetensors"
+    saved = run_python([job, "save", str(ck), str(mib)], timeout=300)
+    assert saved.returncode == 0, saved.stderr
+    res = run_python([job, "export", str(ck), str(dst), str(buffer_mib)], timeout=300)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["bytes"] == mib << 20
+    assert got["growth"] < bound, f"peak resident memory grew by {got['growth'] >> 20} MiB exporting {mib} MiB"
+    rows = (mib << 20) // 4 // (256 * 4)
+    with open(dst, "rb") as f:  # spot checks: first and last rows of each table, without reading it all
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+        for i in range(4):
+            begin, end = header[f"t{i}"]["data_offsets"]
+            for row in (0, rows - 1):
+                f.seek(8 + size + begin + row * 256 * 4)
+                values = torch.frombuffer(bytearray(f.read(256 * 4)), dtype=torch.float32)
+                assert torch.equal(values, torch.full((256,), float(i + row))), (i, row)
+
+
+def test_export_memory_stays_bounded(tmp_path):
+    """256 MiB in 64 MiB tables, exported with an 8 MiB buffer: peak memory grows by less than one table."""
+    _check_memory(tmp_path, 256, 8, 48 << 20)
+
+
+@pytest.mark.slow
+def test_export_of_two_gib_stays_under_256_mib(tmp_path):
+    _check_memory(tmp_path, 2048, 64, 256 << 20)

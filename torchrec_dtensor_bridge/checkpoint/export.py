@@ -9,11 +9,13 @@ layout, any world size), with bounded memory. Steps of :func:`export`:
 2. lay the output file out before any tensor is read: a safetensors header (the format's own: an 8-byte
    little-endian header size, a JSON header with each tensor's dtype, shape and byte range, then the raw
    bytes), or, for torch's format, one scratch file per tensor beside the output;
-3. load each tensor with :func:`.api.load` straight into its place in that file (a memory map of it), so
-   the checkpoint's checksums are verified as in any load and memory holds at most ``staging_bytes`` of
-   verified bytes and the pages the kernel has not yet written back - never a whole table;
-4. for torch's format, ``torch.save`` the mapped tensors (their bytes streamed from the scratch files);
-5. flush, ``fsync`` and rename into place: ``dst`` appears whole or not at all.
+3. load each tensor a run of rows at a time into one buffer of at most ``buffer_bytes`` (a shards wrapper
+   holding those rows: :func:`.api.load` reads and verifies only the blocks they need, as any resharded
+   load does) and write the rows at their place in the file: memory holds the buffer and ``load``'s
+   ``staging_bytes``, never a whole table;
+4. for torch's format, ``torch.save`` the scratch files' tensors (memory-mapped: their bytes go from the
+   page cache to the file; the memory bound is safetensors');
+5. ``fsync`` and rename into place: ``dst`` appears whole or not at all.
 
 The safetensors file is the format's own layout, written here; torch's DCP reads such files through
 ``HuggingFaceStorageReader`` (with the ``safetensors`` package installed).
@@ -29,18 +31,21 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 
+from ..wrapper import LocalShardsWrapper
 from .api import DEFAULT_STAGING_BYTES, load
 from .inspect import inspect
 from .common import progress_bar
 
-__all__ = ["FORMATS", "ExportSummary", "export"]
+__all__ = ["DEFAULT_BUFFER_BYTES", "FORMATS", "ExportSummary", "export"]
 
 FORMATS = ("safetensors", "torch")
+DEFAULT_BUFFER_BYTES = 64 << 20
+"""Default ``export(..., buffer_bytes=)``: the rows of a table read at once."""
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -68,7 +73,8 @@ class ExportSummary:
 
 
 def export(src: str | Path, dst: str | Path, *, format: str = "safetensors", keys: Sequence[str] | None = None,
-           progress: bool = True, staging_bytes: int | None = DEFAULT_STAGING_BYTES) -> ExportSummary:
+           progress: bool = True, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+           staging_bytes: int | None = DEFAULT_STAGING_BYTES) -> ExportSummary:
     """Write the tensors of checkpoint ``src`` to ``dst`` as plain, unsharded tensors, in this process alone.
 
     Args:
@@ -77,6 +83,7 @@ def export(src: str | Path, dst: str | Path, *, format: str = "safetensors", key
         format: ``"safetensors"`` or ``"torch"`` (a ``torch.save`` file of a ``{key: tensor}`` dict).
         keys: glob patterns (``fnmatch``) of the keys to write; ``None``: every tensor.
         progress: show a progress bar (bytes) on stderr.
+        buffer_bytes: the rows read at once (one row at least).
         staging_bytes: as for :func:`.api.load`: the most verified bytes held at once.
 
     Returns:
@@ -94,6 +101,8 @@ def export(src: str | Path, dst: str | Path, *, format: str = "safetensors", key
     """
     if format not in FORMATS:
         raise ValueError(f"export: format must be one of {list(FORMATS)}, got {format!r}")
+    if not isinstance(buffer_bytes, int) or buffer_bytes < 1:
+        raise ValueError(f"export: buffer_bytes must be a positive int, got {buffer_bytes!r}")
     src, dst = Path(src), Path(dst)
     described = inspect(src)
     tensors = {k: d for k, d in described.items() if d["type"] == "tensor"}
@@ -109,10 +118,11 @@ def export(src: str | Path, dst: str | Path, *, format: str = "safetensors", key
     scratch = dst.with_name(f".{dst.name}.scratch")
     try:
         with progress_bar(total, "export", progress) as bar:
+            copy = _Copy(src, buffer_bytes, staging_bytes, bar)
             if format == "safetensors":
-                _write_safetensors(src, partial, specs, staging_bytes, bar)
+                _write_safetensors(copy, partial, specs)
             else:
-                _write_torch(src, partial, scratch, specs, staging_bytes, bar)
+                _write_torch(copy, partial, scratch, specs)
         _durable_rename(partial, dst)
     finally:
         partial.unlink(missing_ok=True)
@@ -137,22 +147,38 @@ def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
     return shape.numel() * torch.empty(0, dtype=dtype).element_size()
 
 
-def _mapped(path: Path, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of ``shape`` and ``dtype`` whose bytes are ``path``'s at ``offset`` (a writable memory map)."""
-    n = _nbytes(shape, dtype)
-    if n == 0:
-        return torch.empty(shape, dtype=dtype)
-    raw = np.memmap(path, dtype=np.uint8, mode="r+", offset=offset, shape=(n,))
-    return torch.from_numpy(raw).view(dtype).view(shape)
+@dataclass(frozen=True)
+class _Copy:
+    """Copies tensors of checkpoint ``src`` into files, a run of rows at a time (module docstring, step 3)."""
+
+    src: Path
+    buffer_bytes: int
+    staging_bytes: int | None
+    bar: Any
+
+    def into(self, f: BinaryIO, at: int, key: str, shape: torch.Size, dtype: torch.dtype) -> None:
+        """Write ``key``'s bytes (row-major) into ``f`` from byte ``at`` on."""
+        if len(shape) == 0:  # a scalar: one value
+            value = torch.empty((), dtype=dtype)
+            load({key: value}, self.src, staging_bytes=self.staging_bytes)
+            self._write(f, at, value.reshape(1))
+            return
+        per_row = _nbytes(shape[1:], dtype)
+        step = max(1, self.buffer_bytes // max(per_row, 1))
+        buf = torch.empty((min(step, shape[0]), *shape[1:]), dtype=dtype)
+        for r0 in range(0, shape[0], step):
+            rows = buf[: min(step, shape[0] - r0)]
+            offsets = (r0,) + (0,) * (len(shape) - 1)
+            load({key: LocalShardsWrapper([rows], [offsets], tuple(shape))}, self.src, staging_bytes=self.staging_bytes)
+            self._write(f, at + r0 * per_row, rows)
+
+    def _write(self, f: BinaryIO, at: int, values: torch.Tensor) -> None:
+        f.seek(at)
+        f.write(values.reshape(-1).view(torch.uint8).numpy().data)  # no copy
+        self.bar.update(values.numel() * values.element_size())
 
 
-def _load_into(src: Path, key: str, target: torch.Tensor, staging_bytes: int | None, bar: Any) -> None:
-    load({key: target}, src, staging_bytes=staging_bytes)
-    bar.update(target.numel() * target.element_size())
-
-
-def _write_safetensors(src: Path, out: Path, specs: dict[str, tuple[torch.Size, torch.dtype]],
-                       staging_bytes: int | None, bar: Any) -> None:
+def _write_safetensors(copy: _Copy, out: Path, specs: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     at = 0
     for key, (shape, dtype) in specs.items():
@@ -166,27 +192,28 @@ def _write_safetensors(src: Path, out: Path, specs: dict[str, tuple[torch.Size, 
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         f.truncate(start + at)
-    for key, (shape, dtype) in specs.items():
-        begin = header[key]["data_offsets"][0]
-        _load_into(src, key, _mapped(out, start + begin, shape, dtype), staging_bytes, bar)
+        for key, (shape, dtype) in specs.items():
+            copy.into(f, start + header[key]["data_offsets"][0], key, shape, dtype)
 
 
-def _write_torch(src: Path, out: Path, scratch: Path, specs: dict[str, tuple[torch.Size, torch.dtype]],
-                 staging_bytes: int | None, bar: Any) -> None:
+def _write_torch(copy: _Copy, out: Path, scratch: Path, specs: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
     scratch.mkdir(exist_ok=True)
     tensors = {}
     for i, (key, (shape, dtype)) in enumerate(specs.items()):
-        path = scratch / f"{i}.bin"
+        path, n = scratch / f"{i}.bin", _nbytes(shape, dtype)
         with open(path, "wb") as f:
-            f.truncate(_nbytes(shape, dtype))
-        tensors[key] = _mapped(path, 0, shape, dtype)
-        _load_into(src, key, tensors[key], staging_bytes, bar)
+            f.truncate(n)
+            copy.into(f, 0, key, shape, dtype)
+        if n == 0:
+            tensors[key] = torch.empty(shape, dtype=dtype)
+        else:
+            raw = np.memmap(path, dtype=np.uint8, mode="r", shape=(n,))
+            tensors[key] = torch.from_numpy(raw).view(dtype).view(shape)
     torch.save(tensors, out)
 
 
 def _durable_rename(partial: Path, dst: Path) -> None:
-    """``partial`` on disk (``fsync`` writes back the pages written through its memory maps too), then renamed
-    to ``dst`` and the rename made durable."""
+    """``partial`` on disk (``fsync``), then renamed to ``dst`` and the rename made durable."""
     with open(partial, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(partial, dst)
