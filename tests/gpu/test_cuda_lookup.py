@@ -1,6 +1,7 @@
 """The lookups on CUDA shards (one GPU, a one-rank group: NCCL for CUDA tensors, gloo for CPU ones); skipped
 where there is no CUDA device. Not run on a GPU yet: the CPU-side checks of these call sites are
-``tests/unit/test_fake_cuda.py`` (fake CUDA tensors) and ``tests/unit/test_kernel_ops.py``.
+``tests/unit/test_fake_cuda.py`` (fake CUDA tensors) and ``tests/unit/test_kernel_ops.py``. fp16 tables, tables
+wider than fbgemm's CUDA kernels take, and strided per-sample weights: ``test_cuda_tables.py``.
 
 * Every layout a single rank can hold (several row blocks, several column blocks, a grid, the whole table;
   column widths fbgemm's CUDA kernels read, multiples of 4, and widths they do not, which take torch's ops)
@@ -14,15 +15,15 @@ where there is no CUDA device. Not run on a GPU yet: the CPU-side checks of thes
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from torchrec_dtensor_bridge.layout import ShardLayout
+
+from .tables import batch as _batch
+from .tables import dtensors
+from .tables import table as _table
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -44,61 +45,8 @@ HYPER = {"lr": 0.1, "eps": 1e-3, "beta1": 0.8, "beta2": 0.9}
 CUDA = torch.device("cuda", 0)
 
 
-@pytest.fixture(scope="module")
-def groups():
-    torch.cuda.set_device(0)
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{os.path.join(d, 'store')}", rank=0,
-                                world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
-def _table(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
-
-
-def _shards(names: list[str], tables: list[torch.Tensor], device: torch.device,
-            shared: bool) -> list[list[torch.Tensor]]:
-    """Each table's blocks of this rank on ``device``: clones, or views of ONE storage (blocks back to back, each
-    starting at a multiple of 4 elements, with a gap after it)."""
-    blocks = [[t[s.slices()] for s in LAYOUTS[n].shards_on(0)] for n, t in zip(names, tables)]
-    if not shared:
-        return [[b.clone().to(device) for b in bs] for bs in blocks]
-    sizes = [b.numel() for bs in blocks for b in bs]
-    starts, at = [], 4
-    for n in sizes:
-        starts.append(at)
-        at += (n + 4 + 3) // 4 * 4
-    buffer = torch.full((at,), float("nan"), device=device)  # the gaps: never read
-    views, k = [], 0
-    for bs in blocks:
-        views.append([])
-        for b in bs:
-            view = buffer[starts[k] : starts[k] + b.numel()].view(b.shape)
-            view.copy_(b)
-            views[-1].append(view)
-            k += 1
-    return views
-
-
 def _weights(names: list[str], tables: list[torch.Tensor], device: torch.device, shared: bool) -> list:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
-
-    mesh = init_device_mesh(device.type, (1,))
-    return [dtensor_from_local_shards(LAYOUTS[n].with_name(n), shards, device_mesh=mesh)
-            for n, shards in zip(names, _shards(names, tables, device, shared))]
-
-
-def _batch(rows: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, rows, (30,), generator=g)
-    ids[3] = ids[4]  # a duplicate id in a bag: fbgemm's kernels sum its gradients before the update
-    return ids.to(device), torch.tensor([0, 4, 4, 11, 20], device=device)
+    return dtensors([LAYOUTS[n].with_name(n) for n in names], tables, device, shared=shared)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

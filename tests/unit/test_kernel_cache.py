@@ -1,6 +1,7 @@
 """The native kernel cache (kernels/build.py): a private cache directory, reuse without compiling, refusal of
 directories and library files that others own or can write (or that are symlinks), a cache key that follows
-the source and the compiler's identity, and ``rebuild=True`` replacing a library that does not load. Real
+the source, the compiler's identity and every argument the compiler is run with (flags, linked libraries, the
+retry list), and ``rebuild=True`` replacing a library that does not load. Real
 compiler, real files. The kernels' own source is built where it is the subject (a fresh cache, a one-byte
 change of it); elsewhere a one-function source (``stub``), which the cache treats alike and which compiles
 in a fraction of the time."""
@@ -174,6 +175,69 @@ def test_key_changes_with_compiler_identity(tmp_path, monkeypatch, stub):
     monkeypatch.setenv("CC", str(fake))
     assert build.library(stub, cache=tmp_path / "c").name == (
         f"cpu_kernels-{build.cache_key(stub.read_bytes(), str(fake))}.so")
+
+
+# What defines the build besides the source and the compiler: each changed alone must give a new key. A probe
+# macro and ``-lc`` are harmless to add to any compile, so the end-to-end test below builds with them.
+BUILD_CHANGES = {
+    "flags": ("_FLAGS", lambda: (*build._FLAGS, "-DTDB_KEY_PROBE")),
+    "flag order": ("_FLAGS", lambda: build._FLAGS[::-1]),
+    "libraries": ("_LIBS", lambda: (*build._LIBS, "-lc")),
+    "retry added": ("_ATTEMPTS", lambda: (*build._ATTEMPTS, ("-DTDB_KEY_PROBE",))),
+    "retry dropped": ("_ATTEMPTS", lambda: build._ATTEMPTS[:1]),
+    "retry order": ("_ATTEMPTS", lambda: build._ATTEMPTS[::-1]),
+    "retry's flags": ("_ATTEMPTS", lambda: tuple((*extra, "-DTDB_KEY_PROBE") for extra in build._ATTEMPTS)),
+}
+
+
+@pytest.mark.parametrize("change", sorted(BUILD_CHANGES))
+def test_key_changes_with_each_part_of_the_build(monkeypatch, change):
+    """A key without the flags, the linked libraries or the retry list would load a library built another way."""
+    src = build.SOURCE.read_bytes()
+    plain = build.cache_key(src, str(REAL_CC))
+    name, changed = BUILD_CHANGES[change]
+    assert len(build._ATTEMPTS) >= 2 and build._LIBS, "the cases above assume a retry and a linked library"
+    with monkeypatch.context() as m:
+        m.setattr(build, name, changed())
+        assert build.cache_key(src, str(REAL_CC)) != plain, f"{change}: same key"
+    assert build.cache_key(src, str(REAL_CC)) == plain, f"{change}: undone, the key differs"
+
+
+def test_key_stays_when_nothing_changes(monkeypatch):
+    """Equal values (new objects, as in a new process) and a second call give the same key."""
+    src = build.SOURCE.read_bytes()
+    plain = build.cache_key(src, str(REAL_CC))
+    assert build.cache_key(bytes(src), str(REAL_CC)) == plain
+    monkeypatch.setattr(build, "_FLAGS", tuple(list(build._FLAGS)))
+    monkeypatch.setattr(build, "_LIBS", tuple(list(build._LIBS)))
+    monkeypatch.setattr(build, "_ATTEMPTS", tuple(tuple(list(a)) for a in build._ATTEMPTS))
+    build._compiler_version.cache_clear()
+    assert build.cache_key(src, str(REAL_CC)) == plain
+    keys = {build.cache_key(src, str(REAL_CC)) for _ in range(3)}
+    assert keys == {plain}
+
+
+@pytest.mark.parametrize("change", ["flags", "libraries", "retry added", "retry order"])
+def test_library_name_follows_the_compiler_command(tmp_path, monkeypatch, stub, change):
+    """End to end: when what the compiler is run with changes, the cached library is not reused but built anew
+    under another name (the compiler's log shows the new command)."""
+    log = tmp_path / "cc.log"
+    monkeypatch.setenv("CC", str(_script(tmp_path / "logcc", f'echo "$*" >> {log}\nexec {REAL_CC} "$@"')))
+    cache = tmp_path / "c"
+
+    def compiles() -> list[str]:
+        return [line for line in log.read_text().splitlines() if "-shared" in line] if log.exists() else []
+
+    first = build.library(stub, cache=cache)
+    before = compiles()
+    assert build.library(stub, cache=cache) == first and compiles() == before, "nothing changed: reused"
+    name, changed = BUILD_CHANGES[change]
+    monkeypatch.setattr(build, name, changed())
+    second = build.library(stub, cache=cache)
+    new = compiles()[len(before):]
+    assert new and new[0] != before[0], "the compiler ran with the changed arguments"
+    assert second != first and first.exists() and _loads(second)
+    assert build.library(stub, cache=cache) == second and compiles()[len(before):] == new, "then reused"
 
 
 def test_rebuild_replaces_a_library_that_does_not_load(tmp_path, stub):

@@ -9,7 +9,9 @@ Steps of :func:`library` (every process, on first use):
    into a fresh private directory (``tempfile.mkdtemp``, removed at exit) and a warning names the refused
    directory and why, once per process.
 3. The library's name: :func:`cache_key`, a hash of the source bytes, the machine (architecture, CPU model,
-   operating system), the compiler's resolved path and first line of ``--version``, and the flags.
+   operating system), the compiler's resolved path and first line of ``--version``, and the arguments of
+   every compile attempt in order (:func:`_compile_args`: the flags, the retry's extra flags, the linked
+   libraries), built by the same function that builds the commands run.
 4. A library already there is used, unless ``rebuild``, when it is a regular file (not a symlink) owned
    by the current user and writable by no one else. Otherwise the source is compiled (with target clones,
    then without, for compilers lacking them) into a temporary file in that directory, renamed over the
@@ -95,11 +97,13 @@ def cache_key(source_bytes: bytes, cc: str) -> str:
         cc: The compiler as it is run (a name on ``$PATH`` or a path).
 
     Returns:
-        20 hex digits of a SHA-256 over the source, the machine, the compiler's identity and the flags.
+        20 hex digits of a SHA-256 over the source, the machine, the compiler's identity and the arguments
+        of every compile attempt, in the order they are tried.
     """
     path = shutil.which(cc) or cc
+    attempts = [_compile_args(extra, out="<out>", source="<source>") for extra in _ATTEMPTS]
     parts: list[bytes | str] = [source_bytes, platform.machine(), cpu_model(), platform.system(),
-                                os.path.realpath(path), _compiler_version(path), repr((_FLAGS, _ATTEMPTS, _LIBS))]
+                                os.path.realpath(path), _compiler_version(path), repr(attempts)]
     h = hashlib.sha256()
     for part in parts:
         data = part if isinstance(part, bytes) else part.encode()
@@ -143,6 +147,12 @@ def _trusted_dir(cache: Path) -> Path:
     return private
 
 
+def _compile_args(extra: tuple[str, ...], *, out: str, source: str) -> list[str]:
+    """The compiler's arguments for one attempt of :data:`_ATTEMPTS`: what :func:`_compile` runs and what
+    :func:`cache_key` hashes, so that no flag, retry or library can change without a new key."""
+    return [*_FLAGS, *extra, "-o", out, source, *_LIBS]
+
+
 def _compile(cc: str, source: Path, target: Path) -> None:
     """Compile ``source`` into a temporary file beside ``target``, then rename it over ``target``."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".cpu_kernels-", suffix=".so")
@@ -150,8 +160,8 @@ def _compile(cc: str, source: Path, target: Path) -> None:
     try:
         for extra in _ATTEMPTS:
             try:
-                proc = subprocess.run([cc, *_FLAGS, *extra, "-o", tmp, str(source), *_LIBS], capture_output=True,
-                                      text=True, timeout=_TIMEOUT_S, check=False)
+                proc = subprocess.run([cc, *_compile_args(extra, out=tmp, source=str(source))],
+                                      capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
             except (OSError, subprocess.TimeoutExpired) as e:
                 raise RuntimeError(f"C compiler {cc} could not compile {source} (limit {_TIMEOUT_S} s): {e}") from e
             if proc.returncode == 0:
