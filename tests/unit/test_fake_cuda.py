@@ -10,17 +10,23 @@ the subprocess (:func:`main`)
   for it) and records every ``fbgemm`` op those call, with its arguments and the values of the small
   tensors built for it (they are made from Python values, which the recording mode sees);
 * runs fbgemm's own lookup functions (their C++ forward unpacks our argument lists) down to their forward
-  kernels, whose fakes here check the devices, dtypes and shapes they receive; the backward that applies
-  a fused update or gives the dense gradient cannot run over fake tensors: its call is recorded instead
-  (:func:`..kernels.fbgemm.run_backward`);
-* skips the id-range check, which reads values (:func:`..kernels.ops.check_ids_on_device`).
+  kernels, whose fakes here check the devices, dtypes and shapes they receive, refuse what fbgemm's own
+  checks refuse (``max_D`` past 2048, ``total_D`` not a positive multiple of 4: its meta kernels'
+  ``TORCH_SYM_CHECK``s; more than int32's ids or bag boundaries: its 32-bit accessors) and need the ids,
+  bag boundaries and per-sample weights contiguous (its kernels read their ``data_ptr``); the backward that
+  applies a fused update or gives the dense gradient cannot run over fake tensors: its call is recorded
+  instead (:func:`..kernels.fbgemm.run_backward`);
+* counts the id-range checks instead of running them: they read values
+  (:func:`..kernels.ops.check_ids_on_device`).
 
 For every layout one rank can hold (its blocks in storages of their own, or all in one storage, as
 TorchRec's fused buffer) and for tables of different shapes sharing one storage, every op: the argument
 lists fbgemm's CUDA functions receive (the weights as 5 tensors, optimizer state as 4, the tables'
 element offsets, placements ``DEVICE``, dtypes), and that no CPU tensor reaches them but the learning
 rate (a CPU scalar by fbgemm's design). Tables whose rows fbgemm's kernels cannot read (dims not a
-multiple of 4) take torch's ops; a fused update with weight decay is refused.
+multiple of 4) take torch's ops; a fused update with weight decay is refused. The limits of fbgemm's CUDA
+kernels one by one, and the ids check the kernel calls of a lookup skip: ``test_fake_cuda_limits.py``, in a
+process of its own run by :func:`subprocess_results`.
 """
 
 from __future__ import annotations
@@ -100,6 +106,7 @@ class Recorder:
     values: dict[int, list[float]] = field(default_factory=dict)  # id(fake tensor) -> its values, when known
     keep: list[torch.Tensor] = field(default_factory=list)  # keeps the tensors of ``values`` alive (ids)
     kernel_args: list[dict[str, Any]] = field(default_factory=list)  # what fbgemm's forward kernels received
+    id_checks: list[str] = field(default_factory=list)  # the ops whose id-range check ran (on the device)
 
     def value(self, t: torch.Tensor) -> list[float]:
         assert id(t) in self.values, f"no known values for {t.dtype} {tuple(t.shape)} on {t.device}"
@@ -154,9 +161,29 @@ def _recording_mode(rec: Recorder) -> Any:
     return FakeCuda()
 
 
+INT32_MAX = 2**31 - 1
+
+
+def fbgemm_refuses(total_D: int, max_D: int, indices: torch.Tensor, offsets: torch.Tensor,
+                   indice_weights: torch.Tensor | None) -> None:
+    """What fbgemm_gpu 1.8's CUDA forward and backward refuse, as they check it (written here from its
+    sources, not from this package's): its meta kernels' ``TORCH_SYM_CHECK(total_D.sym_gt(0))``,
+    ``TORCH_SYM_CHECK((total_D % 4).sym_eq(0))``, ``TORCH_SYM_CHECK(max_D.sym_le(2048))``; its 32-bit
+    accessors' "numel needs to be smaller than int32_t max" (``PTA_B(indices, index_t, 1, 32)``, offsets
+    alike); its kernels read the ids, boundaries and per-sample weights through ``data_ptr`` (flat)."""
+    assert total_D > 0 and total_D % 4 == 0, f"fbgemm refuses total_D = {total_D}"
+    assert max_D <= 2048, f"fbgemm refuses max_D = {max_D}"
+    assert indices.numel() <= INT32_MAX and offsets.numel() <= INT32_MAX, "fbgemm's 32-bit accessors refuse"
+    assert indices.dtype == offsets.dtype and indices.dtype in (torch.int32, torch.int64), "index dtypes"
+    flat = {"indices": indices, "offsets": offsets, "indice_weights": indice_weights}
+    strided = [k for k, v in flat.items() if v is not None and not v.is_contiguous()]
+    assert not strided, f"fbgemm reads {strided} as flat arrays: given strided"
+
+
 def _register_kernel_fakes(rec: Recorder) -> None:
     """Fakes for fbgemm's forward kernels (and its dense lookup function), which the CPU build has none of:
-    each records what it got and checks that its tensors are on the device."""
+    each records what it got, checks that its tensors are on the device and refuses what fbgemm refuses
+    (:func:`fbgemm_refuses`)."""
 
     def forward(host_weights, dev_weights, uvm_weights, lxu_cache_weights, weights_placements, weights_offsets,
                 D_offsets, total_D, max_D, hash_size_cumsum, indices, offsets, pooling_mode, indice_weights,
@@ -167,6 +194,7 @@ def _register_kernel_fakes(rec: Recorder) -> None:
         assert dev_weights.numel() > 0, "no device weights"
         on = {k: str(v.device) for k, v in got.items() if isinstance(v, torch.Tensor)}
         assert set(on.values()) == {DEV}, f"fbgemm's forward kernel got tensors off {DEV}: {on}"
+        fbgemm_refuses(total_D, max_D, indices, offsets, indice_weights)
         tables = weights_offsets.numel()
         return dev_weights.new_empty((offsets.numel() - 1) // tables, total_D)
 
@@ -181,6 +209,7 @@ def _register_kernel_fakes(rec: Recorder) -> None:
         got = {k: v for k, v in locals().items() if isinstance(v, torch.Tensor)}
         on = {k: str(v.device) for k, v in got.items()}
         assert set(on.values()) == {DEV}, f"fbgemm's dense lookup got tensors off {DEV}: {on}"
+        fbgemm_refuses(total_D, max_D, indices, offsets, indice_weights)
         return dev_weights.new_empty((offsets.numel() - 1) // weights_offsets.numel(), total_D)
 
 
@@ -194,7 +223,11 @@ def _fake_cuda(rec: Recorder) -> Iterator[None]:
     fake_tensor.CONSTANT_NUMEL_LIMIT = 0
 
     fbgemm.cuda_available = lambda: True  # what fbgemm's CUDA build answers
-    ops.check_ids_on_device = lambda *args: None  # it reads values: fake tensors have none
+
+    def check_ids_on_device(op: str, *args: Any) -> None:  # it reads values: fake tensors have none
+        rec.id_checks.append(op)
+
+    ops.check_ids_on_device = check_ids_on_device
     forward = fbgemm.run_forward
 
     def backward(op: Callable[..., torch.Tensor], kwargs: dict[str, Any], grad: torch.Tensor,
@@ -244,7 +277,9 @@ def _check_lookup(rec: Recorder, call: Call, t: Tables, *, kind: str, psw: torch
     assert rec.value(a["hash_size_cumsum"]) == list(itertools.accumulate(t.rows, initial=0))
     assert (a["total_D"], a["max_D"]) == (sum(t.dims), max(t.dims))
     assert a["total_hash_size_bits"] == max(sum(t.rows).bit_length(), 1)
-    assert a["indices"] is ids and a["offsets"] is offsets and a["indice_weights"] is psw
+    given(a["indices"], ids)
+    given(a["offsets"], offsets)
+    given(a["indice_weights"], psw)
     assert a["pooling_mode"] == 0 and a["output_dtype"] == 0
     assert a["aux_tensor"][3].dtype == torch.int32 and a["aux_tensor"][3].numel() == 0, "lxu_cache_locations"
     assert a["aux_int"][0] == step, f"iter {a['aux_int'][0]} != step {step}"
@@ -260,13 +295,22 @@ def _check_lookup(rec: Recorder, call: Call, t: Tables, *, kind: str, psw: torch
     _no_cpu_tensor(call)
 
 
+def given(got: torch.Tensor | None, passed: torch.Tensor | None) -> None:
+    """What reached fbgemm for a tensor of the batch: the caller's own when contiguous, else a contiguous copy
+    of its shape."""
+    if passed is None or passed.is_contiguous():
+        assert got is passed, "not the caller's tensor"
+    else:
+        assert got is not None and got.is_contiguous() and got.shape == passed.shape, "not a contiguous copy"
+
+
 def _no_cpu_tensor(call: Call) -> None:
     off = [(k, str(x.device)) for k, v in call.args.items() if k != "learning_rate_tensor" for x in _tensors(v)
            if str(x.device) != DEV]
     assert not off, f"{call.op}: tensors off {DEV}: {off}"
 
 
-def _one_call(rec: Recorder, run: Callable[[], object], *, backward: bool = False) -> Call:
+def one_call(rec: Recorder, run: Callable[[], object], *, backward: bool = False) -> Call:
     """The one fbgemm lookup function ``run`` calls (and its forward kernel run, for pooling)."""
     before, kernels, back = len(rec.calls), len(rec.kernel_args), len(rec.backward)
     run()
@@ -286,16 +330,17 @@ def _check_tables(rec: Recorder, t: Tables) -> None:
     ids, offsets = _batch(t.rows)
     n, width = ids.numel(), sum(t.dims)
     for psw in (None, torch.empty(n, device=DEV)):
-        call = _one_call(rec, lambda: torch.ops.tdb.pool_sum(t.storage, t.at, t.dims, t.rows, ids, offsets, psw))
+        call = one_call(rec, lambda: torch.ops.tdb.pool_sum(t.storage, t.at, t.dims, t.rows, ids, offsets, psw))
         _check_lookup(rec, call, t, kind="sgd", psw=psw, ids=ids, offsets=offsets, states=[])
     grad = torch.empty(BAGS, width, device=DEV)
-    call = _one_call(rec, lambda: torch.ops.tdb.pool_sum_backward(grad, t.dims, t.rows, ids, offsets, None),
+    call = one_call(rec, lambda: torch.ops.tdb.pool_sum_backward(grad, t.dims, t.rows, ids, offsets, None),
                      backward=True)
     a = call.args
     assert call.op == "dense_embedding_codegen_lookup_function"
     packed = list(itertools.accumulate([r * d for r, d in zip(t.rows, t.dims)], initial=0))
     assert rec.value(a["weights_offsets"]) == packed[:-1] and a["dev_weights"].numel() == packed[-1]
-    assert a["indices"] is ids and a["offsets"] is offsets
+    given(a["indices"], ids)
+    given(a["offsets"], offsets)
     _no_cpu_tensor(call)
     for kind in KINDS:
         per_row = kind == "rowwise_adagrad"
@@ -310,7 +355,7 @@ def _check_tables(rec: Recorder, t: Tables) -> None:
             torch.ops.tdb.sparse_update(t.storage, t.at, t.dims, t.rows, g, ids, offsets, None, k, m1[0], m1[1],
                                         m2[0], m2[1], 0.1, 1e-8, wd, 0, 0.9, 0.999, step)
 
-        call = _one_call(rec, update, backward=True)
+        call = one_call(rec, update, backward=True)
         _check_lookup(rec, call, t, kind=kind, psw=None, ids=ids, offsets=offsets, states=states,
                       step=step if kind == "adam" else 0)
         before = len(rec.calls)
@@ -333,20 +378,21 @@ def _case(rec: Recorder, case: str) -> None:
         _check_tables(rec, t)
 
 
-def _check_unaligned_tables_take_torch(rec: Recorder) -> None:
-    """Columns fbgemm's CUDA kernels cannot read (a dim of 6): pooling and the dense gradient on torch's ops
-    (which read values: only the choice is run here), a fused update refused; the lookups do not send such
-    shards to the ops (``kernels.accepts``)."""
+@contextmanager
+def choices() -> Iterator[list[str]]:
+    """The implementation every pooling and dense-gradient op call chose, by name, in call order; torch's (which
+    reads values) stands in by an empty output of its shape and device."""
     from torchrec_dtensor_bridge import kernels
     from torchrec_dtensor_bridge.kernels import ops
 
     chosen: list[str] = []
     pool, dense = ops.run_pool_sum, ops.run_dense_grad
 
-    def pool_sum(which: kernels.Impl, tables: kernels.Tables, *rest: Any) -> Any:
+    def pool_sum(which: kernels.Impl, tables: kernels.Tables, batch: kernels.Batch) -> Any:
         chosen.append(which.name)
-        return tables.storage.new_empty(BAGS, sum(tables.dims)) if which is kernels.Impl.TORCH else pool(
-            which, tables, *rest)
+        if which is not kernels.Impl.TORCH:
+            return pool(which, tables, batch)
+        return tables.storage.new_empty((batch.offsets.numel() - 1) // len(tables.dims), sum(tables.dims))
 
     def dense_grad(which: kernels.Impl, grad: torch.Tensor, dims: list[int], rows: list[int], *rest: Any) -> Any:
         chosen.append(which.name)
@@ -355,6 +401,18 @@ def _check_unaligned_tables_take_torch(rec: Recorder) -> None:
 
     ops.run_pool_sum, ops.run_dense_grad = pool_sum, dense_grad  # type: ignore[assignment]
     try:
+        yield chosen
+    finally:
+        ops.run_pool_sum, ops.run_dense_grad = pool, dense  # type: ignore[assignment]
+
+
+def _check_unaligned_tables_take_torch(rec: Recorder) -> None:
+    """Columns fbgemm's CUDA kernels cannot read (a dim of 6): pooling and the dense gradient on torch's ops
+    (which read values: only the choice is run here), a fused update refused; the lookups do not send such
+    shards to the ops (``kernels.accepts``)."""
+    from torchrec_dtensor_bridge import kernels
+
+    with choices() as chosen:
         t = Tables(torch.empty(200, device=DEV), [4, 4 + 60 + 4], [6, 4], [10, 12])
         ids, offsets = _batch(t.rows)
         before = len(rec.calls)
@@ -374,41 +432,50 @@ def _check_unaligned_tables_take_torch(rec: Recorder) -> None:
         aligned = Tables(t.storage, [4, 4 + 40 + 4], [4, 4], [10, 12])
         torch.ops.tdb.pool_sum(aligned.storage, aligned.at, aligned.dims, aligned.rows, ids, offsets, None)
         assert chosen[-1] == "FBGEMM", chosen
-    finally:
-        ops.run_pool_sum, ops.run_dense_grad = pool, dense  # type: ignore[assignment]
     assert not kernels.accepts(torch.empty(10, 6, device=DEV)) and kernels.accepts(torch.empty(10, 8, device=DEV))
     assert not kernels.accepts(torch.empty(50, device=DEV).as_strided((4, 8), (8, 1), 2)), "a misaligned start"
     assert kernels.pool_impl(torch.device(DEV)) is kernels.Impl.FBGEMM
 
 
-def main() -> None:
+def run_checks(checks: dict[str, Callable[[Recorder], None]]) -> None:
+    """Every check, each over fake CUDA tensors with one :class:`Recorder`; prints each one's failure (``None``:
+    passed) for :func:`subprocess_results`."""
     rec = Recorder()
     results: dict[str, str | None] = {}
-    checks = {case: (lambda c=case: _case(rec, c)) for case in CASES}
-    checks["unaligned"] = lambda: _check_unaligned_tables_take_torch(rec)
     with _fake_cuda(rec):
         for name, check in checks.items():
             try:
-                check()
+                check(rec)
                 results[name] = None
-            except Exception as e:  # noqa: BLE001 - reported per case to the test process
+            except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 - reported per case to the test process
                 frames = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)[-8:]))
                 results[name] = f"{frames}{type(e).__name__}: {str(e)[:1500]}"
     print(MARK + json.dumps(results))
 
 
+def main() -> None:
+    checks: dict[str, Callable[[Recorder], None]] = {case: (lambda rec, c=case: _case(rec, c)) for case in CASES}
+    checks["unaligned"] = _check_unaligned_tables_take_torch
+    run_checks(checks)
+
+
 # --- the tests -----------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, str | None]:
+def subprocess_results(module: str) -> dict[str, str | None]:
+    """Runs ``python -m module`` (whose ``main`` calls :func:`run_checks`) and returns its checks' results."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", "tests.unit.test_fake_cuda"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", module], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
     assert proc.returncode == 0 and lines, (
         f"the fake-CUDA process failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(lines[-1][len(MARK):])
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, str | None]:
+    return subprocess_results("tests.unit.test_fake_cuda")
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -6,7 +6,8 @@ them once into these records, checks them once, and passes them to the implement
 * :class:`Tables`: several tables in ONE flat fp32 storage (fbgemm's form), table ``t``'s ``rows[t] x
   dims[t]`` rows, row-major, at element ``offsets[t]``;
 * :class:`Batch`: one batch of ``B`` bags per table: the ids of all tables back to back, ``T * B + 1``
-  bag boundaries (table-major, positions in the ids), and the per-sample weights;
+  bag boundaries (table-major, positions in the ids), the per-sample weights, and whether the caller
+  already checked the ids (then the ops do not check them again: on CUDA, a device synchronisation);
 * :class:`State`: a fused optimizer's state buffers (each table's state at its element offset, one value
   per row or one per element as the kind's states say) and the step count;
 * the hyper-parameters, the kind among them: :class:`...optim_kinds.Hyper`.
@@ -54,18 +55,22 @@ class Batch:
         ids: int64, every table's ids back to back.
         offsets: int64, ``T * B + 1`` bag boundaries (positions in ``ids``), table-major.
         per_sample_weights: fp32, one per id, or ``None``.
+        ids_checked: the caller has checked the ids and offsets (every id inside its table's rows, the
+            boundaries in order), so the ops do not check them again (:mod:`.calls`, whose callers, the
+            lookups, check them at their API edge); ``False`` for any other caller.
     """
 
     ids: torch.Tensor
     offsets: torch.Tensor
     per_sample_weights: torch.Tensor | None = None
+    ids_checked: bool = False
 
     def table(self, t: int, bags: int) -> Batch:
         """Table ``t``'s bags alone: its ids, its ``bags + 1`` boundaries counted from its first id, its weights."""
         cut = self.offsets[t * bags : (t + 1) * bags + 1]
         lo, hi = int(cut[0]), int(cut[-1])
         psw = self.per_sample_weights
-        return Batch(self.ids[lo:hi], cut - lo, None if psw is None else psw[lo:hi])
+        return Batch(self.ids[lo:hi], cut - lo, None if psw is None else psw[lo:hi], self.ids_checked)
 
 
 @dataclass(frozen=True)

@@ -6,17 +6,27 @@ tables as element offsets into one flat storage, so the requests whose shards sh
 up, and updated, together. A request holds tensors, an optimizer's hyper-parameters (its kind a record of
 :mod:`...optim_kinds`) and numbers: nothing of the caller's plans.
 
+A request's ids must lie inside its shard's rows and its offsets run forward within its ids: the lookups
+check their batches at their API edge (:class:`...lookup.arguments.ValueCheck`) and select each shard's
+local ids from them, so these calls tell the ops that the ids are checked (``ids_checked``) and the ops do
+not check them again (on CUDA, a device synchronisation per op and storage). A direct caller of
+``torch.ops.tdb`` keeps the ops' own check.
+
 1. :func:`accepts` - whether a shard can go through the ops at all (fp32, 2-D, contiguous, on CPU, or on CUDA
-   with fbgemm's CUDA build and rows its kernels can read).
-2. :func:`pool` - :class:`Pooling` requests whose shard the ops accept and that sum are grouped by storage
-   (and batch size, and whether they carry per-sample weights); each group is ONE ``tdb::pool_sum`` over a
-   flat view of the storage spanning its shards (no copy), and each request's output is its columns of the
-   result. MAX pooling, other dtypes and strided shards run ``torch.embedding_bag`` on the shard itself
-   (fbgemm has no MAX; max keeps its arg-max rows for backward).
+   with fbgemm's CUDA build and rows its kernels can read: 16-byte aligned, at most
+   :data:`.limits.MAX_D` columns).
+2. :func:`pool` - :class:`Pooling` requests whose shard the ops accept, with int64 ids and offsets, and that
+   sum are grouped by storage (and batch size, and whether they carry per-sample weights); each group is
+   ONE ``tdb::pool_sum`` over a flat view of the storage spanning its shards (no copy), and each request's
+   output is its columns of the result. MAX pooling, other dtypes and strided shards run
+   ``torch.embedding_bag`` on the shard itself (fbgemm has no MAX; max keeps its arg-max rows for backward).
 3. :func:`weight_grad` - the dense gradient of one request's shard (``tdb::pool_sum_backward``; scattered by
    the arg-max rows for max).
 4. :func:`update` - :class:`Update` requests (each one a shard :func:`update_supported` accepts) are grouped
    by weight storage, state storage, hyper-parameters and step; each group is ONE ``tdb::sparse_update``.
+
+On CUDA, a group whose batches together break a limit of fbgemm's kernels that each meets alone (ids or bag
+boundaries past int32, :func:`.limits.batch_misfit`) makes one call per shard instead.
 
 Example::
 
@@ -25,23 +35,45 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from ..optim_kinds import Hyper
-from . import choose, fbgemm
+from . import choose, fbgemm, limits, native
+from .args import Batch, Tables
 from .reference import add_bag_grads
 
 __all__ = ["Pooling", "Update", "accepts", "pool", "update", "update_supported", "weight_grad"]
 
 
+_Member = TypeVar("_Member")
+
+
 def accepts(shard: torch.Tensor) -> bool:
     """Whether ``shard`` can be looked up and updated through the ops (whatever runs underneath): on CUDA,
-    only where fbgemm's CUDA kernels can read its rows (:func:`.fbgemm.fits`: 16-byte aligned)."""
+    only where fbgemm's CUDA kernels can take it whatever the batch (:func:`.limits.fits`: 16-byte aligned
+    rows of 1 to :data:`.limits.MAX_D` columns)."""
     return (shard.dtype == torch.float32 and shard.dim() == 2 and shard.is_contiguous()
             and (shard.device.type == "cpu" or (shard.device.type == "cuda" and fbgemm.cuda_available()
-                                                 and fbgemm.fits(shard, [0], [shard.shape[1]]))))
+                                                 and limits.fits(shard, [0], [shard.shape[1]]))))
+
+
+def _int64(ids: torch.Tensor, offsets: torch.Tensor) -> bool:
+    """The ops take int64 ids and offsets (fbgemm's kernels, one index dtype for both)."""
+    return ids.dtype == torch.int64 and offsets.dtype == torch.int64
+
+
+def _calls(members: list[_Member], ids: Callable[[_Member], int], bags: int, device: torch.device,
+           ) -> list[list[_Member]]:
+    """The kernel calls of one group: all its members in one, or, on CUDA where together their batches
+    (``bags`` bags each, ``ids(member)`` ids) break a limit of fbgemm's kernels, one call per member."""
+    if device.type != "cuda" or len(members) == 1 or limits.batch_misfit(
+            len(members), bags, sum(ids(m) for m in members)) is None:
+        return [members]
+    return [[m] for m in members]
 
 
 @dataclass(frozen=True)
@@ -76,9 +108,9 @@ def _batch(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
     if len(parts) == 1:
         return parts[0]
     ids = torch.cat([p[0] for p in parts])
-    pieces, at = [parts[0][1][:1]], 0
+    pieces, at = [parts[0][1].narrow(0, 0, 1)], 0
     for p in parts:
-        pieces.append(p[1][1:] + at)
+        pieces.append(p[1].narrow(0, 1, p[1].numel() - 1) + at)
         at += p[0].numel()
     psw = None if parts[0][2] is None else torch.cat([p[2] for p in parts if p[2] is not None])
     return ids, torch.cat(pieces), psw
@@ -95,25 +127,33 @@ def pool(requests: list[Pooling]) -> list[tuple[torch.Tensor, torch.Tensor | Non
     groups: dict[tuple, list[int]] = {}
     with torch.no_grad():
         for k, r in enumerate(requests):
-            if r.max_mode or not accepts(r.shard):
+            if r.max_mode or not accepts(r.shard) or not _int64(r.ids, r.offsets):
                 res, _, _, argmax = torch.embedding_bag(r.shard, r.ids, r.offsets, False, 2 if r.max_mode else 0,
                                                         False, r.weights, True)
                 out[k] = (res, argmax if r.max_mode else None)
                 continue
             key = (*_home(r.shard), r.offsets.numel(), r.weights is not None)
             groups.setdefault(key, []).append(k)
-        for members in groups.values():
-            shards = [requests[k].shard for k in members]
-            flat, at = _flat(shards)
-            ids, offsets, psw = _batch([(requests[k].ids, requests[k].offsets, requests[k].weights)
-                                        for k in members])
-            res = torch.ops.tdb.pool_sum(flat, at, [s.shape[1] for s in shards], [s.shape[0] for s in shards],
-                                         ids, offsets, None if psw is None else psw.to(torch.float32))
-            c0 = 0
-            for k, s in zip(members, shards):
-                out[k] = (res if len(members) == 1 else res[:, c0 : c0 + s.shape[1]], None)
-                c0 += s.shape[1]
+        for group in groups.values():
+            first = requests[group[0]]
+            for members in _calls(group, lambda k: requests[k].ids.numel(), first.offsets.numel() - 1,
+                                  first.shard.device):
+                _pool_call([requests[k] for k in members], members, out)
     return [o for o in out if o is not None]
+
+
+def _pool_call(requests: list[Pooling], at_out: list[int],
+               out: list[tuple[torch.Tensor, torch.Tensor | None] | None]) -> None:
+    """ONE ``tdb::pool_sum`` for ``requests`` (shards of one storage); each one's output at its place in ``out``."""
+    shards = [r.shard for r in requests]
+    flat, at = _flat(shards)
+    ids, offsets, psw = _batch([(r.ids, r.offsets, r.weights) for r in requests])
+    res = torch.ops.tdb.pool_sum(flat, at, [s.shape[1] for s in shards], [s.shape[0] for s in shards], ids, offsets,
+                                 None if psw is None else psw.to(torch.float32), ids_checked=True)
+    c0 = 0
+    for k, s in zip(at_out, shards):
+        out[k] = (res if len(requests) == 1 else res.narrow(1, c0, s.shape[1]), None)
+        c0 += s.shape[1]
 
 
 def weight_grad(grad: torch.Tensor, r: Pooling, argmax: torch.Tensor | None = None) -> torch.Tensor:
@@ -121,12 +161,13 @@ def weight_grad(grad: torch.Tensor, r: Pooling, argmax: torch.Tensor | None = No
     and ``grad`` already masked to the entries that count)."""
     if argmax is not None:
         return torch.zeros_like(r.shard).scatter_add_(0, argmax.clamp(min=0), grad.to(r.shard.dtype))
-    if not accepts(r.shard):
+    if not accepts(r.shard) or not _int64(r.ids, r.offsets):
         return add_bag_grads(torch.zeros_like(r.shard), grad, r.ids, r.offsets, r.weights)
     grad = grad.to(torch.float32)
     grad = grad if grad.stride(-1) == 1 else grad.contiguous()
     psw = None if r.weights is None else r.weights.to(torch.float32)
-    flat = torch.ops.tdb.pool_sum_backward(grad, [r.shard.shape[1]], [r.shard.shape[0]], r.ids, r.offsets, psw)
+    flat = torch.ops.tdb.pool_sum_backward(grad, [r.shard.shape[1]], [r.shard.shape[0]], r.ids, r.offsets, psw,
+                                           ids_checked=True)
     return flat.view(r.shard.shape)
 
 
@@ -156,12 +197,30 @@ class Update:
     step: int
 
 
-def update_supported(shard: torch.Tensor, hyper: Hyper, weights: torch.Tensor | None = None) -> bool:
+_NO_IDS = torch.empty(0, dtype=torch.int64)
+
+
+def update_supported(shard: torch.Tensor, hyper: Hyper, weights: torch.Tensor | None = None, *,
+                     ids: torch.Tensor | None = None, offsets: torch.Tensor | None = None) -> bool:
     """Whether :func:`update` can update ``shard`` with ``hyper`` (and per-sample ``weights``): a shard the ops
-    accept, fp32 weights, and a kind a kernel the ranks settled on has (:func:`.choose.update_impl`)."""
+    accept, fp32 weights, a kind a kernel the ranks settled on has (:func:`.choose.update_impl`), and a shard
+    within that kernel's limits (ours: :func:`.native.fits`; fbgemm's on CUDA: :func:`.limits.misfit`); with
+    the update's ``ids`` and ``offsets``, a batch within them too. ``False`` sends the shard to the
+    optimizer's torch-op math, before anything runs."""
     if not accepts(shard) or (weights is not None and weights.dtype != torch.float32):
         return False
-    return choose.update_impl(shard.device, hyper.kind, hyper.weight_decay) is not choose.Impl.TORCH
+    if ids is not None and offsets is not None and not _int64(ids, offsets):
+        return False
+    which = choose.update_impl(shard.device, hyper.kind, hyper.weight_decay)
+    if which is choose.Impl.TORCH:
+        return False
+    n = 0 if ids is None else ids.numel()
+    if shard.device.type == "cuda":
+        return limits.batch_misfit(1, 0 if offsets is None else offsets.numel() - 1, n) is None
+    if which is choose.Impl.NATIVE:
+        width, rows = shard.shape[1], shard.shape[0]
+        return native.fits(Tables(shard, [0], [width], [rows]), Batch(_NO_IDS if ids is None else ids, _NO_IDS))
+    return True
 
 
 def _columns(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -189,22 +248,29 @@ def update(updates: list[Update]) -> None:
         key = (*_home(u.shard), u.hyper, u.step, u.offsets.numel(), u.weights is not None,
                *(_home(s) for s in u.state))
         groups.setdefault(key, []).append(u)
-    for members in groups.values():
-        shards = [u.shard.detach() for u in members]
-        flat, at = _flat(shards)
-        first = members[0]
-        m1: torch.Tensor | None = None
-        m2: torch.Tensor | None = None
-        m1_at: list[int] = []
-        m2_at: list[int] = []
-        if len(first.state) > 0:
-            m1, m1_at = _flat([u.state[0] for u in members])
-        if len(first.state) > 1:
-            m2, m2_at = _flat([u.state[1] for u in members])
-        ids, offsets, psw = _batch([(u.ids, u.offsets, u.weights) for u in members])
-        hyper = first.hyper
-        torch.ops.tdb.sparse_update(
-            flat, at, [s.shape[1] for s in shards], [s.shape[0] for s in shards], _columns([u.grad for u in members]),
-            ids, offsets, psw, hyper.kind.name, m1, m1_at, m2, m2_at, hyper.lr, hyper.eps, hyper.weight_decay,
-            hyper.weight_decay_mode.value, hyper.beta1, hyper.beta2, first.step,
-        )
+    for group in groups.values():
+        u0 = group[0]
+        for members in _calls(group, lambda u: u.ids.numel(), u0.offsets.numel() - 1, u0.shard.device):
+            _update_call(members)
+
+
+def _update_call(members: list[Update]) -> None:
+    """ONE ``tdb::sparse_update`` for ``members`` (shards of one storage, their states of one storage each)."""
+    shards = [u.shard.detach() for u in members]
+    flat, at = _flat(shards)
+    first = members[0]
+    m1: torch.Tensor | None = None
+    m2: torch.Tensor | None = None
+    m1_at: list[int] = []
+    m2_at: list[int] = []
+    if len(first.state) > 0:
+        m1, m1_at = _flat([u.state[0] for u in members])
+    if len(first.state) > 1:
+        m2, m2_at = _flat([u.state[1] for u in members])
+    ids, offsets, psw = _batch([(u.ids, u.offsets, u.weights) for u in members])
+    hyper = first.hyper
+    torch.ops.tdb.sparse_update(
+        flat, at, [s.shape[1] for s in shards], [s.shape[0] for s in shards], _columns([u.grad for u in members]),
+        ids, offsets, psw, hyper.kind.name, m1, m1_at, m2, m2_at, hyper.lr, hyper.eps, hyper.weight_decay,
+        hyper.weight_decay_mode.value, hyper.beta1, hyper.beta2, first.step, ids_checked=True,
+    )

@@ -41,7 +41,9 @@ Steps of a call (:func:`pool_sum`, :func:`dense_grad`, :func:`update`: the recor
 
 Tensors built here are cached per device: build them outside any ``FakeTensorMode`` (under
 one, the kernel ops' fakes stand in for the implementations and nothing here runs). The caller
-(:mod:`.ops`) has checked shapes, dtypes, devices and alignment (:func:`fits`).
+(:mod:`.ops`) has checked shapes, dtypes and devices, and that the call is within the limits of fbgemm's
+CUDA kernels (:func:`.limits.misfit`); the ids, bag boundaries and per-sample weights are handed over contiguous
+(:func:`flat_batch`: fbgemm's CUDA kernels read them as flat arrays).
 """
 
 from __future__ import annotations
@@ -59,19 +61,15 @@ from ..optim_kinds import ADAGRAD, ADAM, ROWWISE_ADAGRAD, SGD, Hyper, OptimKind
 from .args import Batch, State, Tables
 
 __all__ = [
-    "TableArgs", "available", "constant", "cuda_available", "dense_grad", "fits", "lookup_args",
-    "lookup_dense_grad", "lookup_forward", "lookup_update", "optimizer_args", "pool_sum", "run_backward",
-    "run_forward", "state_list", "table_args", "update", "weights_list",
+    "TableArgs", "available", "constant", "cuda_available", "dense_grad", "flat_batch", "lookup_args",
+    "lookup_dense_grad", "lookup_forward", "lookup_update", "optimizer_args", "pool_sum", "run_backward", "run_forward", "state_list", "table_args", "update",
+    "weights_list",
 ]
 
 POOL_SUM = 0  # fbgemm_gpu PoolingMode.SUM
 OUTPUT_FP32 = 0  # fbgemm_gpu SparseType.FP32.as_int()
 HOST = 3  # fbgemm_gpu EmbeddingLocation.HOST
 DEVICE = 0  # fbgemm_gpu EmbeddingLocation.DEVICE
-ALIGN = 4
-"""fbgemm's CUDA kernels read fp32 rows four at a time: dims, element offsets and (in bytes) 4 x this."""
-
-
 @functools.lru_cache(maxsize=1)
 def _module() -> ModuleType | None:
     try:
@@ -97,11 +95,22 @@ def cuda_available() -> bool:
     return _module() is not None and hasattr(torch.ops.fbgemm, "split_embedding_codegen_forward_unweighted_cuda")
 
 
-def fits(weights: torch.Tensor, offsets: Sequence[int], dims: Sequence[int]) -> bool:
-    """Whether fbgemm's CUDA kernels can read the tables of ``weights`` at element ``offsets`` with ``dims``
-    columns: 16-byte aligned rows (dims and offsets multiples of :data:`ALIGN`, an aligned start)."""
-    return (weights.data_ptr() % (4 * ALIGN) == 0 and all(o % ALIGN == 0 for o in offsets)
-            and all(d % ALIGN == 0 for d in dims))
+def flat_batch(batch: Batch) -> Batch:
+    """``batch`` with its ids, bag boundaries and per-sample weights contiguous (``batch`` itself when they are):
+    fbgemm's CUDA kernels read them through ``data_ptr``, as flat arrays, whatever their strides (its weighted
+    backward sorts ``indice_weights.data_ptr()`` by row; its forward for tables wider than 1024 columns reads
+    the ids, boundaries and weights so)."""
+    psw = batch.per_sample_weights
+    if batch.ids.is_contiguous() and batch.offsets.is_contiguous() and (psw is None or psw.is_contiguous()):
+        return batch
+    return Batch(_contiguous(batch.ids), _contiguous(batch.offsets), None if psw is None else _contiguous(psw),
+                 batch.ids_checked)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()``, as a ``clone``: the same copy, and one FakeTensor also traces for a device this build
+    of torch has no runtime for."""
+    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
 
 
 @dataclass(frozen=True)
@@ -187,6 +196,7 @@ def _infos(tables: int) -> tuple[int, int]:
 
 def pool_sum(tables: Tables, batch: Batch) -> torch.Tensor:
     """``(bags, total_d)``: every table's bag sums side by side (fbgemm's forward, one call)."""
+    batch = flat_batch(batch)
     args = table_args(tuple(tables.offsets), tuple(tables.dims), tuple(tables.rows), tables.storage.device)
     if not args.on_host:
         return lookup_forward(tables.storage, args, batch)
@@ -198,6 +208,7 @@ def pool_sum(tables: Tables, batch: Batch) -> torch.Tensor:
 
 def dense_grad(grad: torch.Tensor, dims: Sequence[int], rows: Sequence[int], batch: Batch) -> torch.Tensor:
     """Every table's dense weight gradient, back to back (table ``t``'s ``rows[t] x dims[t]``)."""
+    batch = flat_batch(batch)
     packed = list(itertools.accumulate([r * d for r, d in zip(rows, dims)], initial=0))
     args = table_args(tuple(packed[:-1]), tuple(dims), tuple(rows), grad.device)
     if not args.on_host:
@@ -212,6 +223,7 @@ def dense_grad(grad: torch.Tensor, dims: Sequence[int], rows: Sequence[int], bat
 def update(tables: Tables, batch: Batch, grad: torch.Tensor, state: State, hyper: Hyper) -> None:
     """The fused update of every table, in place, with ``hyper.kind`` (whose record says ``fbgemm_cpu`` on CPU,
     ``fbgemm_cuda`` on CUDA). ``grad``: ``(bags, total_d)`` with unit column stride (rows may be strided)."""
+    batch = flat_batch(batch)
     device = tables.storage.device
     args = table_args(tuple(tables.offsets), tuple(tables.dims), tuple(tables.rows), device)
     if not args.on_host:
@@ -273,6 +285,7 @@ def lookup_args(weights: torch.Tensor, args: TableArgs, batch: Batch, placeholde
                 lr: float = 0.0, step: int = 0) -> dict[str, Any]:
     """The keyword arguments every ``split_embedding_codegen_lookup_*_function_pt2`` takes (``step``: the
     optimizer's iteration, read by Adam's bias correction)."""
+    batch = flat_batch(batch)
     tables = args.weights_offsets.numel()
     bits, mask = _infos(tables)
     bags = (batch.offsets.numel() - 1) // tables
@@ -352,6 +365,7 @@ def run_backward(op: Callable[..., torch.Tensor], kwargs: dict[str, Any], grad: 
 
 def lookup_forward(weights: torch.Tensor, args: TableArgs, batch: Batch) -> torch.Tensor:
     """``(bags, total_d)`` through fbgemm's lookup function (no update: under ``no_grad``)."""
+    batch = flat_batch(batch)
     placeholder = torch.empty(0, dtype=torch.float32, device=weights.device)
     return run_forward(_lookup_function(SGD), lookup_args(weights, args, batch, placeholder))
 
@@ -359,6 +373,7 @@ def lookup_forward(weights: torch.Tensor, args: TableArgs, batch: Batch) -> torc
 def lookup_dense_grad(grad: torch.Tensor, packed: TableArgs, batch: Batch, numel: int) -> torch.Tensor:
     """Every table's dense weight gradient, back to back at ``packed``'s offsets, through fbgemm's dense
     lookup function and its backward (forward over a zero scratch of ``numel`` elements, then discarded)."""
+    batch = flat_batch(batch)
     scratch = torch.zeros(numel, dtype=torch.float32, device=grad.device, requires_grad=True)
     grad = grad.contiguous()  # rows back to back, as fbgemm's module hands its output gradients
     kwargs = {
@@ -376,6 +391,7 @@ def lookup_update(weights: torch.Tensor, args: TableArgs, batch: Batch, grad: to
                   hyper: Hyper) -> None:
     """The fused update of every table of one call through fbgemm's lookup function for ``hyper.kind``: its
     forward, then its backward from ``grad``, which updates the rows and state in place."""
+    batch = flat_batch(batch)
     placeholder = torch.zeros(0, dtype=torch.float32, device=weights.device, requires_grad=True)
     grad = grad.contiguous()  # rows back to back, as fbgemm's module hands its output gradients
     kwargs = lookup_args(weights, args, batch, placeholder, lr=hyper.lr, step=state.step)

@@ -1,14 +1,18 @@
 """The kernel layer's torch ops (``torch.ops.tdb``), each with a fake implementation.
 
-* ``tdb::pool_sum(weights, weights_offsets, dims, rows, ids, offsets, per_sample_weights) -> Tensor``:
-  the pooled SUM of every table of one storage, ``(B, sum(dims))``.
-* ``tdb::pool_sum_backward(grad, dims, rows, ids, offsets, per_sample_weights) -> Tensor``: the dense
-  weight gradients of that lookup, flat, back to back.
+* ``tdb::pool_sum(weights, weights_offsets, dims, rows, ids, offsets, per_sample_weights, ids_checked=False)
+  -> Tensor``: the pooled SUM of every table of one storage, ``(B, sum(dims))``.
+* ``tdb::pool_sum_backward(grad, dims, rows, ids, offsets, per_sample_weights, ids_checked=False) -> Tensor``:
+  the dense weight gradients of that lookup, flat, back to back.
 * ``tdb::sparse_update(weights!, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind,
   momentum1!, momentum1_offsets, momentum2!, momentum2_offsets, lr, eps, weight_decay, decay, beta1, beta2,
-  step) -> ()``: a fused optimizer's update of the touched rows of every table of one storage (and their
-  state), in place; ``kind`` a registered kind's name (:mod:`...optim_kinds`), ``decay`` a
+  step, ids_checked=False) -> ()``: a fused optimizer's update of the touched rows of every table of one
+  storage (and their state), in place; ``kind`` a registered kind's name (:mod:`...optim_kinds`), ``decay`` a
   ``WeightDecayMode`` value.
+
+``ids_checked=True`` says that the caller has checked the ids and offsets (:attr:`.args.Batch.ids_checked`):
+the op then skips its own id check, which on CUDA synchronises the device. :mod:`.calls` passes it (the
+lookups check their batches at their API edge); a direct caller leaves it ``False``.
 
 A custom op's schema takes flat tensors and scalars. Below it, Python passes the records of :mod:`.args`
 (tables, batch, state) and the hyper-parameters (:class:`...optim_kinds.Hyper`). Steps of a call:
@@ -16,13 +20,16 @@ A custom op's schema takes flat tensors and scalars. Below it, Python passes the
 1. The flat arguments are grouped into those records (:func:`_pool_args`, :func:`_grad_args`,
    :func:`_update_args`).
 2. They are checked, once, here, before any kernel runs: a ``ValueError`` names the argument and its values
-   (never an ``assert``; the implementations trust what passes). The ids are checked in one pass: on CPU in
-   this package's C code when it is built (:meth:`.native.NativeKernel.ids_valid`; when the C kernels run,
-   in their own pass), on CUDA on the device (one synchronisation).
+   (never an ``assert``; the implementations trust what passes). The ids are checked in one pass, unless the
+   caller checked them (``ids_checked``): on CPU in this package's C code when it is built
+   (:meth:`.native.NativeKernel.ids_valid`; when the C kernels run, in their own pass), on CUDA on the device
+   (one synchronisation).
 3. The implementation is :mod:`.choose`'s decision (remembered once the ranks of a lookup settled it), then
-   what the tables allow: fbgemm's CUDA kernels read 16-byte aligned rows only (:func:`.fbgemm.fits`), ours
-   tables of at most :data:`.native.MAX_DIM` columns (:func:`.native.fits`); pooling and the dense gradient
-   fall back to torch's ops (:mod:`.reference`) otherwise, an update refuses.
+   what the call allows: fbgemm's CUDA kernels take 16-byte aligned rows of at most 2048 columns and batches
+   whose ids and bag boundaries an int32 counts (:func:`.limits.misfit`), ours tables of at most
+   :data:`.native.MAX_DIM` columns (:func:`.native.fits`); pooling and the dense gradient fall back to
+   torch's ops (:mod:`.reference`) otherwise, an update refuses before anything runs (the lookups send such
+   shards to the torch-op math: :func:`.calls.update_supported`).
 4. It runs: :func:`run_pool_sum`, :func:`run_dense_grad`, :func:`run_sparse_update`.
 
 Each op has one implementation for the CPU and CUDA dispatch keys (the devices' differences are the
@@ -34,13 +41,14 @@ bumps the version counters of the tensors it wrote, as in-place ops do.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..optim_kinds import REGISTERED, Hyper, StateKind, WeightDecayMode, names
-from . import choose, fbgemm, native, reference
+from . import choose, fbgemm, limits, native, reference
 from .args import Batch, State, Tables
 from .choose import Impl
 
@@ -59,26 +67,28 @@ def _fail(op: str, name: str, got: object, want: str) -> ValueError:
 # --- step 1: the flat arguments grouped ------------------------------------------------------------------------
 
 def _pool_args(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], ids: Tensor,
-               offsets: Tensor, per_sample_weights: Tensor | None) -> tuple[Tables, Batch]:
-    return Tables(weights, weights_offsets, dims, rows), Batch(ids, offsets, per_sample_weights)
+               offsets: Tensor, per_sample_weights: Tensor | None, ids_checked: bool = False,
+               ) -> tuple[Tables, Batch]:
+    return Tables(weights, weights_offsets, dims, rows), Batch(ids, offsets, per_sample_weights, ids_checked)
 
 
 def _grad_args(grad: Tensor, dims: list[int], rows: list[int], ids: Tensor, offsets: Tensor,
-               per_sample_weights: Tensor | None) -> tuple[Tensor, list[int], list[int], Batch]:
-    return grad, dims, rows, Batch(ids, offsets, per_sample_weights)
+               per_sample_weights: Tensor | None, ids_checked: bool = False,
+               ) -> tuple[Tensor, list[int], list[int], Batch]:
+    return grad, dims, rows, Batch(ids, offsets, per_sample_weights, ids_checked)
 
 
 def _update_args(weights: Tensor, weights_offsets: list[int], dims: list[int], rows: list[int], grad: Tensor,
                  ids: Tensor, offsets: Tensor, per_sample_weights: Tensor | None, kind: str, momentum1: Tensor | None,
                  momentum1_offsets: list[int], momentum2: Tensor | None, momentum2_offsets: list[int], lr: float,
                  eps: float, weight_decay: float, decay: int, beta1: float, beta2: float, step: int,
-                 ) -> tuple[Tables, Batch, Tensor, State, Hyper]:
+                 ids_checked: bool = False) -> tuple[Tables, Batch, Tensor, State, Hyper]:
     found = REGISTERED.get(kind)
     if found is None:
         raise _fail("sparse_update", "kind", repr(kind), f"one of {names()}")
     if decay not in _DECAY_VALUES:
         raise _fail("sparse_update", "decay", decay, f"one of {sorted(_DECAY_VALUES)}")
-    return (Tables(weights, weights_offsets, dims, rows), Batch(ids, offsets, per_sample_weights), grad,
+    return (Tables(weights, weights_offsets, dims, rows), Batch(ids, offsets, per_sample_weights, ids_checked), grad,
             State(momentum1, momentum1_offsets, momentum2, momentum2_offsets, step),
             Hyper(found, lr, eps, weight_decay, WeightDecayMode(decay), beta1, beta2))
 
@@ -199,18 +209,21 @@ def _pool_sum(tables: Tables, batch: Batch) -> Tensor:
     _check_tables("pool_sum", tables)
     device = tables.storage.device
     b = _check_batch("pool_sum", len(tables.dims), batch, device)
-    on_cpu = device.type == "cpu"
-    if not on_cpu:
-        check_ids_on_device("pool_sum", batch.ids, batch.offsets, tables.rows, b)
-        if b == 0 or batch.ids.numel() == 0:
-            return tables.storage.new_zeros(b, sum(tables.dims))
+    on_cpu, width = device.type == "cpu", sum(tables.dims)
     which = choose.pool_impl(device)
     if (which is Impl.NATIVE and not native.fits(tables, batch)) or (
-            which is Impl.FBGEMM and not on_cpu and not fbgemm.fits(tables.storage, tables.offsets, tables.dims)):
+            which is Impl.FBGEMM and not on_cpu and _cuda_misfit(tables, batch, b) is not None):
         which = Impl.TORCH
-    if on_cpu and which is not Impl.NATIVE:  # ours checks the ids in its own pass
-        _check_ids("pool_sum", batch.ids, batch.offsets, tables.rows, b)
+    if not batch.ids_checked and not (which is Impl.NATIVE and width):  # ours checks the ids in its own pass
+        (_check_ids if on_cpu else check_ids_on_device)("pool_sum", batch.ids, batch.offsets, tables.rows, b)
+    if width == 0 or (not on_cpu and (b == 0 or batch.ids.numel() == 0)):  # nothing to add up
+        return tables.storage.new_zeros(b, width)
     return run_pool_sum(which, tables, batch)
+
+
+def _cuda_misfit(tables: Tables, batch: Batch, b: int) -> str | None:
+    """The limit of fbgemm's CUDA kernels a call over ``tables`` and ``batch`` (``b`` bags per table) breaks."""
+    return limits.misfit(tables.storage, tables.offsets, tables.dims, bags=b, ids=batch.ids.numel())
 
 
 def run_pool_sum(which: Impl, tables: Tables, batch: Batch) -> Tensor:
@@ -234,16 +247,21 @@ def _dense_grad(grad: Tensor, dims: list[int], rows: list[int], batch: Batch) ->
     """The dense weight gradients of :func:`_pool_sum`, flat, table ``t``'s ``rows[t] x dims[t]`` after table
     ``t - 1``'s."""
     b = _check_grad("pool_sum_backward", grad, dims, rows, batch)
-    if grad.device.type == "cpu":
-        _check_ids("pool_sum_backward", batch.ids, batch.offsets, rows, b)
-    else:
-        check_ids_on_device("pool_sum_backward", batch.ids, batch.offsets, rows, b)
-        if b == 0 or batch.ids.numel() == 0:
-            return grad.new_zeros(sum(r * d for r, d in zip(rows, dims)))
+    on_cpu = grad.device.type == "cpu"
+    if not batch.ids_checked:
+        (_check_ids if on_cpu else check_ids_on_device)("pool_sum_backward", batch.ids, batch.offsets, rows, b)
+    if sum(dims) == 0 or (not on_cpu and (b == 0 or batch.ids.numel() == 0)):  # nothing to add up
+        return grad.new_zeros(sum(r * d for r, d in zip(rows, dims)))
     which = choose.dense_impl(grad.device)
-    if which is Impl.FBGEMM and grad.device.type != "cpu" and any(d % fbgemm.ALIGN for d in dims):
-        which = Impl.TORCH  # the packed gradient's rows: unaligned
+    if which is Impl.FBGEMM and not on_cpu and limits.misfit(
+            None, _packed(rows, dims), dims, bags=b, ids=batch.ids.numel()) is not None:
+        which = Impl.TORCH  # fbgemm's kernels read and write a packed scratch buffer of these tables
     return run_dense_grad(which, grad, dims, rows, batch)
+
+
+def _packed(rows: Sequence[int], dims: Sequence[int]) -> list[int]:
+    """Each table's first element when the tables lie back to back (the dense gradient's layout)."""
+    return list(itertools.accumulate((r * d for r, d in zip(rows, dims)), initial=0))[:-1]
 
 
 def run_dense_grad(which: Impl, grad: Tensor, dims: Sequence[int], rows: Sequence[int], batch: Batch) -> Tensor:
@@ -270,19 +288,21 @@ def _sparse_update(tables: Tables, batch: Batch, grad: Tensor, state: State, hyp
         if which is Impl.NATIVE and not native.fits(tables, batch):
             raise _fail("sparse_update", "dims, rows, ids", (list(tables.dims), list(tables.rows), batch.ids.numel()),
                         f"at most {native.MAX_DIM} columns, fewer than 2**31 rows and ids (the C kernels)")
-        if which is not Impl.NATIVE:  # ours checks every table's in its grouping pass, before any update
+        if which is not Impl.NATIVE and not batch.ids_checked:  # ours checks the ids in its grouping pass
             _check_ids("sparse_update", batch.ids, batch.offsets, tables.rows, b)
     else:
-        per_element = hyper.kind.per_element  # element-wise state is read like the rows
+        problem = _cuda_misfit(tables, batch, b)
         at = (state.momentum1_offsets, state.momentum2_offsets)
-        states_fit = not per_element or all(fbgemm.fits(m, o, tables.dims) for m, o in zip(
-            (state.momentum1, state.momentum2), at) if m is not None)
-        if not fbgemm.fits(tables.storage, tables.offsets, tables.dims) or not states_fit:
-            raise ValueError(f"tdb::sparse_update: fbgemm's CUDA kernels read 16-byte aligned rows: dims "
-                             f"{list(tables.dims)}, element offsets {list(tables.offsets)} (state "
-                             f"{list(at[0])}, {list(at[1])}) must be multiples of {fbgemm.ALIGN} and the storage "
-                             "aligned")
-        check_ids_on_device("sparse_update", batch.ids, batch.offsets, tables.rows, b)
+        for m, o in zip((state.momentum1, state.momentum2), at):
+            if problem is None and m is not None and hyper.kind.per_element:  # element-wise state: read like rows
+                found = limits.misfit(m, o, tables.dims)
+                problem = None if found is None else f"state {found}"
+        if problem is not None:
+            raise ValueError(f"tdb::sparse_update: beyond fbgemm's CUDA kernels: {problem}; tables of dims "
+                             f"{list(tables.dims)} at element offsets {list(tables.offsets)} (state {list(at[0])}, "
+                             f"{list(at[1])}); kernels.update_supported keeps such shards from the op")
+        if not batch.ids_checked:
+            check_ids_on_device("sparse_update", batch.ids, batch.offsets, tables.rows, b)
         if b == 0 or batch.ids.numel() == 0:
             _bump_versions(tables.storage, state.momentum1, state.momentum2)
             return
@@ -319,13 +339,13 @@ def _bump_versions(*mutated: Tensor | None) -> None:
 
 _LIB = torch.library.Library("tdb", "DEF")  # held here: the ops live as long as this module
 _LIB.define("pool_sum(Tensor weights, int[] weights_offsets, int[] dims, int[] rows, Tensor ids, Tensor offsets, "
-            "Tensor? per_sample_weights) -> Tensor")
+            "Tensor? per_sample_weights, bool ids_checked=False) -> Tensor")
 _LIB.define("pool_sum_backward(Tensor grad, int[] dims, int[] rows, Tensor ids, Tensor offsets, "
-            "Tensor? per_sample_weights) -> Tensor")
+            "Tensor? per_sample_weights, bool ids_checked=False) -> Tensor")
 _LIB.define("sparse_update(Tensor(a!) weights, int[] weights_offsets, int[] dims, int[] rows, Tensor grad, "
             "Tensor ids, Tensor offsets, Tensor? per_sample_weights, str kind, Tensor(b!)? momentum1, "
             "int[] momentum1_offsets, Tensor(c!)? momentum2, int[] momentum2_offsets, float lr, float eps, "
-            "float weight_decay, int decay, float beta1, float beta2, int step) -> ()")
+            "float weight_decay, int decay, float beta1, float beta2, int step, bool ids_checked=False) -> ()")
 
 
 def _register(name: str, grouped: Callable[..., tuple[Any, ...]], run: Callable[..., Any],

@@ -17,7 +17,10 @@ lookup's group in its rank order:
   local failure raises on its rank only). Under ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
   (torch's switch for consistency checks of collectives) ONE small agreement
   ``all_gather`` runs first: a rank whose batch, kind or options differ from the
-  others' makes every rank raise. Then:
+  others' makes every rank raise (the batch's digest copies it to the host: only
+  then). Without ``DETAIL`` nothing of the batch is read back to the host but
+  the lookups' value check at their API edge (and, for max's fallback below,
+  where this rank's share of the bags starts and ends). Then:
 
   - replicated weight: a local lookup, a ``Replicate()`` output; no collective
     in forward or backward;
@@ -119,13 +122,22 @@ def rows_dtensor(out: torch.Tensor, rows: list[int], mesh: Any) -> DTensor:
 
 
 def split_bags(bags: Bags, world: int, rank: int) -> Bags:
-    """This rank's ``torch.chunk`` share of a replicated batch's bags."""
+    """This rank's ``torch.chunk`` share of a replicated batch's bags.
+
+    Where its ids start and end: at the batch's ends (the first rank's start, the last rank's end) known
+    without a read; elsewhere read back to the host together, in ONE read (on an accelerator, one
+    synchronisation; none in a group of one)."""
     counts = chunk_sizes(bags.num_bags, world)
     b0 = sum(counts[:rank])
-    starts = torch.cat([bags.lengths.new_zeros(1), torch.cumsum(bags.lengths, 0)])
-    i0, i1 = int(starts[b0]), int(starts[b0 + counts[rank]])
+    b1 = b0 + counts[rank]
+    first_id = {0: 0, bags.num_bags: bags.ids.numel()}  # the canonical form: the lengths sum to the ids
+    unknown = sorted({b0, b1} - first_id.keys())
+    if unknown:
+        ends = torch.cumsum(bags.lengths, 0)  # ends[b - 1]: where bag b starts
+        first_id.update(zip(unknown, torch.stack([ends[b - 1] for b in unknown]).tolist()))
+    i0, i1 = first_id[b0], first_id[b1]
     w = None if bags.weights is None else bags.weights[i0:i1]
-    return Bags(bags.ids[i0:i1], bags.lengths[b0 : b0 + counts[rank]], w)
+    return Bags(bags.ids[i0:i1], bags.lengths[b0:b1], w)
 
 
 def replicated_input(

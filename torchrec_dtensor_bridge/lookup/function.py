@@ -206,11 +206,11 @@ def fused_update(plans: list[LookupPlan], blocks: list[list[Block]], pieces: lis
 
 def _one_pass(plan: LookupPlan, block: Block) -> bool:
     """Whether a kernel can update ``block``'s shard in one pass (its update needing nothing from other ranks):
-    a sum (no arg-max), a shard and kind the kernels take (:func:`..kernels.update_supported`), and, for an
+    a sum (no arg-max), a shard, kind and batch the kernels take (:func:`..kernels.update_supported`), and, for an
     un-pooled lookup, no padding row in the shard (the kernel would train it)."""
     assert plan.optimizer is not None
-    if block.argmax is not None or not kernels.update_supported(plan.table.shards[block.index], plan.optimizer.hyper,
-                                                                block.weights):
+    if block.argmax is not None or not kernels.update_supported(
+            plan.table.shards[block.index], plan.optimizer.hyper, block.weights, ids=block.ids, offsets=block.offsets):
         return False
     padding = plan.pooling.padding_idx
     if plan.pooling.skip_padding or padding is None:
