@@ -77,6 +77,7 @@ def _exit_runs(tmp_path, runs: int) -> None:
     assert not failures, f"{len(failures)} of {2 * runs * len(MODES)} processes failed:\n" + "\n".join(failures)
 
 
+@pytest.mark.slow  # the default run keeps test_ranks_that_raised_and_recovered_exit_cleanly_under_load
 @pytest.mark.timeout(300)
 def test_jobs_exit_cleanly_under_load(tmp_path):
     """Every rank of a job that made a collective, saved, or had a load refused exits with status 0."""

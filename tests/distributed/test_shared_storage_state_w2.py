@@ -146,7 +146,8 @@ def check_shared_storage_training(rank: int, world: int, kind: str, impl: str) -
     assert not clash, f"{kind}/{impl}: tensors that share memory on rank {rank}: {clash}"
 
 
-@pytest.mark.parametrize("kind,impl", [("adagrad", "native"), ("adagrad", "fbgemm"), ("adam", "native"),
-                                       ("adam", "torch"), ("rowwise_adagrad", "fbgemm")])
+@pytest.mark.parametrize("kind,impl", [("adagrad", "native"), pytest.param("adagrad", "fbgemm", marks=pytest.mark.slow),
+                                       ("adam", "native"), pytest.param("adam", "torch", marks=pytest.mark.slow),
+                                       ("rowwise_adagrad", "fbgemm")])
 def test_state_of_tables_sharing_a_storage_is_each_tables_own(pool, kind, impl):
     pool.run(check_shared_storage_training, kind, impl)

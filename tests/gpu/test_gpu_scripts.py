@@ -57,6 +57,7 @@ def test_bench_help_and_refusal_without_cuda(tmp_path):
 
 
 @no_cuda
+@pytest.mark.slow  # runs the whole GPU benchmark on CPU, small
 def test_bench_cpu_dry_run(tmp_path):
     proc = _run(sys.executable, str(SCRIPTS / "bench_lookup_gpu.py"), "--device", "cpu", "--tables", "2", "--rows",
                 "1000", "--dim", "16", "--batch", "32", "--bag", "4", "--reps", "1", "--warmup", "0", "--inner", "1",
