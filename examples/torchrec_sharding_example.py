@@ -571,8 +571,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     problem = world_size_error()
     if problem is not None:
-        if _is_rank_zero():
-            print(problem, file=sys.stderr)
+        # every rank says it: the launcher ends the others as soon as one rank exits, which could be before
+        # rank 0 has printed anything
+        print(problem, file=sys.stderr)
         return EXIT_USAGE
 
     warnings.filterwarnings("ignore")

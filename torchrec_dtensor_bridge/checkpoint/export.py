@@ -207,7 +207,7 @@ def _write_torch(copy: _Copy, out: Path, scratch: Path, specs: dict[str, tuple[t
         if n == 0:
             tensors[key] = torch.empty(shape, dtype=dtype)
         else:
-            raw = np.memmap(path, dtype=np.uint8, mode="r", shape=(n,))
+            raw = np.memmap(path, dtype=np.uint8, mode="c", shape=(n,))  # copy-on-write: writable, file kept
             tensors[key] = torch.from_numpy(raw).view(dtype).view(shape)
     torch.save(tensors, out)
 
