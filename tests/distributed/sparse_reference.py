@@ -20,12 +20,15 @@ class SparseReference:
         weight: the whole table before the first step (copied).
         kind: ``"sgd"``, ``"rowwise_adagrad"``, ``"adagrad"`` or ``"adam"``.
         lr, eps, beta1, beta2: the optimizer's hyper-parameters.
+        weight_decay: L2 for sgd and adagrad, decoupled for adam (fbgemm's), either for row-wise Adagrad
+            (``decoupled``).
     """
 
     def __init__(self, weight: torch.Tensor, kind: str, *, lr: float, eps: float, beta1: float = 0.9,
-                 beta2: float = 0.999) -> None:
+                 beta2: float = 0.999, weight_decay: float = 0.0, decoupled: bool = False) -> None:
         self.w, self.kind, self.step = weight.clone(), kind, 0
         self.lr, self.eps, self.beta1, self.beta2 = lr, eps, beta1, beta2
+        self.wd, self.decoupled = weight_decay, decoupled
         rows = weight.shape[0]
         self.m1 = torch.zeros(rows) if kind == "rowwise_adagrad" else torch.zeros_like(weight)
         self.m2 = torch.zeros_like(weight)
@@ -47,18 +50,22 @@ class SparseReference:
         for r in touched.tolist():
             g = grad[r]
             if self.kind == "sgd":
-                self.w[r] -= lr * g
+                self.w[r] -= lr * (g + self.wd * self.w[r])
             elif self.kind == "rowwise_adagrad":
+                if not self.decoupled:
+                    g = g + self.wd * self.w[r]
                 self.m1[r] += (g * g).mean()
-                self.w[r] -= lr * g / (self.m1[r].sqrt() + eps)
+                mult = lr / (self.m1[r].sqrt() + eps)
+                self.w[r] = self.w[r] * (1 - lr * self.wd if self.decoupled else 1.0) - mult * g
             elif self.kind == "adagrad":
+                g = g + self.wd * self.w[r]
                 self.m1[r] += g * g
                 self.w[r] -= lr * g / (self.m1[r].sqrt() + eps)
             elif self.kind == "adam":
                 self.m1[r] = b1 * self.m1[r] + (1 - b1) * g
                 self.m2[r] = b2 * self.m2[r] + (1 - b2) * g * g
                 mh, vh = self.m1[r] / (1 - b1**self.step), self.m2[r] / (1 - b2**self.step)
-                self.w[r] -= lr * mh / (vh.sqrt() + eps)
+                self.w[r] -= lr * (mh / (vh.sqrt() + eps) + self.wd * self.w[r])
             else:
                 raise ValueError(f"unknown kind {self.kind!r}")
 

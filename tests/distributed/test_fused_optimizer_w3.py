@@ -1,6 +1,6 @@
 """FusedOptimizer on 3 gloo ranks: every layout, every kind, against a plain unsharded reference.
 
-The reference below is written independently of the package: the gradient of
+The reference (:mod:`.sparse_reference`) is written independently of the package: the gradient of
 the full table comes from torch's own ``F.embedding_bag`` / ``F.embedding`` over
 every rank's batch, and the update is the textbook formula applied to the rows
 some batch referenced (fbgemm's sparse ``EXACT_*`` semantics).
@@ -20,6 +20,7 @@ from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
 from torchrec_dtensor_bridge.layout import ShardLayout
 
 from .harness import make_pool_fixture
+from .sparse_reference import SparseReference
 
 pool = make_pool_fixture(3)
 
@@ -66,44 +67,11 @@ def _scale(rank: int, step: int, table: int, rows: int) -> torch.Tensor:
     return torch.randn(rows, SHAPE[1], generator=g)
 
 
-class Reference:
-    """The unsharded optimizer on the full table."""
+class Reference(SparseReference):
+    """The unsharded optimizer on the full table, with this module's hyper-parameters."""
 
     def __init__(self, weight: torch.Tensor, kind: str, wd: float = 0.0, decoupled: bool = False) -> None:
-        self.w, self.kind, self.step, self.wd, self.decoupled = weight.clone(), kind, 0, wd, decoupled
-        self.m1 = torch.zeros(SHAPE[0]) if kind == "rowwise_adagrad" else torch.zeros(SHAPE)
-        self.m2 = torch.zeros(SHAPE)
-
-    def apply(self, grad: torch.Tensor, touched: torch.Tensor) -> None:
-        lr, eps, b1, b2 = HYPER["lr"], HYPER["eps"], HYPER["beta1"], HYPER["beta2"]
-        self.step += 1
-        for r in touched.tolist():
-            g = grad[r]
-            if self.kind == "sgd":
-                self.w[r] -= lr * (g + self.wd * self.w[r])
-            elif self.kind == "rowwise_adagrad":
-                if not self.decoupled:
-                    g = g + self.wd * self.w[r]
-                self.m1[r] += (g * g).mean()
-                mult = lr / (self.m1[r].sqrt() + eps)
-                self.w[r] = self.w[r] * (1 - lr * self.wd if self.decoupled else 1.0) - mult * g
-            elif self.kind == "adagrad":
-                g = g + self.wd * self.w[r]
-                self.m1[r] += g * g
-                self.w[r] -= lr * g / (self.m1[r].sqrt() + eps)
-            else:
-                self.m1[r] = b1 * self.m1[r] + (1 - b1) * g
-                self.m2[r] = b2 * self.m2[r] + (1 - b2) * g * g
-                mh, vh = self.m1[r] / (1 - b1**self.step), self.m2[r] / (1 - b2**self.step)
-                self.w[r] -= lr * (mh / (vh.sqrt() + eps) + self.wd * self.w[r])
-
-    def state(self, name: str) -> dict[str, torch.Tensor]:
-        if self.kind in ("rowwise_adagrad", "adagrad"):
-            return {f"{name}.momentum1": self.m1}
-        if self.kind == "adam":
-            return {f"{name}.momentum1": self.m1, f"{name}.momentum2": self.m2,
-                    f"{name}.step": torch.tensor(self.step)}
-        return {}
+        super().__init__(weight, kind, **HYPER, weight_decay=wd, decoupled=decoupled)
 
 
 def _reference_step(ref: Reference, world: int, step: int, table: int, mode: str, psw: bool,

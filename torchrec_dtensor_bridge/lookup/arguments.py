@@ -22,19 +22,15 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .. import agreement
 from ..agreement import RejectedArguments, float_code
-from ..optim import FusedOptimizer
-
 from .. import optim_kinds
-
-if TYPE_CHECKING:
-    from ..optim_kinds import Hyper
-    from ..optim.state import Binding
+from ..optim import FusedOptimizer
+from ..optim.state import Binding
+from ..optim_kinds import Hyper
 
 __all__ = [
     "CODE_WIDTH", "MODES", "Bags", "RankInfo", "RejectedArguments", "TableCodes", "TableOptions", "ValueCheck",

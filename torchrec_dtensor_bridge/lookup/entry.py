@@ -45,8 +45,10 @@ from .plan import ALL, NONE, BatchPlan, LookupPlan, PendingRoute, PoolOptions, R
 from .renorm import renormalize
 from .strategies import COLUMNS, ROWS, WHOLE
 
-__all__ = ["FIRST_MESSAGE_TABLES", "InputKind", "agree", "agree_and_route", "finish", "gather_bags", "pick_strategy", "psw_grad", "refuse",
-           "resolve_routes", "resolve_table", "run_tables"]
+__all__ = [
+    "FIRST_MESSAGE_TABLES", "InputKind", "agree", "agree_and_route", "finish", "gather_bags", "make_plan",
+    "pick_strategy", "psw_grad", "refuse", "resolve_routes", "resolve_table", "run_tables",
+]
 
 
 class InputKind(enum.Enum):

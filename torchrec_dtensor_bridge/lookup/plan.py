@@ -19,7 +19,6 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,10 +27,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..groups import CommGroup
 from ..layout import ShardLayout, ShardSpec
+from ..optim.state import Binding
 from .arguments import Bags
-
-if TYPE_CHECKING:
-    from ..optim.state import Binding
 
 __all__ = ["Block", "BatchPlan", "LookupPlan", "PendingRoute", "PoolOptions", "ResolvedTable", "Route", "Strategy"]
 
