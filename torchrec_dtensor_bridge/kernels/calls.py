@@ -20,8 +20,8 @@ not check them again (on CUDA, a device synchronisation per op and storage). A d
    ONE ``tdb::pool_sum`` over a flat view of the storage spanning its shards (no copy), and each request's
    output is its columns of the result. MAX pooling, other dtypes and strided shards run
    ``torch.embedding_bag`` on the shard itself (fbgemm has no MAX; max keeps its arg-max rows for backward).
-3. :func:`weight_grad` - the dense gradient of one request's shard (``tdb::pool_sum_backward``; scattered by
-   the arg-max rows for max).
+3. :func:`weight_grads` - the dense gradients of requests' shards, grouped by storage as for pooling: ONE
+   ``tdb::pool_sum_backward`` per group (scattered by the arg-max rows for max; :func:`weight_grad` for one).
 4. :func:`update` - :class:`Update` requests (each one a shard :func:`update_supported` accepts) are grouped
    by weight storage, state storage, hyper-parameters and step; each group is ONE ``tdb::sparse_update``.
 
@@ -46,7 +46,7 @@ from . import choose, fbgemm, limits, native
 from .args import Batch, Tables
 from .reference import add_bag_grads
 
-__all__ = ["Pooling", "Update", "accepts", "pool", "update", "update_supported", "weight_grad"]
+__all__ = ["Pooling", "Update", "accepts", "pool", "update", "update_supported", "weight_grad", "weight_grads"]
 
 
 _Member = TypeVar("_Member")
@@ -159,16 +159,44 @@ def _pool_call(requests: list[Pooling], at_out: list[int],
 def weight_grad(grad: torch.Tensor, r: Pooling, argmax: torch.Tensor | None = None) -> torch.Tensor:
     """The dense gradient of ``r.shard`` given its output gradient (for max: ``argmax`` from :func:`pool`,
     and ``grad`` already masked to the entries that count)."""
-    if argmax is not None:
-        return torch.zeros_like(r.shard).scatter_add_(0, argmax.clamp(min=0), grad.to(r.shard.dtype))
-    if not accepts(r.shard) or not _int64(r.ids, r.offsets):
-        return add_bag_grads(torch.zeros_like(r.shard), grad, r.ids, r.offsets, r.weights)
-    grad = grad.to(torch.float32)
+    return weight_grads([(grad, r, argmax)])[0]
+
+
+def weight_grads(requests: list[tuple[torch.Tensor, Pooling, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """:func:`weight_grad` of each ``(grad, request, argmax)``; the sums whose shards share a storage (and batch
+    size, and whether they carry per-sample weights) in ONE ``tdb::pool_sum_backward``, each shard's gradient a
+    view of its result (the ops give every table's gradient back to back)."""
+    out: list[torch.Tensor | None] = [None] * len(requests)
+    groups: dict[tuple, list[int]] = {}
+    for k, (grad, r, argmax) in enumerate(requests):
+        if argmax is not None:
+            out[k] = torch.zeros_like(r.shard).scatter_add_(0, argmax.clamp(min=0), grad.to(r.shard.dtype))
+        elif not accepts(r.shard) or not _int64(r.ids, r.offsets):
+            out[k] = add_bag_grads(torch.zeros_like(r.shard), grad, r.ids, r.offsets, r.weights)
+        else:
+            groups.setdefault((*_home(r.shard), r.offsets.numel(), r.weights is not None), []).append(k)
+    for group in groups.values():
+        first = requests[group[0]][1]
+        for members in _calls(group, lambda k: requests[k][1].ids.numel(), first.offsets.numel() - 1,
+                              first.shard.device):
+            _grad_call([requests[k] for k in members], members, out)
+    return [o for o in out if o is not None]
+
+
+def _grad_call(requests: list[tuple[torch.Tensor, Pooling, torch.Tensor | None]], at_out: list[int],
+               out: list[torch.Tensor | None]) -> None:
+    """ONE ``tdb::pool_sum_backward`` for ``requests`` (shards of one storage); each one's gradient at its place
+    in ``out``."""
+    shards = [r.shard for _, r, _ in requests]
+    grad = _columns([g.to(torch.float32) for g, _, _ in requests])
     grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-    psw = None if r.weights is None else r.weights.to(torch.float32)
-    flat = torch.ops.tdb.pool_sum_backward(grad, [r.shard.shape[1]], [r.shard.shape[0]], r.ids, r.offsets, psw,
-                                           ids_checked=True)
-    return flat.view(r.shard.shape)
+    ids, offsets, psw = _batch([(r.ids, r.offsets, r.weights) for _, r, _ in requests])
+    flat = torch.ops.tdb.pool_sum_backward(grad, [s.shape[1] for s in shards], [s.shape[0] for s in shards], ids,
+                                           offsets, None if psw is None else psw.to(torch.float32), ids_checked=True)
+    at = 0
+    for k, s in zip(at_out, shards):
+        out[k] = flat.narrow(0, at, s.numel()).view(s.shape)
+        at += s.numel()
 
 
 @dataclass(frozen=True)
