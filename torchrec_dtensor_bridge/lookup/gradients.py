@@ -39,8 +39,8 @@ def table_grads(plans: list[LookupPlan], blocks: list[list[Block]], pieces: list
     for t in dense:
         plan = plans[t]
         # only shards no block was computed on (replicas, empty blocks) start from zeros
-        grads = [computed.get((t, i), None) for i in range(len(plan.table.shards))]
-        grads = [torch.zeros_like(s) if g is None else g for g, s in zip(grads, plan.table.shards)]
+        grads = [computed[(t, i)] if (t, i) in computed else torch.zeros_like(s)
+                 for i, s in enumerate(plan.table.shards)]
         _mask_padding(plan, grads)
         plan.table.strategy.sync_grads(plan, grads)
         out[t] = grads
