@@ -161,15 +161,15 @@ def constant(values: tuple[int, ...], device: torch.device | str) -> torch.Tenso
 class _Unused:
     """What fbgemm's CUDA argument lists hold for the memory kinds a caller's storage does not use."""
 
-    uvm: torch.Tensor  # fp32 (0,): no unified-memory part
-    cache_weights: torch.Tensor  # fp32 (0, 0): no cache
+    uvm: torch.Tensor  # (0,) in the weights' dtype: no unified-memory part (fbgemm reads it as the weights' type)
+    cache_weights: torch.Tensor  # (0, 0) in the weights' dtype: no cache
     cache_locations: torch.Tensor  # int32 (0,): no cache
 
 
-@functools.lru_cache(maxsize=8)
-def _unused(device: str) -> _Unused:
-    return _Unused(torch.empty(0, dtype=torch.float32, device=device),
-                   torch.empty(0, 0, dtype=torch.float32, device=device),
+@functools.lru_cache(maxsize=16)
+def _unused(device: str, dtype: torch.dtype = torch.float32) -> _Unused:
+    return _Unused(torch.empty(0, dtype=dtype, device=device),
+                   torch.empty(0, 0, dtype=dtype, device=device),
                    torch.empty(0, dtype=torch.int32, device=device))
 
 
@@ -289,7 +289,7 @@ def backward_values(weights: torch.Tensor, args: TableArgs, batch: Batch, grad: 
     of its NVIDIA build (``BT_block_size`` 32, ``max_segment_length_per_warp`` 32); the optimizer's
     hyper-parameters under fbgemm's names (Adam's ``iter`` is the step being taken)."""
     device = weights.device
-    unused = _unused(str(device))
+    unused, fp32 = _unused(str(device), weights.dtype), _unused(str(device))
     bits, mask = _bag_bits(args, batch)
     if not args.on_host:
         grad = grad.contiguous()  # rows back to back, as fbgemm's module hands its output gradients
@@ -310,7 +310,7 @@ def backward_values(weights: torch.Tensor, args: TableArgs, batch: Batch, grad: 
         "indices": batch.ids,
         "offsets": batch.offsets,
         "pooling_mode": POOL_SUM,
-        "indice_weights": unused.uvm if psw is None else psw,
+        "indice_weights": fp32.uvm if psw is None else psw,
         "lxu_cache_locations": unused.cache_locations,
         "BT_block_size": 32,
         "max_segment_length_per_warp": 32,
@@ -333,8 +333,8 @@ def backward_values(weights: torch.Tensor, args: TableArgs, batch: Batch, grad: 
     for name, m, at in (("momentum1", state.momentum1, state.momentum1_offsets),
                         ("momentum2", state.momentum2, state.momentum2_offsets)):
         if m is not None:
-            values.update({f"{name}_host": m if args.on_host else unused.uvm,
-                           f"{name}_dev": unused.uvm if args.on_host else m, f"{name}_uvm": unused.uvm,
+            values.update({f"{name}_host": m if args.on_host else fp32.uvm,
+                           f"{name}_dev": fp32.uvm if args.on_host else m, f"{name}_uvm": fp32.uvm,
                            f"{name}_placements": args.placements, f"{name}_offsets": constant(tuple(at), device)})
     return values
 
@@ -346,7 +346,7 @@ def weights_list(weights: torch.Tensor, args: TableArgs) -> list[torch.Tensor]:
     ``[dev, uvm, placements, offsets, lxu_cache]`` on a device (the tables in ``dev``)."""
     if args.on_host:
         return [weights, args.placements, args.weights_offsets]
-    unused = _unused(str(weights.device))
+    unused = _unused(str(weights.device), weights.dtype)
     return [weights, unused.uvm, args.placements, args.weights_offsets, unused.cache_weights]
 
 

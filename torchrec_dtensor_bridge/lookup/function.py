@@ -71,7 +71,7 @@ def _select(plan: LookupPlan, i: int) -> tuple[Pooling, torch.Tensor, torch.Tens
         psw = None if batch.weights is None else batch.weights.detach().index_select(0, at)
     offsets = torch.zeros(batch.num_bags + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
-    return Pooling(shard.detach(), local, offsets, psw, pooling.max_mode), counts, at
+    return Pooling(shard.detach(), local, offsets, psw, pooling.max_mode, plan.out_dtype), counts, at
 
 
 def _compute_blocks(plans: list[LookupPlan]) -> list[list[Block]]:
