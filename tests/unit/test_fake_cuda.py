@@ -198,7 +198,9 @@ def _register_kernel_fakes(rec: Recorder) -> None:
         assert set(on.values()) == {DEV}, f"fbgemm's forward kernel got tensors off {DEV}: {on}"
         fbgemm_refuses(total_D, max_D, indices, offsets, indice_weights)
         tables = weights_offsets.numel()
-        return dev_weights.new_empty((offsets.numel() - 1) // tables, total_D)
+        # the output's dtype is output_dtype's (fbgemm's SparseType: FP32 0, FP16 1, BF16 5), not the weights'
+        dtype = {0: torch.float32, 1: torch.float16, 5: torch.bfloat16}[output_dtype]
+        return dev_weights.new_empty((offsets.numel() - 1) // tables, total_D, dtype=dtype)
 
     for weighted in ("unweighted", "weighted"):
         torch.library.register_fake(f"fbgemm::split_embedding_codegen_forward_{weighted}_pt2_wrapper")(forward)
@@ -245,14 +247,15 @@ CUDA_ONLY_OPS = {
        f"int pooling_mode, {'Tensor indice_weights, ' if w == 'weighted' else ''}int unused_, "
        "int max_segment_length_per_warp, float unused=0"
        for w in ("unweighted", "weighted")},
+    # (the optional row_counter state comes after the learning rate, as Tensors: optimizer_args.py's reorder_args
+    # puts tensors before the arguments with defaults; fbgemm's autograd passes them in that order)
     **{f"split_embedding_backward_codegen_adam_{w}_pt2_wrapper":
        _COMMON + "Tensor(g!) momentum1_host, Tensor(h!) momentum1_dev, Tensor(i!) momentum1_uvm, "
        "Tensor momentum1_placements, Tensor momentum1_offsets, Tensor(j!) momentum2_host, Tensor(k!) momentum2_dev, "
        "Tensor(l!) momentum2_uvm, Tensor momentum2_placements, Tensor momentum2_offsets, Tensor learning_rate_tensor, "
-       "float eps=0, float beta1=0, float beta2=0, float weight_decay=0, int iter=0, "
-       "bool use_rowwise_bias_correction=False, Tensor? row_counter_host=None, Tensor? row_counter_dev=None, "
-       "Tensor? row_counter_uvm=None, Tensor? row_counter_placements=None, Tensor? row_counter_offsets=None, "
-       "int output_dtype=0"
+       "Tensor(p!) row_counter_host, Tensor(q!) row_counter_dev, Tensor(r!) row_counter_uvm, "
+       "Tensor row_counter_placements, Tensor row_counter_offsets, float eps=0, float beta1=0, float beta2=0, "
+       "float weight_decay=0, int iter=0, bool use_rowwise_bias_correction=False, int output_dtype=0"
        for w in ("unweighted", "weighted")},
 }
 _LIBRARIES: list[Any] = []

@@ -164,13 +164,17 @@ class _Unused:
     uvm: torch.Tensor  # (0,) in the weights' dtype: no unified-memory part (fbgemm reads it as the weights' type)
     cache_weights: torch.Tensor  # (0, 0) in the weights' dtype: no cache
     cache_locations: torch.Tensor  # int32 (0,): no cache
+    placements: torch.Tensor  # int32 (0,): a state with no tables (Adam's row counters)
+    offsets: torch.Tensor  # int64 (0,): a state with no tables
 
 
 @functools.lru_cache(maxsize=16)
 def _unused(device: str, dtype: torch.dtype = torch.float32) -> _Unused:
     return _Unused(torch.empty(0, dtype=dtype, device=device),
                    torch.empty(0, 0, dtype=dtype, device=device),
-                   torch.empty(0, dtype=torch.int32, device=device))
+                   torch.empty(0, dtype=torch.int32, device=device),
+                   torch.empty(0, dtype=torch.int32, device=device),
+                   torch.empty(0, dtype=torch.int64, device=device))
 
 
 @functools.lru_cache(maxsize=64)
@@ -328,6 +332,13 @@ def backward_values(weights: torch.Tensor, args: TableArgs, batch: Batch, grad: 
         "beta2": hyper.beta2,
         "iter": state.step,
         "use_rowwise_bias_correction": False,
+        # Adam's per-row step counters, unused without rowwise bias correction: its CUDA backward takes them as
+        # (non-optional) Tensors, empty, as fbgemm's training module's autograd hands them
+        "row_counter_host": unused.uvm,
+        "row_counter_dev": unused.uvm,
+        "row_counter_uvm": unused.uvm,
+        "row_counter_placements": unused.placements,
+        "row_counter_offsets": unused.offsets,
         "output_dtype": OUTPUT_FP32,
     }
     for name, m, at in (("momentum1", state.momentum1, state.momentum1_offsets),
