@@ -142,13 +142,12 @@ class NativeKernel:
 
         ``grad``: the bags' output gradient ``(B, sum(dims))`` fp32 with unit column stride, table ``t`` at its
         columns; ``state``: as :class:`.args.State`; weight decay as :mod:`..optim.update`; the step counts
-        from 1, this one included.
+        from 1, this one included. fp16 and bf16 weights (``cpu_kernels16.c``): fp32 math and state, each row
+        written back rounded once, stochastically (``hyper.stochastic_rounding``; the seed drawn from torch's
+        default generator, so that ``torch.manual_seed`` repeats a run) or to nearest even.
         """
         weights, dims, rows, kind = tables.storage, tables.dims, tables.rows, hyper.kind
         assert kind.native is not None, f"{kind.name}: no native kernel"
-        if weights.dtype in _HALF:
-            self._update_half(tables, batch, grad, state, hyper)
-            return
         ids, offsets, psw = _contiguous(batch)
         n_tables = len(dims)
         bags, n = (offsets.numel() - 1) // n_tables, ids.numel()
@@ -158,79 +157,44 @@ class NativeKernel:
         keys, occ, bag_of = work[0], work[1], work[2]
         decay = hyper.weight_decay_mode if hyper.weight_decay else WeightDecayMode.NONE
         rows_t, goff, dims_t = _i64(tuple(rows)), _i64(tuple(_starts(dims))), _i64(tuple(dims))
-        woff_t = _i64(tuple(tables.offsets))
         m1, m2 = state.momentum1, state.momentum2
         m1_at = None if m1 is None else _i64(tuple(state.momentum1_offsets))
         m2_at = None if m2 is None else _i64(tuple(state.momentum2_offsets))
-        bag_sq = None  # a per-row state: a row touched once takes its statistic from its bag's
-        if kind.row_wise and decay is not WeightDecayMode.L2:
-            bag_sq = torch.empty(n_tables * bags, dtype=torch.float32)
-        lr, step, b1, b2 = hyper.lr, state.step, hyper.beta1, hyper.beta2
-        counts = kind.counts_steps  # bias corrections of this step
-        values = torch.tensor([lr, hyper.eps, hyper.weight_decay, b1, b2, lr / (1 - b1**step) if counts else 0.0,
-                               1 - b2**step if counts else 1.0], dtype=torch.float32)
-        tables_args = (weights.data_ptr(), n_tables, woff_t.data_ptr(), dims_t.data_ptr())
+        half = _HALF.get(weights.dtype)
+        values = _hyper_values(hyper, state.step, torch.float32 if half is None else torch.float64)
+        tables_args = (weights.data_ptr(), n_tables, _i64(tuple(tables.offsets)).data_ptr(), dims_t.data_ptr())
         states = (_ptr(m1), _ptr(m1_at), _ptr(m2), _ptr(m2_at))
         grads = (grad.data_ptr(), grad.stride(0), goff.data_ptr(), _ptr(psw))
+        # a per-row state: a row touched once takes its statistic from its bag's
+        bag_sq = (torch.empty(n_tables * bags, dtype=torch.float32) if kind.row_wise and decay is not WeightDecayMode.L2
+                  and (half is None or psw is None) else None)
         threads = torch.get_num_threads()
-        if threads == 1 or n < 2 * _MIN_PER_THREAD:  # each table grouped right before its walk
+        if half is None and (threads == 1 or n < 2 * _MIN_PER_THREAD):  # each table grouped right before its walk
             rc = self.lib.tdb_update_tables(
                 kind.native, decay.value, *tables_args, rows_t.data_ptr(), *states, *grads, ids.data_ptr(), n,
                 offsets.data_ptr(), bags, *(w.data_ptr() for w in work), _ptr(bag_sq), values.data_ptr())
             self._raise(rc, rows, n)
             return
-        # several threads: every table grouped first (nothing written unless every id is valid), then the
-        # walks, cut over all tables' occurrences on row boundaries
+        # every table grouped first (nothing written unless every id is valid), then the walks, cut over all
+        # tables' occurrences on row boundaries over the threads
         rc = self.lib.tdb_group_tables(n_tables, rows_t.data_ptr(), ids.data_ptr(), n, offsets.data_ptr(), bags,
                                        *(w.data_ptr() for w in work))
         self._raise(rc, rows, n)
         if bag_sq is not None:
-            self.lib.tdb_bag_square_sums_tables(grad.data_ptr(), grad.stride(0), n_tables, goff.data_ptr(),
-                                                dims_t.data_ptr(), bags, bag_sq.data_ptr())
-        head = (kind.native, decay.value, *tables_args, *states, *grads, keys.data_ptr(), occ.data_ptr(),
-                bag_of.data_ptr(), _ptr(bag_sq), offsets.data_ptr(), bags)
+            square_sums = self.lib.tdb_bag_square_sums_tables if half is None else self.lib.tdb_bag_square_sums16
+            square_sums(grad.data_ptr(), grad.stride(0), n_tables, goff.data_ptr(), dims_t.data_ptr(), bags,
+                        bag_sq.data_ptr())
+        walk = (keys.data_ptr(), occ.data_ptr(), bag_of.data_ptr(), _ptr(bag_sq), offsets.data_ptr(), bags)
+        head: tuple[object, ...]
+        if half is None:
+            fn, head = self.lib.tdb_apply_tables, (kind.native, decay.value, *tables_args, *states, *grads, *walk)
+        else:  # fp16 / bf16 (cpu_kernels16.c): rounded stochastically with a seed from torch's default generator
+            stochastic = bool(hyper.stochastic_rounding)
+            seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item()) if stochastic else 0
+            fn, head = self.lib.tdb_apply_tables16, (kind.native, decay.value, weights.data_ptr(), half,
+                                                     int(stochastic), seed, *tables_args[1:], *states, *grads, *walk)
         bounds = offsets[::bags].tolist()
-        for rc in _in_parts(self.lib.tdb_apply_tables, head, _row_cuts(keys, threads, bounds), (values.data_ptr(),)):
-            self._raise(rc, rows, n)
-
-    def _update_half(self, tables: Tables, batch: Batch, grad: torch.Tensor, state: State, hyper: Hyper) -> None:
-        """:meth:`update_tables` for fp16 or bf16 weights (``cpu_kernels16.c``): fp32 math and state, the rows
-        written back rounded once, stochastically (``hyper.stochastic_rounding``; the seed drawn from torch's
-        default generator, so that ``torch.manual_seed`` repeats a run) or to nearest even. Every table is
-        grouped first (nothing is written unless every id is valid), then walked on the torch threads."""
-        weights, dims, rows, kind = tables.storage, tables.dims, tables.rows, hyper.kind
-        ids, offsets, psw = _contiguous(batch)
-        n_tables = len(dims)
-        bags, n = (offsets.numel() - 1) // n_tables, ids.numel()
-        if n == 0 or bags == 0:
-            return
-        work = torch.empty(5, n, dtype=torch.int32)
-        rows_t, goff, dims_t = _i64(tuple(rows)), _i64(tuple(_starts(dims))), _i64(tuple(dims))
-        rc = self.lib.tdb_group_tables(n_tables, rows_t.data_ptr(), ids.data_ptr(), n, offsets.data_ptr(), bags,
-                                       *(w.data_ptr() for w in work))
-        self._raise(rc, rows, n)
-        decay = hyper.weight_decay_mode if hyper.weight_decay else WeightDecayMode.NONE
-        bag_sq = None  # row-wise Adagrad: a row touched once takes its statistic from its bag's
-        if kind.row_wise and decay is not WeightDecayMode.L2 and psw is None:
-            bag_sq = torch.empty(n_tables * bags, dtype=torch.float32)
-            self.lib.tdb_bag_square_sums16(grad.data_ptr(), grad.stride(0), n_tables, goff.data_ptr(),
-                                           dims_t.data_ptr(), bags, bag_sq.data_ptr())
-        lr, step, b1, b2 = hyper.lr, state.step, hyper.beta1, hyper.beta2
-        counts = kind.counts_steps
-        values = torch.tensor([lr, hyper.eps, hyper.weight_decay, b1, b2, lr / (1 - b1**step) if counts else 0.0,
-                               1 - b2**step if counts else 1.0], dtype=torch.float64)
-        stochastic = bool(hyper.stochastic_rounding)
-        seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item()) if stochastic else 0
-        m1, m2 = state.momentum1, state.momentum2
-        m1_at = None if m1 is None else _i64(tuple(state.momentum1_offsets))
-        m2_at = None if m2 is None else _i64(tuple(state.momentum2_offsets))
-        head = (kind.native, decay.value, weights.data_ptr(), _HALF[weights.dtype], int(stochastic), seed, n_tables,
-                _i64(tuple(tables.offsets)).data_ptr(), dims_t.data_ptr(), _ptr(m1), _ptr(m1_at), _ptr(m2),
-                _ptr(m2_at), grad.data_ptr(), grad.stride(0), goff.data_ptr(), _ptr(psw), work[0].data_ptr(),
-                work[1].data_ptr(), work[2].data_ptr(), _ptr(bag_sq), offsets.data_ptr(), bags)
-        bounds = offsets[::bags].tolist()
-        cuts = _row_cuts(work[0], torch.get_num_threads(), bounds)
-        for rc in _in_parts(self.lib.tdb_apply_tables16, head, cuts, (values.data_ptr(),)):
+        for rc in _in_parts(fn, head, _row_cuts(keys, threads, bounds), (values.data_ptr(),)):
             self._raise(rc, rows, n)
 
     @staticmethod
@@ -244,6 +208,15 @@ class NativeKernel:
         if rc == _BAD_ARGUMENTS:
             raise RuntimeError("sparse update kernel: bad arguments (kind, decay or width)")
         raise ValueError(f"sparse update: ids of table {-2 - rc} outside [0, {rows[-2 - rc]})")
+
+
+def _hyper_values(hyper: Hyper, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """The update's hyper-parameters as the C code reads them (``TDB_LR`` ... ``TDB_ADAM_BC2``): Adam's bias
+    corrections for ``step``; fp32 for ``cpu_kernels.c``, fp64 for ``cpu_kernels16.c``."""
+    lr, b1, b2 = hyper.lr, hyper.beta1, hyper.beta2
+    counts = hyper.kind.counts_steps  # bias corrections of this step
+    return torch.tensor([lr, hyper.eps, hyper.weight_decay, b1, b2, lr / (1 - b1**step) if counts else 0.0,
+                         1 - b2**step if counts else 1.0], dtype=dtype)
 
 
 def _contiguous(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
