@@ -503,8 +503,10 @@ def _mib(b: float) -> str:
 def report(res: dict) -> None:
     """Print the side-by-side figures of :func:`run`'s result."""
     cfg = res["config"]
-    print(f"training: {cfg['tables']} tables x {cfg['rows']:,} rows x {cfg['dim']} fp32 "
-          f"({cfg['tables'] * cfg['rows'] * cfg['dim'] * 4 / 2**30 / 2:.2f} GiB of tables per rank), "
+    dtype = cfg.get("dtype", "fp32")
+    print(f"training: {cfg['tables']} tables x {cfg['rows']:,} rows x {cfg['dim']} {dtype} "
+          f"({cfg['tables'] * cfg['rows'] * cfg['dim'] * (4 if dtype == 'fp32' else 2) / 2**30 / 2:.2f} GiB of "
+          "tables per rank), "
           f"2 gloo ranks, 1 thread each, batch {cfg['batch']} per rank, bag {cfg['bag']}, sum; "
           f"{cfg['runs']} run(s) x {cfg['reps']} interleaved reps after {cfg['warmup']} warm-up "
           f"(forward samples: mean of {cfg['inner']} calls; dense: {cfg['dense_reps']} reps); "
