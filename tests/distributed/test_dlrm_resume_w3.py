@@ -253,6 +253,30 @@ def test_a_column_wise_rowwise_adagrad_target_is_refused_on_every_rank_with_noth
     key = f"fused.state.{_key('t2')}.t2.momentum1"
     assert f"key {key!r}: saved shape [9], destination shape [18]" in message, message
     assert "one value per row for each of 2 column shards" in message, message
+    assert "split_row_states=True" in message, "the refusal says what to do"
+
+
+def _split_into_column_blocks(rank: int, world: int, path: str) -> None:
+    """Asked for (``split_row_states=True``), the whole-row state of t2 loads into a column-wise plan's
+    per-block states: every block takes its row's saved value; everything else as saved."""
+    group = dist.group.WORLD
+    dmp = _dmp(COLUMN_WISE, group)
+    state = {"model": dmp, "fused": dmp.fused_optimizer}
+    tdb.checkpoint.load(state, path, split_row_states=True)
+    got = _snapshot(state, group)
+    key = f"fused.state.{_key('t2')}.t2.momentum1"
+    reference = _dmp(AFTER, group)  # the saved values, loaded where they need no conversion
+    ref_state = {"model": reference, "fused": reference.fused_optimizer}
+    tdb.checkpoint.load(ref_state, path, strict=False)
+    want = _snapshot(ref_state, group)
+    assert got[key].shape == (2 * TABLES["t2"],) and torch.equal(got[key], want[key].repeat(2)), (got[key], want[key])
+    for k, v in want.items():
+        if k != key and k in got:
+            assert torch.equal(got[k], v), k
+
+
+def test_a_whole_row_state_splits_into_column_blocks_when_asked(pool, saved):
+    pool.run(_split_into_column_blocks, saved[0])
 
 
 def _other_kind_target(rank: int, world: int, path: str) -> str:
