@@ -193,18 +193,25 @@ TDB_F16C static void tdb_f16_store_f16c(const float* v, uint16_t* d, int64_t n, 
   int64_t k = 0;
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), low = _mm256_set1_epi32(0x387fffff);
   const __m256i high = _mm256_set1_epi32(0x477fe000), keep = _mm256_set1_epi32(~0x1fff);
-  const __m256i carry = _mm256_set1_epi32(0x1fff);
+  const __m256i carry = _mm256_set1_epi32(0x1fff), sign = _mm256_set1_epi32((int)0x80000000u);
+  const __m256 scale = _mm256_set1_ps(16777216.0f), unit = _mm256_set1_ps(5.9604644775390625e-8f);
+  const __m256 fraction = _mm256_set1_ps(1.0f / 65536.0f), one = _mm256_set1_ps(1.0f);
   for (; k + 8 <= n; k += 8) {
     __m256 x = _mm256_loadu_ps(v + k);
-    if (r) { /* fp16's normal range: a random carry into the 13 bits dropped, then truncation (exact) */
+    if (r) { /* tdb_f32_f16_sr eight at a time: the same bits */
       __m256i u = _mm256_castps_si256(x), a = _mm256_and_si256(u, magnitude);
-      __m256i normal = _mm256_and_si256(_mm256_cmpgt_epi32(a, low), _mm256_cmpgt_epi32(high, a));
-      if (_mm256_movemask_epi8(normal) != -1) { /* a value outside it: this block the plain way */
-        tdb_f16_store_plain(v + k, d + k, 8, r + k);
-        continue;
-      }
       __m256i bits = _mm256_srli_epi32(_mm256_loadu_si256((const __m256i*)(r + k)), 16);
-      x = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(u, _mm256_and_si256(bits, carry)), keep));
+      /* fp16's normal range: a random carry into the 13 bits dropped, then truncation (exact) */
+      __m256 normal = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(a, low), _mm256_cmpgt_epi32(high, a)));
+      __m256 t = _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(u, _mm256_and_si256(bits, carry)), keep));
+      /* below it: a multiple of 2^-24, rounded up with probability the distance from the one below */
+      __m256 small = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_add_epi32(low, _mm256_set1_epi32(1)), a));
+      __m256 q = _mm256_mul_ps(_mm256_castsi256_ps(a), scale), fl = _mm256_floor_ps(q);
+      __m256 up = _mm256_and_ps(_mm256_cmp_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(bits), fraction),
+                                              _mm256_sub_ps(q, fl), _CMP_LT_OQ), one);
+      __m256 sub = _mm256_or_ps(_mm256_mul_ps(_mm256_add_ps(fl, up), unit),
+                                _mm256_castsi256_ps(_mm256_and_si256(u, sign)));
+      x = _mm256_blendv_ps(_mm256_blendv_ps(x, sub, small), t, normal); /* 65504 and beyond: to nearest */
     }
     _mm_storeu_si128((__m128i*)(d + k), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
