@@ -38,9 +38,9 @@ Where the two sides differ by design, the derived quantity is compared:
   dtype, device and rank, and on both sides every table's ``rows x dims`` elements (``rows`` for a row-wise
   state) lie at ``weights_offsets[t]`` (``{state}_offsets[t]``) inside the buffer, none overlapping
   (:func:`_laid_out`);
-* ``mixed_D``: fbgemm's module hands its rowwise Adagrad ``False`` for tables of one width (a faster kernel),
-  ours is always ``True`` (the general kernels, right for any widths): ours must be ``True``, and fbgemm's may
-  differ only for tables of one width;
+* ``mixed_D``: fbgemm's module hands its row-wise Adagrad ``False`` for tables of one width (a faster kernel):
+  the backward op's must be equal; the lookup function's (ours pools through SGD's, whose ``True``, the
+  general kernels, is right for any widths) may differ only for tables of one width;
 * a memory kind the tables do not use (``host_weights``, ``{state}_host``, an unweighted call's
   ``indice_weights``): fbgemm's autograd passes an undefined tensor, ours an empty one on the device (Python
   hands a ``Tensor`` argument no ``None``); the CUDA kernels read neither;
@@ -375,10 +375,12 @@ def _with_defaults(op: Any, args: dict[str, Any]) -> dict[str, Any]:
 
 def _compare_common(c: Compare, name: str, ours: Any, theirs: Any) -> None:
     """An argument neither side lays out differently: tensors alike (small constants by value), scalars equal."""
-    if name in _MIXED_D:
-        # fbgemm's module hands its rowwise Adagrad ``mixed_D = dims differ`` (its faster kernels for tables of
-        # one width), every other kind the general ``True``; ours is always the general ``True``, right for any
-        # dims: alike wherever fbgemm's module needs the general kernels
+    if name == "mixed_D":  # the backward op's: fbgemm's module's row-wise Adagrad asks for its one-width kernels
+        if ours is not theirs:
+            c.fail(name, f"{ours!r} (ours) != {theirs!r} (fbgemm's module) for dims {c.dims}")
+    elif name in _MIXED_D:
+        # the lookup function's: ours pools through SGD's, whose general ``True`` is right for any dims; fbgemm's
+        # module hands its row-wise Adagrad's ``dims differ``: alike wherever it needs the general kernels
         if ours is not True or (theirs is not True and len(set(c.dims)) > 1):
             c.fail(name, f"{ours!r} (ours) / {theirs!r} (fbgemm's module) for dims {c.dims}")
     elif isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor):

@@ -308,7 +308,8 @@ def backward_values(weights: torch.Tensor, args: TableArgs, batch: Batch, grad: 
         "weights_offsets": args.weights_offsets,
         "D_offsets": args.d_offsets,
         "max_D": args.max_d,
-        "mixed_D": True,
+        # row-wise Adagrad's kernels for tables of one width are faster; fbgemm's module asks for them so
+        "mixed_D": hyper.kind is not ROWWISE_ADAGRAD or args.max_d * len(args.placements) != args.total_d,
         "hash_size_cumsum": args.hash_size_cumsum,
         "total_hash_size_bits": args.hash_bits,
         "indices": batch.ids,
