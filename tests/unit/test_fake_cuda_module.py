@@ -81,7 +81,7 @@ from .test_fake_cuda import (BAGS, CASES, DEV, GAP, KINDS, Call, Recorder, Table
 
 pytestmark = pytest.mark.skipif(not fbgemm.available(), reason="needs fbgemm_gpu")
 
-DTYPES = ("fp32", "fp16")
+DTYPES = ("fp32", "fp16", "bf16")
 """The weights' dtypes compared with fbgemm's module; fp16 and bf16 join by name (:data:`_OURS_REFUSE`)."""
 _TORCH_DTYPE = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _OURS_REFUSE: frozenset[str] = frozenset()
@@ -244,6 +244,8 @@ class FbgemmModule:
                 [(r, d, EmbeddingLocation.DEVICE, ComputeDevice.CUDA) for r, d in shapes],
                 optimizer=getattr(EmbOptimType, _OPTIM[kind]), device=torch.device(DEV),
                 weights_precision=getattr(SparseType, dtype.upper()), output_dtype=SparseType.FP32,
+                # its cache refuses bf16 (no cache is used here: every table on the device)
+                cache_precision=SparseType.FP32 if dtype == "bf16" else None,
                 pooling_mode=PoolingMode.SUM, learning_rate=LR, eps=EPS, beta1=BETA1, beta2=BETA2, weight_decay=0.0,
                 stochastic_rounding=True)
         self.scalars.values.update({id(self.module.iter_cpu): 0, id(self.module.iter): 0})

@@ -195,7 +195,7 @@ def test_which_implementation_serves_half_tables(monkeypatch):
     assert for_w(choose.Impl.NATIVE, cpu, torch.bfloat16, stochastic=True) is choose.Impl.NATIVE
     assert for_w(choose.Impl.FBGEMM, cpu, torch.float64) is choose.Impl.TORCH
     assert for_w(choose.Impl.FBGEMM, cuda, torch.float16, stochastic=True) is choose.Impl.FBGEMM
-    assert for_w(choose.Impl.FBGEMM, cuda, torch.bfloat16) is choose.Impl.TORCH
+    assert for_w(choose.Impl.FBGEMM, cuda, torch.bfloat16) is choose.Impl.FBGEMM
     monkeypatch.setenv("TDB_KERNELS", "fbgemm")  # forced: ours may not run
     assert for_w(choose.Impl.FBGEMM, cpu, torch.bfloat16) is choose.Impl.TORCH
     shard = torch.zeros(10, 8, dtype=torch.bfloat16)

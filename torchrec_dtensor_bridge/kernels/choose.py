@@ -187,15 +187,15 @@ def for_weights(which: Impl, device: torch.device, dtype: torch.dtype, *, stocha
 
     fbgemm's CPU kernels take fp16 tables, not bf16, and round an update to nearest whatever they are asked
     (fbgemm_gpu-cpu 1.8 ignores ``stochastic_rounding``): work they cannot do as asked goes to ours where
-    every rank has them (else torch's). fbgemm's CUDA kernels take fp16 tables here (bf16: torch's). The same
-    inputs give the same answer on every rank of an agreement.
+    every rank has them (else torch's). fbgemm's CUDA kernels take fp16 and bf16 tables (its CUDA code generator
+    dispatches both). The same inputs give the same answer on every rank of an agreement.
     """
     if dtype == torch.float32 or which is Impl.TORCH:
         return which
     if dtype not in native.DTYPES:
         return Impl.TORCH
     if device.type != "cpu":
-        return which if dtype == torch.float16 else Impl.TORCH
+        return which
     if which is Impl.FBGEMM and (dtype != torch.float16 or stochastic):
         return Impl.NATIVE if _available(Impl.NATIVE, device) else Impl.TORCH
     return which

@@ -162,7 +162,7 @@ class _Unused:
     """What fbgemm's CUDA argument lists hold for the memory kinds a caller's storage does not use."""
 
     uvm: torch.Tensor  # (0,) in the weights' dtype: no unified-memory part (fbgemm reads it as the weights' type)
-    cache_weights: torch.Tensor  # (0, 0) in the weights' dtype: no cache
+    cache_weights: torch.Tensor  # (0, 0) in the cache's dtype (the weights', fp32 for bf16): no cache
     cache_locations: torch.Tensor  # int32 (0,): no cache
     placements: torch.Tensor  # int32 (0,): a state with no tables (Adam's row counters)
     offsets: torch.Tensor  # int64 (0,): a state with no tables
@@ -170,8 +170,10 @@ class _Unused:
 
 @functools.lru_cache(maxsize=16)
 def _unused(device: str, dtype: torch.dtype = torch.float32) -> _Unused:
+    # fbgemm's cache holds fp32 or fp16 rows (its module refuses a bf16 cache): bf16 tables' placeholder is fp32
+    cache = torch.float32 if dtype == torch.bfloat16 else dtype
     return _Unused(torch.empty(0, dtype=dtype, device=device),
-                   torch.empty(0, 0, dtype=dtype, device=device),
+                   torch.empty(0, 0, dtype=cache, device=device),
                    torch.empty(0, dtype=torch.int32, device=device),
                    torch.empty(0, dtype=torch.int32, device=device),
                    torch.empty(0, dtype=torch.int64, device=device))
