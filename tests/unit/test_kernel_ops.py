@@ -204,6 +204,9 @@ def test_ranks_settle_on_what_every_rank_has_and_the_first_ranks_calibration():
         assert kernels.update_impl(cpu, "sgd", 0.1) is kernels.Impl.NATIVE  # fbgemm ignores weight decay
         kernels.settle(cpu, [3, 3 | 0b111100])
         assert kernels.pool_impl(cpu) is kernels.Impl.FBGEMM
+        kernels.settle(cpu, [3 | 1 << 3, mine])  # rank 0 measured ours faster at pooling fp16 rows only
+        assert kernels.pool_impl(cpu, torch.float16) is kernels.Impl.NATIVE
+        assert kernels.pool_impl(cpu) is kernels.Impl.FBGEMM
     finally:
         kernels.choose._agreed.clear()
     assert kernels.pool_impl(cpu) is kernels.calibrated("pool")

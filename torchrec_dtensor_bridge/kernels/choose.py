@@ -72,7 +72,8 @@ def _warn_once(message: str) -> None:
 def _calibrated() -> list[str]:
     """The work both C implementations can do: the pooled sum, and the update of each kind both list (in the
     registry's order); a machine's calibration chooses between them for each."""
-    return ["pool", *(f"update_{k.name}" for k in REGISTERED.values() if k.native is not None and k.fbgemm_cpu)]
+    return ["pool", "pool_fp16",
+            *(f"update_{k.name}" for k in REGISTERED.values() if k.native is not None and k.fbgemm_cpu)]
 
 
 _agreed: dict[str, int] = {}
@@ -146,9 +147,11 @@ def _pick(candidates: list[Impl], what: str, device: torch.device) -> Impl:
     return ready[0] if ready else Impl.TORCH
 
 
-def pool_impl(device: torch.device) -> Impl:
-    """The implementation of ``tdb::pool_sum`` on ``device``."""
-    return _remembered(("pool",), device, lambda: _pick([Impl.NATIVE, Impl.FBGEMM], "pool", device))
+def pool_impl(device: torch.device, dtype: torch.dtype = torch.float32) -> Impl:
+    """The implementation of ``tdb::pool_sum`` on ``device`` for tables of ``dtype`` (fp16 tables calibrated on
+    their own: the two C kernels read half-precision rows differently)."""
+    what = "pool_fp16" if dtype == torch.float16 else "pool"
+    return _remembered((what,), device, lambda: _pick([Impl.NATIVE, Impl.FBGEMM], what, device))
 
 
 def dense_impl(device: torch.device) -> Impl:
@@ -278,13 +281,15 @@ def _measure(what: str) -> tuple[float, float]:
     each (other work on the machine only ever adds time)."""
     gen = torch.Generator().manual_seed(0)
     weights = torch.rand(_ROWS * _DIM, generator=gen)
+    if what == "pool_fp16":
+        weights = weights.half()
     ids = torch.randint(0, _ROWS, (_BAGS * _PER_BAG,), generator=gen)
     offsets = torch.arange(0, ids.numel() + 1, _PER_BAG)
     grad = torch.rand(_BAGS, _DIM, generator=gen) * 1e-3
     tables, batch = Tables(weights, [0], [_DIM], [_ROWS]), Batch(ids, offsets)
     kernel = native.kernel()
     assert kernel is not None, "calibrated only where both C kernels are"
-    if what == "pool":
+    if what in ("pool", "pool_fp16"):
         jobs: dict[Impl, Callable[[], object]] = {Impl.NATIVE: lambda: kernel.pool_tables(tables, batch),
                                                   Impl.FBGEMM: lambda: fbgemm.pool_sum(tables, batch)}
     else:

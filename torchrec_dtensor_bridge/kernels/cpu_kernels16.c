@@ -189,6 +189,43 @@ TDB_F16C static void tdb_f16_add_f16c(const uint16_t* s, float* acc, int64_t n, 
   }
   tdb_f16_add_plain(s + k, acc + k, n - k, scale);
 }
+/* Bags [b0, b1) of one fp16 table pooled, 64 columns at a time in eight registers over each bag's ids (each
+   column still adds in id order, as the plain loop: the same bits); dim a multiple of 64. */
+TDB_F16C static void tdb_f16_pool_f16c(const uint16_t* weight, int64_t ldw, int64_t dim, float* out, int64_t ldo,
+                                       const int64_t* ids, const int64_t* offsets, int64_t b0, int64_t b1,
+                                       const float* psw, int64_t n) {
+  for (int64_t b = b0; b < b1; ++b) {
+    int64_t pe = offsets[b + 1];
+    for (int64_t c = 0; c < dim; c += 64) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+      for (int64_t p = offsets[b]; p < pe; ++p) {
+        if (c == 0 && p + 16 < n) { /* every cache line of the row ahead */
+          const uint16_t* ahead = weight + ids[p + 16] * ldw;
+          for (int64_t k = 0; k < dim; k += 32) __builtin_prefetch(ahead + k, 0, 3);
+        }
+        const __m128i* w = (const __m128i*)(weight + ids[p] * ldw + c);
+#define TDB_ROW8(k) _mm256_cvtph_ps(_mm_loadu_si128(w + (k)))
+        if (psw) {
+          __m256 s = _mm256_set1_ps(psw[p]);
+          a0 = _mm256_fmadd_ps(s, TDB_ROW8(0), a0); a1 = _mm256_fmadd_ps(s, TDB_ROW8(1), a1);
+          a2 = _mm256_fmadd_ps(s, TDB_ROW8(2), a2); a3 = _mm256_fmadd_ps(s, TDB_ROW8(3), a3);
+          a4 = _mm256_fmadd_ps(s, TDB_ROW8(4), a4); a5 = _mm256_fmadd_ps(s, TDB_ROW8(5), a5);
+          a6 = _mm256_fmadd_ps(s, TDB_ROW8(6), a6); a7 = _mm256_fmadd_ps(s, TDB_ROW8(7), a7);
+        } else {
+          a0 = _mm256_add_ps(a0, TDB_ROW8(0)); a1 = _mm256_add_ps(a1, TDB_ROW8(1));
+          a2 = _mm256_add_ps(a2, TDB_ROW8(2)); a3 = _mm256_add_ps(a3, TDB_ROW8(3));
+          a4 = _mm256_add_ps(a4, TDB_ROW8(4)); a5 = _mm256_add_ps(a5, TDB_ROW8(5));
+          a6 = _mm256_add_ps(a6, TDB_ROW8(6)); a7 = _mm256_add_ps(a7, TDB_ROW8(7));
+        }
+#undef TDB_ROW8
+      }
+      float* o = out + b * ldo + c;
+      _mm256_storeu_ps(o, a0); _mm256_storeu_ps(o + 8, a1); _mm256_storeu_ps(o + 16, a2);
+      _mm256_storeu_ps(o + 24, a3); _mm256_storeu_ps(o + 32, a4); _mm256_storeu_ps(o + 40, a5);
+      _mm256_storeu_ps(o + 48, a6); _mm256_storeu_ps(o + 56, a7);
+    }
+  }
+}
 TDB_F16C static void tdb_f16_store_f16c(const float* v, uint16_t* d, int64_t n, const uint32_t* r) {
   int64_t k = 0;
   const __m256i magnitude = _mm256_set1_epi32(0x7fffffff), low = _mm256_set1_epi32(0x387fffff);
@@ -220,6 +257,9 @@ TDB_F16C static void tdb_f16_store_f16c(const float* v, uint16_t* d, int64_t n, 
 #endif
 
 typedef struct {
+  /* bags of a table whose width is a multiple of 64 (NULL: none) */
+  void (*pool)(const uint16_t*, int64_t, int64_t, float*, int64_t, const int64_t*, const int64_t*, int64_t, int64_t,
+               const float*, int64_t);
   void (*load)(const uint16_t*, float*, int64_t);
   void (*add)(const uint16_t*, float*, int64_t, const float*);
   void (*store)(const float*, uint16_t*, int64_t, const uint32_t*);
@@ -227,9 +267,9 @@ typedef struct {
 
 /* The fp16 row functions for this CPU: F16C's where it has it. */
 static const tdb_f16_rows* tdb_f16(void) {
-  static const tdb_f16_rows plain = {tdb_f16_load_plain, tdb_f16_add_plain, tdb_f16_store_plain};
+  static const tdb_f16_rows plain = {NULL, tdb_f16_load_plain, tdb_f16_add_plain, tdb_f16_store_plain};
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const tdb_f16_rows f16c = {tdb_f16_load_f16c, tdb_f16_add_f16c, tdb_f16_store_f16c};
+  static const tdb_f16_rows f16c = {tdb_f16_pool_f16c, tdb_f16_load_f16c, tdb_f16_add_f16c, tdb_f16_store_f16c};
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     return &f16c;
@@ -269,6 +309,10 @@ static int tdb_pool_sum16(const uint16_t* restrict weight, int wtype, int64_t ld
   if (!tdb_ids_inside(ids, offsets[b0], n, rows)) return -1;
   if (dim <= 0) return 0;
   const tdb_f16_rows* f16 = tdb_f16();
+  if (wtype == TDB_F16 && f16->pool && dim % 64 == 0) {
+    f16->pool(weight, ldw, dim, out, ldo, ids, offsets, b0, b1, psw, n);
+    return 0;
+  }
   float acc[TDB_MAX_DIM];
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t k = 0; k < dim; ++k) acc[k] = 0.0f;

@@ -215,7 +215,7 @@ def _pool_sum(tables: Tables, batch: Batch) -> Tensor:
     device = tables.storage.device
     b = _check_batch("pool_sum", len(tables.dims), batch, device)
     on_cpu, width = device.type == "cpu", sum(tables.dims)
-    which = choose.for_weights(choose.pool_impl(device), device, tables.storage.dtype)
+    which = choose.for_weights(choose.pool_impl(device, tables.storage.dtype), device, tables.storage.dtype)
     if (which is Impl.NATIVE and not native.fits(tables, batch)) or (
             which is Impl.FBGEMM and not on_cpu and _cuda_misfit(tables, batch, b) is not None):
         which = Impl.TORCH
