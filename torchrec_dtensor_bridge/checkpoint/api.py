@@ -66,9 +66,11 @@ from ..agreement import gather_objects
 from ..groups import CommGroup
 from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_gathered
 from .commit import DirLock, SaveLock, commit, generation_dir, prepare_generation, prune, sweep, writable_parent
+from .chainread import load_chain
 from .common import (dcp_failures, dcp_quietly, default_process_group, dtype_of, global_shape, leaves, object_summary,
                      run_dcp)
 from .errors import CheckpointError
+from .incremental import BaseCheckpoint, Rows, manifest_records, open_base, without_tensors
 from .keyed import combine_row_states
 from .loading import ROW_STATE_COLUMNS, SafeObjectPlanner, open_agreed
 from .manifest import Checksums, write_manifest
@@ -131,6 +133,7 @@ def save(
     state_dict: Mapping[str, Any],
     path: str | Path,
     *,
+    base: str | Path | None = None,
     keep_spare: bool = True,
     process_group: dist.ProcessGroup | None = None,
 ) -> str:
@@ -148,9 +151,19 @@ def save(
     saving to the same path raises :class:`.CheckpointBusyError` at once.
     Returns the save id.
 
+    Every save records a digest of every row it writes (8 bytes a row; rows of at most 8 bytes are their own
+    digest). With ``base``, the save is *incremental*: per tensor block, only the rows whose digest differs
+    from the base's are written, the rest refer to the base (see :mod:`.incremental`); a load follows the
+    chain of bases back to a full checkpoint (:mod:`.chain`), and :func:`~.compact.compact` makes a chain one
+    self-contained checkpoint again.
+
     Args:
         state_dict: what to save (nested dicts allowed, Stateful values expanded).
         path: the checkpoint path (a symlink to its committed generation).
+        base: an earlier checkpoint of the same tensor keys, shapes and dtypes, written by this function (full
+            or incremental), in the same directory as ``path`` and not ``path`` itself: save only what changed
+            since it. The base's generation must stay: a later save to the base's path may replace it, and a
+            load of this checkpoint then refuses, naming the missing link.
         keep_spare: keep the superseded generation so the next save rewrites its
             files in place (faster: BENCHMARKS.md, "Checkpoints") instead of
             allocating new ones; ``False`` keeps only the committed generation.
@@ -162,7 +175,8 @@ def save(
         NotADirectoryError: an existing parent of ``path`` is a file (on every rank, nothing written).
         TypeError: a Stateful's ``state_dict()`` is not a mapping (on every rank, nothing written).
         CheckpointBusyError: another save to ``path`` is in progress.
-        ValueError: ranks disagree on a key's shape or dtype (on every rank, nothing written).
+        ValueError: ranks disagree on a key's shape or dtype, or ``base`` is not a checkpoint of the same keys,
+            shapes and dtypes (on every rank, nothing written).
         CheckpointError: ``path`` exists and is not a checkpoint of ours, or writing or committing failed (the
             previous checkpoint stays in force).
 
@@ -186,6 +200,17 @@ def save(
             writable_parent(path)
         except NotADirectoryError as e:  # before anything is written; raised as itself on every rank
             problems.append(Problem(Kind.NOT_A_DIRECTORY, str(e)))
+    base_ck: BaseCheckpoint | None = None
+    if base is not None:
+        try:
+            base_ck = open_base(base, path)
+        except ValueError as e:
+            problems.append(Problem(Kind.VALUE, str(e)))
+        except Exception as e:  # reported to every rank
+            problems.append(problem_from(e, f"base {base}"))
+    rows = Rows(state_dict, dist.get_rank() if dist.is_initialized() else 0, base_ck)
+    signature = _signature(state_dict)
+    problems += rows.check(signature)
     if rank == 0 and not problems:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -197,33 +222,49 @@ def save(
             _, gen_lock = prepare_generation(path, gen, reuse=keep_spare)
         except Exception as e:  # reported to every rank
             problems.append(problem_from(e, f"cannot prepare {gen.name}"))
-    everyone = gather_objects((save_id, problems, _signature(state_dict), expanded.local_records(),
-                               expanded.column_widths), g)
+    everyone = gather_objects((save_id, problems, signature, expanded.local_records(),
+                               expanded.column_widths, rows.describe(), base_ck and base_ck.save_id), g)
     save_id = everyone[0][0]
     gen = generation_dir(path, save_id)
-    disagree = _disagreements([s for _, _, s, _, _ in everyone], g)
+    disagree = _disagreements([e[2] for e in everyone], g)
+    if base_ck is not None and len({e[6] for e in everyone}) > 1:
+        disagree.append(Problem(Kind.VALUE, f"base {base}: ranks found different saves {[e[6] for e in everyone]} "
+                                            "(it was saved to while this save began); save again"))
     if not disagree:
-        expanded.merge_records([r for _, _, _, r, _ in everyone])
-    widths = {k: list(v) for *_, cuts in everyone for k, v in cuts.items()}  # each rank knows its own tables
+        expanded.merge_records([e[3] for e in everyone])
+    widths = {k: list(v) for e in everyone for k, v in e[4].items()}  # each rank knows its own tables
     try:
-        if disagree or any(p for _, p, _, _, _ in everyone):
+        if disagree or any(e[1] for e in everyone):
             if rank == 0 and gen_lock is not None:
                 shutil.rmtree(gen, ignore_errors=True)
-            raise_gathered(what + " refused, nothing was written", [p for _, p, _, _, _ in everyone], g, disagree)
+            raise_gathered(what + " refused, nothing was written", [e[1] for e in everyone], g, disagree)
+        rows.own([e[5] for e in everyone], rank or 0)
+        try:
+            mine = rows.compute()
+        except Exception as e:  # reported to every rank
+            mine = [problem_from(e, "row digests")]
+        found = gather_objects(mine, g)  # the base's digests of this rank's blocks: readable?
+        if any(found):
+            if rank == 0:
+                shutil.rmtree(gen, ignore_errors=True)
+            raise_gathered(what + " refused, nothing was written", found, g)
         _stage("prepared")
-        local_sums = _write_generation(state_dict, gen, g, what)
+        local = _write_generation(without_tensors(state_dict) if base_ck is not None else state_dict, gen, g,
+                                  what, rows)
         _stage("dcp_saved")
-        sums = gather_objects(local_sums, g)
+        sums = gather_objects(local, g)
         _stage("checksummed")
         outcome: str | None = None
         if rank == 0:
-            outcome = _commit(path, gen, sums, world, keep_spare, gen_lock,
-                              {"objects": object_summary(state_dict), ROW_STATE_COLUMNS: widths})
+            records = manifest_records(base_ck, [e[2] for e in everyone], [(d, p) for _, d, p in sums])
+            outcome = _commit(path, gen, [s for s, _, _ in sums], world, keep_spare, gen_lock,
+                              {"objects": object_summary(state_dict), ROW_STATE_COLUMNS: widths, **records})
             gen_lock = None
         outcome = from_rank0(outcome, g)
         if outcome:
             raise CheckpointError(outcome)
     finally:
+        rows.close()
         if gen_lock is not None:
             gen_lock.release()
         if lock is not None:
@@ -231,14 +272,19 @@ def save(
     return save_id
 
 
-def _write_generation(state_dict: Mapping[str, Any], gen: Path, g: CommGroup, what: str) -> dict[str, Any]:
-    """``dcp.save`` into ``gen``; on failure every rank raises with every rank's OS errors (errno named) and rank 0
-    removes ``gen``."""
+def _write_generation(state_dict: Mapping[str, Any], gen: Path, g: CommGroup, what: str, rows: Rows,
+                      ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``dcp.save`` into ``gen``, then this rank's row files (:meth:`.incremental.Rows.write`); on failure every
+    rank raises with every rank's OS errors (errno named) and rank 0 removes ``gen``. Returns this rank's file
+    checksums and its row digest and piece records."""
     writer = ChecksummingWriter(gen, sync_files=True)
     problems: list[Problem] = []
+    out: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, {}, {})
     try:
         with dcp_quietly():
             dcp.save(state_dict, storage_writer=writer, process_group=g.group)
+        sums, digests, pieces = rows.write(gen, g.rank or 0)
+        out = ({**writer.file_sums, **sums}, digests, pieces)
     except CheckpointException as e:
         local = writer.os_errors
         problems += [problem_from(err, f"writing {name}") for name, err in local]
@@ -246,12 +292,14 @@ def _write_generation(state_dict: Mapping[str, Any], gen: Path, g: CommGroup, wh
             failures = dcp_failures(e)
             oserr = [f for f in failures if isinstance(f, OSError)]
             problems.append(problem_from(oserr[0]) if oserr else Problem(Kind.IO, f"dcp.save failed: {e}"))
+    except Exception as e:  # the row files: reported to every rank
+        problems.append(problem_from(e, "writing row files"))
     everyone = gather_objects(problems, g)
     if any(everyone):
         if g.rank == 0:
             shutil.rmtree(gen, ignore_errors=True)
         raise_gathered(f"{what} failed, the previous checkpoint is intact and {gen.name} was removed", everyone, g)
-    return writer.file_sums
+    return out
 
 
 def _commit(path: Path, gen: Path, sums: list[Any], world: int, keep_spare: bool, gen_lock: DirLock | None,
@@ -261,7 +309,8 @@ def _commit(path: Path, gen: Path, sums: list[Any], world: int, keep_spare: bool
     try:
         md_bytes = (gen / ".metadata").read_bytes()
         md = parse_metadata(md_bytes, str(gen / ".metadata"))
-        files = sorted({info.relative_path for info in md.storage_data.values()})
+        files = sorted({info.relative_path for info in md.storage_data.values()}
+                       | {rel for part in sums for rel in part if rel.endswith(".tdb")})
         prune(gen, {".metadata", *files})  # leftovers of a reused generation (e.g. more ranks)
         merged = {rel: fs for part in sums for rel, fs in part.items() if rel in files}
         dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
@@ -370,18 +419,23 @@ def load(
             expanded.drop(opened.absent)
             combine, undo = combine_row_states(expanded.row_states, opened.row_states, opened.metadata)
             checksums = Checksums(opened.manifest) if verify and opened.manifest is not None else None
+            head = opened.chain.links[0].metadata if opened.chain is not None else opened.metadata
             reader = VerifiedReader(opened.root, checksums=checksums, process_group=group,
-                                    staging_bytes=staging_bytes, what=what, metadata=opened.metadata,
+                                    staging_bytes=staging_bytes, what=what, metadata=head,
                                     trusted_pickles=trusted_pickles)
             try:
-                run_dcp(dcp.load, expanded.view, storage_reader=reader,
-                        planner=SafeObjectPlanner(trusted_pickles), process_group=group)
+                if opened.chain is None:
+                    run_dcp(dcp.load, expanded.view, storage_reader=reader,
+                            planner=SafeObjectPlanner(trusted_pickles), process_group=group)
+                else:  # an incremental checkpoint
+                    load_chain(opened.chain, expanded.view, reader, group, what, verify=verify,
+                               staging_bytes=staging_bytes, trusted_pickles=trusted_pickles)
             except BaseException:
                 undo()
                 raise
             combine()
         finally:
-            opened.lock.release()
+            opened.release()
     except BaseException:
         expanded.rollback()
         raise
