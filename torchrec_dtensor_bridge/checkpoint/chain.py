@@ -247,3 +247,22 @@ def link_name(root: Path) -> str:
     """The checkpoint name of a generation directory ``.<name>.tdb-<id>``."""
     base = os.path.basename(root)
     return base[1:].rsplit(".tdb-", 1)[0] if base.startswith(".") and ".tdb-" in base else base
+
+
+def describe(chain: Chain) -> list[dict[str, Any]]:
+    """Per link, newest first: ``name``, ``save_id``, ``base`` (``None`` for the full checkpoint), ``rows`` (per
+    key, the rows the link holds: every block's rows counted, so a row cut into column blocks counts once per
+    block) and ``bytes`` (its data files)."""
+    out = []
+    for link in chain.links:
+        files = link.manifest.get("files")
+        size = sum(rec.get("size", 0) for rec in files.values() if isinstance(rec, dict)) if isinstance(files, dict) else 0
+        if link.full:
+            rows = {k: (shape[0] if shape else 1) for k, (shape, _) in chain.tensors.items()}
+            base = None
+        else:
+            rows = {k: sum(p.count for p in ps) for k, ps in sorted(link.pieces.items())}
+            base = link.manifest[LINK]["base"]["name"]
+        out.append({"name": link.name, "save_id": link.manifest.get("save_id"), "base": base, "rows": rows,
+                    "bytes": size})
+    return out
