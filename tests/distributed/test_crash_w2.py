@@ -85,7 +85,7 @@ DEFAULT_OTHERS = {("fresh", "prepared"), ("fresh", "committed"), ("overwrite", "
                   ("overwrite", "manifest_written")}
 
 
-DEFAULT_OTHERS |= {("incremental", "dcp_saved"), ("incremental", "checksummed")}  # a kill mid-incremental save
+DEFAULT_OTHERS |= {("incremental", "dcp_saved")}  # a kill mid-incremental save
 
 
 def _sparse_new():

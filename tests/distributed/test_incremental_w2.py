@@ -206,3 +206,56 @@ def test_broken_damaged_or_foreign_links_refused_on_every_rank(pool, tmp_path):
     # later saves to a base's own path replace the generation a link depends on: said clearly
     pool.run(_resave_base, root)
     pool.run(_load_refused, root, "BrokenChainError", r"link l1 .*(is gone|was replaced)")
+
+
+FUSED = {"a": (ShardLayout.row_wise((40, 8), [25, 15]), ShardLayout.column_wise((40, 8), [3, 5])),
+         "b": (ShardLayout.column_wise((30, 8), [4, 4]), ShardLayout.row_wise((30, 8), [10, 20]))}
+
+
+def _fused_job(rank, plan):
+    weights = {n: tdb.convert.dtensor_from_local_shards(
+        lays[plan].with_name(n), [reference_table(lays[0].global_shape, seed=i)[s.slices()].clone() * 1e-3
+                                  for s in lays[plan].shards_on(rank)]) for i, (n, lays) in enumerate(FUSED.items())}
+    for w in weights.values():
+        w.requires_grad_()
+    return weights, tdb.FusedOptimizer(weights, "rowwise_adagrad", lr=0.05)
+
+
+def _fused_step(rank, weights, opt, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    for n, w in weights.items():
+        ids = torch.randint(0, w.shape[0], (6,), generator=g)
+        out = tdb.sharded_embedding_bag(ids, w, torch.tensor([0, 3]), mode="sum", optimizer=opt)
+        (out * (step + 1)).sum().backward()
+
+
+def _fused_snapshot(weights, opt):
+    sd = {f"w.{n}": w for n, w in weights.items()} | {f"opt.{k}": v for k, v in opt.state_dict().items()
+                                                       if isinstance(v, torch.Tensor)}
+    return {k: tdb.full_tensor(v).clone() for k, v in sd.items()}
+
+
+def _fused_chain(rank, world_size, root):
+    """A FusedOptimizer job saved as a chain (row-wise and column-wise tables), resumed under the other plan."""
+    weights, opt = _fused_job(rank, 0)
+    _fused_step(rank, weights, opt, 0)
+    tdb.checkpoint.save({"w": weights, "opt": opt}, f"{root}/f0")
+    for link in range(1, 4):
+        _fused_step(rank, weights, opt, link)
+        tdb.checkpoint.save({"w": weights, "opt": opt}, f"{root}/f{link}", base=f"{root}/f{link - 1}")
+    saved = _fused_snapshot(weights, opt)
+    _fused_step(rank, weights, opt, 4)
+    after = _fused_snapshot(weights, opt)
+    resumed_w, resumed_opt = _fused_job(rank, 1)
+    tdb.checkpoint.load({"w": resumed_w, "opt": resumed_opt}, f"{root}/f3")
+    got = _fused_snapshot(resumed_w, resumed_opt)
+    assert sorted(got) == sorted(saved) and any("momentum1" in k for k in got), sorted(got)
+    for k, v in saved.items():
+        assert torch.equal(got[k], v), k
+    _fused_step(rank, resumed_w, resumed_opt, 4)  # the same step as the uninterrupted run, under another plan
+    for k, v in _fused_snapshot(resumed_w, resumed_opt).items():
+        torch.testing.assert_close(v, after[k], rtol=1e-6, atol=1e-7)  # column cuts sum per-row squares in parts
+
+
+def test_fused_optimizer_job_resumes_from_a_chain_under_another_plan(pool, tmp_path):
+    pool.run(_fused_chain, str(tmp_path))

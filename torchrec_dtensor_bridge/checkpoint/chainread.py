@@ -37,7 +37,7 @@ from .chain import Chain, Link, Piece
 from .common import leaves, run_dcp
 from .errors import CheckpointError
 from .incremental import ALIGN, local_blocks
-from .manifest import Checksums
+from .manifest import BLOCK, Checksums
 from .loading import SafeObjectPlanner
 from .reader import ReadStats, VerifiedReader, _Bad, _ItemView, _VerifiedFile
 from .savedtensor import Unreadable, parse_layout
@@ -46,7 +46,7 @@ __all__ = ["GAP_BYTES", "SPAN_BYTES", "ChainReader", "load_chain"]
 
 GAP_BYTES = 64 << 10
 """Rows not needed between two needed ones are read through (and not copied) up to this many bytes."""
-SPAN_BYTES = 16 << 20
+SPAN_BYTES = 4 << 20
 """The most bytes read at once."""
 
 Cell = tuple[tuple[int, ...], tuple[int, ...]]  # (global starts, lengths) of dims 1..
@@ -61,7 +61,17 @@ class _Source:
     data_at: int
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
-    ids: torch.Tensor  # global rows, ascending, one per stored row
+    ids: torch.Tensor | None  # global rows, ascending, one per stored row; None: rows first .. first + count
+    first: int = 0
+    count: int = 0
+
+    def inside(self, d0: int, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The positions of the rows inside ``[d0, d0 + n)`` and those rows' indices in it; ``None`` if none."""
+        if self.ids is None:
+            a, b = max(d0, self.first), min(d0 + n, self.first + self.count)
+            return (torch.arange(a - self.first, b - self.first), torch.arange(a - d0, b - d0)) if a < b else None
+        pos = ((self.ids >= d0) & (self.ids < d0 + n)).nonzero().flatten()
+        return (pos, self.ids[pos] - d0) if pos.numel() else None
 
 
 @dataclass
@@ -74,6 +84,7 @@ class _Take:
     dtype: torch.dtype
     positions: torch.Tensor
     copies: list[tuple[Cell, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (cell, src pos, dest rows)
+    through: bool = False  # the full checkpoint's rows: every row read is copied (newer links' rows land later)
 
     def spans(self, row_bytes: int) -> list[tuple[int, int]]:
         """Runs of positions ``[a, b)`` to read, small gaps read through, each at most :data:`SPAN_BYTES`."""
@@ -119,6 +130,7 @@ class ChainReader:
         self._files: dict[tuple[str, str], _VerifiedFile] = {}
         self._takes: list[_Take] = []
         self._staged: list[tuple[_Take, int, memoryview]] | None = None
+        self._scratch: memoryview | None = None
         self._tensors = [(fqn, v) for fqn, v in leaves(view) if isinstance(v, torch.Tensor) and fqn in chain.tensors]
 
     # -- files
@@ -142,7 +154,7 @@ class ChainReader:
     def _piece_source(self, link: Link, fqn: str, p: Piece) -> _Source:
         first = p.offsets[0] if p.offsets else 0
         if p.every:
-            return _Source(link, p.file, p.at, p.offsets, p.sizes, first + torch.arange(p.count))
+            return _Source(link, p.file, p.at, p.offsets, p.sizes, None, first, p.count)
         vf = self._file(link, p.file)
         raw = vf.read(p.at, p.at + 8 * p.count, f"{link.label}: key {fqn!r} row ids") if p.count else b""
         ids = torch.frombuffer(bytearray(raw), dtype=torch.int64) if p.count else torch.empty(0, dtype=torch.int64)
@@ -170,8 +182,8 @@ class ChainReader:
                 raise _Bad(f"{who} is not a contiguous tensor ({e}); compact the chain from a full checkpoint "
                            "written by tdb.checkpoint.save") from None
             first = o[0] if o else 0
-            out.append(_Source(link, info.relative_path, info.offset + lay.data_start, o, s,
-                               first + torch.arange(s[0] if s else 1)))
+            out.append(_Source(link, info.relative_path, info.offset + lay.data_start, o, s, None, first,
+                               s[0] if s else 1))
         return out
 
     def _sources(self, fqn: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[_Source]:
@@ -203,11 +215,25 @@ class ChainReader:
         filled = torch.zeros(n, len(cells), dtype=torch.bool)
         takes = []
         for src in mine:
-            inside = ((src.ids >= d0) & (src.ids < d0 + n)).nonzero().flatten()
-            if not inside.numel():
+            found = src.inside(d0, n)
+            if found is None:
                 continue
-            drows = src.ids[inside] - d0
-            take = _Take(src, rows, d_off, dtype, inside)
+            inside, drows = found
+            take = _Take(src, rows, d_off, dtype, inside, through=src.link.full)
+            if take.through:  # a run of rows: slices, not gathers
+                r0, r1 = int(drows[0]), int(drows[-1]) + 1
+                for c, (starts, lens) in enumerate(cells):
+                    if all(o <= a and a + m <= o + s for a, m, o, s in zip(starts, lens, src.offsets[1:],
+                                                                          src.sizes[1:])):
+                        need = (~filled[r0:r1, c]).nonzero().flatten()
+                        if need.numel():
+                            filled[r0:r1, c] = True
+                            take.copies.append(((starts, lens), need, need))
+                if take.copies:
+                    take.positions = torch.unique(torch.cat([sp for _, sp, _ in take.copies])) + int(inside[0])
+                    takes.append(take)
+                continue
+            needed = []
             for c, (starts, lens) in enumerate(cells):
                 if not all(o <= a and a + m <= o + s for a, m, o, s in zip(starts, lens, src.offsets[1:], src.sizes[1:])):
                     continue
@@ -215,9 +241,10 @@ class ChainReader:
                 if bool(need.any()):
                     dr = drows[need]
                     filled[dr, c] = True
+                    needed.append(inside[need])
                     take.copies.append(((starts, lens), inside[need], dr))
             if take.copies:
-                take.positions = torch.unique(torch.cat([sp for _, sp, _ in take.copies]))
+                take.positions = needed[0] if len(needed) == 1 else torch.unique(torch.cat(needed))
                 takes.append(take)
         if not bool(filled.all()):
             missing = (~filled.all(1)).nonzero().flatten()
@@ -244,11 +271,19 @@ class ChainReader:
     def _row_bytes(self, take: _Take) -> int:
         return prod(take.source.sizes[1:]) * take.dtype.itemsize
 
-    def _read(self, take: _Take, a: int, b: int) -> memoryview:
+    def _read(self, take: _Take, a: int, b: int, *, keep: bool) -> memoryview:
+        """Positions ``[a, b)`` of the take's source, verified: in a buffer of their own (``keep``), else in the
+        reused scratch buffer (valid until the next read)."""
         rb = self._row_bytes(take)
         src = take.source
         vf = self._file(src.link, src.file)
-        return vf.read(src.data_at + a * rb, src.data_at + b * rb, f"{src.link.label}: rows {a}-{b} of a block")
+        into = None
+        if not keep:
+            if self._scratch is None:
+                self._scratch = memoryview(bytearray(SPAN_BYTES + 3 * BLOCK))
+            into = self._scratch if (b - a) * rb + 2 * BLOCK <= len(self._scratch) else None
+        return vf.read(src.data_at + a * rb, src.data_at + b * rb, f"{src.link.label}: rows {a}-{b} of a block",
+                       into=into)
 
     def check(self) -> list[Problem]:
         """Plan, then read and verify every range (staged when it fits ``staging_bytes``); this rank's problems."""
@@ -262,7 +297,7 @@ class ChainReader:
         for take in self._takes:
             for a, b in take.spans(self._row_bytes(take)):
                 try:
-                    raw = self._read(take, a, b)
+                    raw = self._read(take, a, b, keep=self._staged is not None)
                 except _Bad as e:
                     problems.append(Problem(Kind.CORRUPT, str(e)))
                     continue
@@ -276,19 +311,18 @@ class ChainReader:
         """Copy every planned row into place (after the agreement); raises if the files changed since
         :meth:`check` verified them (a verify-first load reads again)."""
         pieces = self._staged
-        if pieces is None:
-            pieces = []
-            for take in self._takes:
+        if pieces is None:  # oldest link first: a newer link's rows overwrite the full checkpoint's
+            for take in reversed(self._takes):
                 for a, b in take.spans(self._row_bytes(take)):
                     try:
-                        raw = self._read(take, a, b)
+                        raw = self._read(take, a, b, keep=False)
                     except _Bad as e:
                         raise CheckpointError(f"the data changed between verification and copy; destinations may "
                                               f"be partly written: {e}") from None
                     _copy(take, a, b, raw)
                     self._file(take.source.link, take.source.file).drop_cache()
             return
-        for take, a, raw in pieces:
+        for take, a, raw in reversed(pieces):
             _copy(take, a, a + len(raw) // max(self._row_bytes(take), 1), raw)
 
 
@@ -297,6 +331,12 @@ def _copy(take: _Take, a: int, b: int, raw: memoryview) -> None:
     src = take.source
     t = torch.frombuffer(raw, dtype=take.dtype) if len(raw) else torch.empty(0, dtype=take.dtype)
     t = t.view(b - a, *src.sizes[1:])
+    if take.through:  # positions a..b are rows of the block, in order: one slice copy per cell
+        first = src.first + a - (take.dest_offsets[0] if take.dest_offsets else 0)
+        for (starts, lens), _, _ in take.copies:
+            dest = _narrow(take.dest, starts, lens, take.dest_offsets[1:]).narrow(0, first, b - a)
+            dest.copy_(_narrow(t, starts, lens, src.offsets[1:]))
+        return
     for (starts, lens), sp, dr in take.copies:
         lo, hi = int(torch.searchsorted(sp, a)), int(torch.searchsorted(sp, b))
         if lo == hi:
