@@ -78,10 +78,8 @@ def _native() -> ctypes.CDLL | None:
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (on the CPU, contiguous rows) as a ``[rows, row_bytes]`` uint8 view (a 0-d tensor: one row)."""
+    """``t`` (contiguous rows, on its device) as a ``[rows, row_bytes]`` uint8 view (a 0-d tensor: one row)."""
     t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
     n = t.shape[0] if t.dim() else 1
     width = t[0].numel() if t.dim() and n else (1 if not t.dim() else int(torch.Size(t.shape[1:]).numel()))
     rows = t.reshape(n, width)
@@ -103,8 +101,8 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
 def _torch_digests(rows: torch.Tensor) -> torch.Tensor:
     n, nbytes = rows.shape
     words = -(-nbytes // 8)
-    out = torch.empty(n, dtype=torch.int64)
-    pos = torch.arange(1, words + 1, dtype=torch.int64) * _signed(_G)
+    out = torch.empty(n, dtype=torch.int64, device=rows.device)
+    pos = torch.arange(1, words + 1, dtype=torch.int64, device=rows.device) * _signed(_G)
     step = max(1, _CHUNK_BYTES // max(nbytes, 1))
     for a in range(0, n, step):
         part = rows[a : a + step]
@@ -117,15 +115,16 @@ def _torch_digests(rows: torch.Tensor) -> torch.Tensor:
 
 
 def row_digests(t: torch.Tensor) -> torch.Tensor:
-    """One digest per row (dim-0 slice) of ``t``: ``int64 [rows]`` for rows longer than 8 bytes, else the rows'
-    own bytes, ``uint8 [rows, row_bytes]``. A 0-d tensor is one row."""
+    """One digest per row (dim-0 slice) of ``t``, on the CPU: ``int64 [rows]`` for rows longer than 8 bytes, else
+    the rows' own bytes, ``uint8 [rows, row_bytes]``. A 0-d tensor is one row. A table on a GPU is digested
+    there (torch ops): only the digests come to the host."""
     rows = _as_rows(t)
     n, nbytes = rows.shape
     if nbytes <= DIGEST_BYTES:
-        return rows.clone()
+        return rows.cpu().clone() if rows.device.type == "cpu" else rows.cpu()
     lib = _native()
-    if lib is None:
-        return _torch_digests(rows)
+    if lib is None or rows.device.type != "cpu":
+        return _torch_digests(rows).cpu()
     out = torch.empty(n, dtype=torch.int64)
     if n:
         rc = lib.tdb_row_digests(rows.data_ptr(), n, nbytes, rows.stride(0), out.data_ptr())

@@ -264,10 +264,10 @@ class Rows:
             differ = blk.digests != was
             changed = ~known | (differ.any(1) if differ.dim() > 1 else differ)
             if bool(changed.all()):
-                blk.ids, blk.rows = None, t.detach().cpu().clone()
+                blk.ids, blk.rows = None, t.detach().cpu().clone() if t.device.type == "cpu" else t.detach().cpu()
             else:
                 blk.ids = changed.nonzero().flatten()
-                blk.rows = t.detach().cpu().index_select(0, blk.ids)
+                blk.rows = t.detach().index_select(0, blk.ids.to(t.device)).cpu()
         return problems
 
     def write(self, gen: Path, rank: int) -> tuple[dict[str, FileSums], dict[str, list[list[Any]]],
