@@ -39,7 +39,7 @@ DST must not exist, or be a checkpoint written by this tool (it is replaced atom
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m torchrec_dtensor_bridge",
-        description="Inspect, migrate and export checkpoints of TorchRec sharded tables (DTensor / DCP).",
+        description="Inspect, migrate, export and compact checkpoints of TorchRec sharded tables (DTensor / DCP).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,migrate,export,compact}")
     p = sub.add_parser("inspect", help="print a checkpoint's tables, shapes, dtypes and shard layouts",

@@ -111,3 +111,17 @@ def test_native_and_torch_digests_agree_and_see_every_change():
             changed = (digests.row_digests(u) != native)
             changed = changed.any(1) if changed.dim() > 1 else changed
             assert changed.nonzero().flatten().tolist() == [r], (shape, r)
+
+
+def test_compact_of_a_broken_chain_fails_naming_the_link(tmp_path, capsys):
+    import shutil
+
+    from torchrec_dtensor_bridge import cli
+
+    _chain(tmp_path)
+    assert cli.main(["compact", str(tmp_path / "l1"), str(tmp_path / "whole")]) == 0
+    assert "links" not in tdb.checkpoint.inspect(tmp_path / "whole")["a"]
+    shutil.rmtree(resolve(tmp_path / "l0"))
+    assert cli.main(["compact", str(tmp_path / "l1"), str(tmp_path / "again")]) == 1
+    assert "link l0 " in capsys.readouterr().err and not (tmp_path / "again").exists()
+    assert cli.main(["inspect", str(tmp_path / "l1")]) == 1
