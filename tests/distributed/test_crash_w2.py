@@ -38,7 +38,8 @@ def _worker(rank, port, path, mode, stage, victim, results):
                             timeout=timedelta(seconds=60))
 
     def state(seed):
-        table = _sparse_new() if mode.startswith("incremental") and seed == 2 else reference_table(LAYOUT.global_shape, seed=seed)
+        incremental = mode.startswith("incremental") and seed == 2
+        table = _sparse_new() if incremental else reference_table(LAYOUT.global_shape, seed=seed)
         return {"t": dtensor_from_local_shards(LAYOUT, [table[s.slices()].clone() for s in LAYOUT.shards_on(rank)])}
 
     try:

@@ -256,7 +256,8 @@ def describe(chain: Chain) -> list[dict[str, Any]]:
     out = []
     for link in chain.links:
         files = link.manifest.get("files")
-        size = sum(rec.get("size", 0) for rec in files.values() if isinstance(rec, dict)) if isinstance(files, dict) else 0
+        recs = files.values() if isinstance(files, dict) else []
+        size = sum(rec.get("size", 0) for rec in recs if isinstance(rec, dict))
         if link.full:
             rows = {k: (shape[0] if shape else 1) for k, (shape, _) in chain.tensors.items()}
             base = None

@@ -102,13 +102,15 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1) if t.dim() == 0 else t
 
 
-def _narrow(t: torch.Tensor, starts: tuple[int, ...], lengths: tuple[int, ...], origin: tuple[int, ...]) -> torch.Tensor:
+def _narrow(t: torch.Tensor, starts: tuple[int, ...], lengths: tuple[int, ...], origin: tuple[int, ...],
+            ) -> torch.Tensor:
     for j, (s, n, o) in enumerate(zip(starts, lengths, origin)):
         t = t.narrow(j + 1, s - o, n)
     return t
 
 
-def _cells(lo: tuple[int, ...], hi: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[Cell]:
+def _cells(lo: tuple[int, ...], hi: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]],
+           ) -> list[Cell]:
     """The cells of dims 1.. of the box ``[lo, hi)`` cut at every edge of ``boxes`` (global starts, ends)."""
     per_dim = []
     for j in range(len(lo)):
@@ -235,7 +237,8 @@ class ChainReader:
                 continue
             needed = []
             for c, (starts, lens) in enumerate(cells):
-                if not all(o <= a and a + m <= o + s for a, m, o, s in zip(starts, lens, src.offsets[1:], src.sizes[1:])):
+                if not all(o <= a and a + m <= o + s
+                           for a, m, o, s in zip(starts, lens, src.offsets[1:], src.sizes[1:])):
                     continue
                 need = ~filled[drows, c]
                 if bool(need.any()):
