@@ -1,5 +1,5 @@
 """A TorchRec DLRM job (fused row-wise Adagrad tables, Adam dense part) checkpointed as a chain: a full save, then
-an incremental save after every step; resumed from the chain's 1st, 5th and 10th link under another plan on 3
+an incremental save after every step (the full save and the 5th link asynchronous); resumed from the chain's 1st, 5th and 10th link under another plan on 3
 ranks, and under its own plan on 2 (gloo).
 
 Every tensor of the resumed state (weights, fused optimizer state, dense optimizer state) equals what was saved
@@ -40,15 +40,20 @@ def _train_chain(rank: int, world: int, root: str):
         g["lr"] = FUSED_LR
     adam = torch.optim.Adam(_dense_params(dmp).values(), lr=DENSE_LR)
     losses = [_step(dmp, adam, 0, group)]
-    tdb.checkpoint.save(_state(dmp, adam, 1), f"{root}/l0", process_group=group)
+    # the full save and link 5 asynchronous: training goes on while they write (the next save waits for them)
+    pending = [tdb.checkpoint.save(_state(dmp, adam, 1), f"{root}/l0", process_group=group, asynchronous=True)]
     saved = {}
     for link in range(1, LINKS + 1):
         losses.append(_step(dmp, adam, link, group))
         state = _state(dmp, adam, link + 1)
-        tdb.checkpoint.save(state, f"{root}/l{link}", base=f"{root}/l{link - 1}", process_group=group)
+        done = tdb.checkpoint.save(state, f"{root}/l{link}", base=f"{root}/l{link - 1}", process_group=group,
+                                   asynchronous=link == 5)
+        if link == 5:
+            pending.append(done)
         if link in CHECKED:
             saved[link] = _snapshot(state, group)
     losses += [_step(dmp, adam, s, group) for s in range(LINKS + 1, LINKS + 1 + AFTER_LAST)]
+    assert all(isinstance(f.result(timeout=60), str) for f in pending)
     return (saved, losses) if rank == 0 else None
 
 

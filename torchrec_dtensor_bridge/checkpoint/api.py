@@ -74,7 +74,7 @@ from .keyed import combine_row_states
 from .loading import ROW_STATE_COLUMNS, SafeObjectPlanner, open_agreed
 from .manifest import Checksums
 from .reader import ReadStats, VerifiedReader
-from .saving import Job, side_group, start, wait_pending
+from .saving import Job, side_group, staged_copy, start, wait_pending
 from .stateful import Expanded, expand
 
 __all__ = ["DEFAULT_STAGING_BYTES", "default_process_group", "load", "save"]
@@ -163,8 +163,9 @@ def save(
             or incremental), in the same directory as ``path`` and not ``path`` itself: save only what changed
             since it. The base's generation must stay: a later save to the base's path may replace it, and a
             load of this checkpoint then refuses, naming the missing link.
-        asynchronous: (with ``base``) return once what the save writes is copied - the changed rows, their
-            digests, the non-tensor values - and write and commit on a thread (:mod:`.saving`): the call returns
+        asynchronous: return once what the save writes is copied - with ``base``, the changed rows, their
+            digests and the non-tensor values; without, every value (memory for a second copy of the
+            state) - and write and commit on a thread (:mod:`.saving`): the call returns
             a ``concurrent.futures.Future`` of the save id (its exception: what a synchronous save would raise,
             on every rank). Everything that can be refused is refused before it returns. The commit stays
             atomic: a process killed meanwhile leaves the previous checkpoint in force. This process's next
@@ -216,9 +217,6 @@ def save(
             problems.append(problem_from(e, f"base {base}"))
     rows = Rows(state_dict, dist.get_rank() if dist.is_initialized() else 0, base_ck)
     signature = _signature(state_dict)
-    if asynchronous and base is None:
-        problems.append(Problem(Kind.VALUE, "save(..., asynchronous=True) needs base=: an asynchronous save copies "
-                                            "what it writes, the changed rows of an incremental save"))
     if rank == 0 and not problems:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -263,6 +261,8 @@ def save(
         if base_ck is not None:  # the tensors go to row files; what DCP writes is a copy when asynchronous
             state = without_tensors(state_dict)
             state = copy.deepcopy(state) if asynchronous else state
+        elif asynchronous:  # a full save writes every tensor: all of it is copied
+            state = staged_copy(state_dict)
         side = side_group(g) if asynchronous else g
         job = Job(path, gen, save_id, g, what, state, rows, base_ck, [e[2] for e in everyone],
                   {"objects": object_summary(state_dict), ROW_STATE_COLUMNS: widths}, keep_spare, lock, gen_lock)

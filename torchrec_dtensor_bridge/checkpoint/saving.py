@@ -18,7 +18,8 @@ group of the same ranks of its own (created once per set of ranks, by those
 ranks only), so its collectives never interleave with the caller's on the
 caller's group; the caller's next save waits for it first. What the job writes
 was copied before :func:`~.api.save` returned (an incremental save's changed rows
-and digests, its non-tensor values), so training may change the tables at once.
+and digests, its non-tensor values; a full save's every value, :func:`staged_copy`),
+so training may change the tables at once.
 The commit stays the one rename by rank 0: a process killed while the job runs
 leaves the previous checkpoint in force, as for a synchronous save.
 """
@@ -26,6 +27,7 @@ leaves the previous checkpoint in force, as for a synchronous save.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import shutil
 import threading
 from collections.abc import Callable, Mapping
@@ -33,11 +35,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .._compat import ShardedTensor
 from ..agreement import gather_objects
+from ..convert import to_dtensor
 from ..groups import CommGroup, of_group
 from .agree import Kind, Problem, from_rank0, problem_from, raise_gathered
 from .commit import DirLock, SaveLock, commit, prune, sweep
@@ -48,7 +53,7 @@ from .manifest import write_manifest
 from .validate import parse_metadata
 from .writer import ChecksummingWriter
 
-__all__ = ["Job", "commit_generation", "start", "wait_pending", "write_generation"]
+__all__ = ["Job", "commit_generation", "side_group", "staged_copy", "start", "wait_pending", "write_generation"]
 
 _side_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _pending: concurrent.futures.Future[str] | None = None
@@ -167,6 +172,20 @@ class Job:
         if self.lock is not None:
             self.lock.release()
             self.lock = None
+
+
+def staged_copy(sd: Any) -> Any:
+    """What an asynchronous full save writes, copied: tensors cloned (a ShardedTensor as the DTensor over its
+    shards, :func:`~..convert.to_dtensor`: the same chunks), other values deep-copied, containers rebuilt."""
+    if isinstance(sd, Mapping):
+        return {k: staged_copy(v) for k, v in sd.items()}
+    if isinstance(sd, (list, tuple)):
+        return type(sd)(staged_copy(v) for v in sd)
+    if isinstance(sd, ShardedTensor):
+        return to_dtensor(sd).detach().clone()
+    if isinstance(sd, torch.Tensor):
+        return sd.detach().clone()
+    return copy.deepcopy(sd)
 
 
 def side_group(g: CommGroup) -> CommGroup:
