@@ -1,10 +1,10 @@
 """The save side of incremental checkpoints: row digests, the rows that changed since a base, their files.
 
 Every save (full or incremental) records one digest per row of every block it
-saves (:mod:`.digests`), in ``digests_<rank>.tdb`` files beside DCP's, listed in
+saves (:mod:`.digests`), in a file per rank beside DCP's (``digests_<rank>.tdb``), listed in
 the manifest (``row_digests``). A save given ``base=`` (an earlier checkpoint
 of the same keys, full or incremental) writes, per block, only the rows whose
-digest differs from the base's, in ``rows_<rank>.tdb`` (the manifest's
+digest differs from the base's, before the digests in ``rows_<rank>.tdb`` (the manifest's
 ``link``: the base's name, generation and save id, and where each block's rows
 lie); DCP then saves the non-tensor values only. Nothing of the base's data is
 read: only its manifest and the digests of the blocks this rank saves.
@@ -272,33 +272,28 @@ class Rows:
 
     def write(self, gen: Path, rank: int) -> tuple[dict[str, FileSums], dict[str, list[list[Any]]],
                                                    dict[str, list[list[Any]]]]:
-        """Write this rank's files into ``gen``: their block checksums, and the digest and piece records."""
+        """Write this rank's file into ``gen`` (a full save's digests; an incremental save's changed rows, then
+        its digests: one file, one fsync): its block checksums, and the digest and piece records."""
         digests: dict[str, list[list[Any]]] = {}
         pieces: dict[str, list[list[Any]]] = {}
-        sums: dict[str, FileSums] = {}
-        rel = f"digests_{rank}.tdb"
+        rel = f"rows_{rank}.tdb" if self.base is not None else f"digests_{rank}.tdb"
         with _File(gen / rel) as f:
+            for blk in self.blocks if self.base is not None else []:
+                assert blk.rows is not None
+                count = blk.rows.shape[0]
+                if count == 0:
+                    continue
+                at = f.put(blk.ids) if blk.ids is not None else f.put(blk.rows)
+                if blk.ids is not None:
+                    f.put(blk.rows)
+                pieces.setdefault(blk.fqn, []).append([list(blk.offsets), list(blk.sizes), rel, at, count,
+                                                       blk.ids is None])
             for blk in self.blocks:
                 assert blk.digests is not None
                 width = blk.digests.shape[1] if blk.digests.dim() > 1 else 8
                 digests.setdefault(blk.fqn, []).append([list(blk.offsets), list(blk.sizes), rel, f.put(blk.digests),
                                                         width])
-        sums[rel] = f.sums
-        if self.base is not None:
-            rel = f"rows_{rank}.tdb"
-            with _File(gen / rel) as f:
-                for blk in self.blocks:
-                    assert blk.rows is not None
-                    count = blk.rows.shape[0]
-                    if count == 0:
-                        continue
-                    at = f.put(blk.ids) if blk.ids is not None else f.put(blk.rows)
-                    if blk.ids is not None:
-                        f.put(blk.rows)
-                    pieces.setdefault(blk.fqn, []).append([list(blk.offsets), list(blk.sizes), rel, at, count,
-                                                           blk.ids is None])
-            sums[rel] = f.sums
-        return sums, digests, pieces
+        return {rel: f.sums}, digests, pieces
 
     def written_bytes(self) -> int:
         """Bytes of rows (and their ids) this rank writes."""
