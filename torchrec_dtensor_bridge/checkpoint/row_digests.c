@@ -13,6 +13,14 @@
 
 #define TDB_G 0x9e3779b97f4a7c15ULL
 
+/* One copy per feature level (x86-64-v4 multiplies 64-bit lanes in vectors: the words of a row are mixed 8 at
+   a time); kernels/build.py compiles again with TDB_NO_CLONES for compilers without target clones. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(TDB_NO_CLONES)
+#define TDB_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TDB_CLONES
+#endif
+
 static inline uint64_t tdb_mix(uint64_t z) {
     z ^= z >> 30;
     z *= 0xbf58476d1ce4e5b9ULL;
@@ -22,6 +30,7 @@ static inline uint64_t tdb_mix(uint64_t z) {
     return z;
 }
 
+TDB_CLONES
 int tdb_row_digests(const uint8_t *base, int64_t rows, int64_t row_bytes, int64_t stride, uint64_t *out) {
     if (rows < 0 || row_bytes < 0) return 1;
     int64_t full = row_bytes / 8, tail = row_bytes % 8;
