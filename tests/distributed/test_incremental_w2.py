@@ -76,6 +76,23 @@ def _load_other_plan(rank, world_size, root, links):
         assert dest["epoch"] == link and torch.equal(dest["step"], torch.tensor(float(link)))
 
 
+def _save_under_another_plan(rank, world_size, root):
+    """The chain's state loaded under another plan, saved incrementally against the chain's head: blocks of
+    the same columns compare with the base's digests row by row whatever the row cuts (``mom``: nothing
+    changed, nothing written); blocks of other columns are written whole. The new link loads exactly."""
+    want, _ = _tables(LINKS)
+    dest = _state(LOADED, {k: torch.zeros_like(t) for k, t in want.items()}, rank, 0)
+    tdb.checkpoint.load(dest, f"{root}/l{LINKS}")
+    tdb.checkpoint.save(dest, f"{root}/moved", base=f"{root}/l{LINKS}")
+    pieces = read_manifest(resolve(Path(root) / "moved"))["link"]["pieces"]
+    assert "mom" not in pieces and "tw" not in pieces, sorted(pieces)  # same columns, nothing changed
+    assert sum(p[4] for p in pieces["cw"]) == 13 and all(p[5] for p in pieces["cw"])  # other columns: whole
+    again = _state(SAVED, {k: torch.zeros_like(t) for k, t in want.items()}, rank, 0)
+    tdb.checkpoint.load(again, f"{root}/moved")
+    for k, t in want.items():
+        assert torch.equal(tdb.full_tensor(again[k]), t), k
+
+
 def test_chain_saves_changed_rows_and_loads_under_any_plan_and_world(pool, tmp_path):
     pool.run(_save_chain, str(tmp_path))
     for link in range(1, LINKS + 1):  # each link holds exactly the rows that changed since its base
@@ -92,6 +109,7 @@ def test_chain_saves_changed_rows_and_loads_under_any_plan_and_world(pool, tmp_p
             assert held | set(ids) == rows, (link, k, sorted(held | set(ids)), sorted(rows))
         assert "step" not in manifest["link"]["pieces"] or link  # the 0-d value changed: one row
     pool.run(_load_other_plan, str(tmp_path), [1, 3, LINKS])
+    pool.run(_save_under_another_plan, str(tmp_path))
     for link in (2, LINKS):  # one process, no process group: plain tensors
         want, _ = _tables(link)
         dest = {k: torch.zeros_like(t) for k, t in want.items()}
