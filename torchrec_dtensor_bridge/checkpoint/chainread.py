@@ -39,7 +39,7 @@ from .errors import CheckpointError
 from .incremental import ALIGN, local_blocks
 from .manifest import BLOCK, Checksums
 from .loading import SafeObjectPlanner
-from .reader import ReadStats, VerifiedReader, _Bad, _ItemView, _VerifiedFile
+from .reader import ReadStats, VerifiedReader, _Bad, _buffer, _ItemView, _VerifiedFile
 from .savedtensor import Unreadable, parse_layout
 
 __all__ = ["GAP_BYTES", "SPAN_BYTES", "ChainReader", "load_chain"]
@@ -274,19 +274,20 @@ class ChainReader:
     def _row_bytes(self, take: _Take) -> int:
         return prod(take.source.sizes[1:]) * take.dtype.itemsize
 
-    def _read(self, take: _Take, a: int, b: int, *, keep: bool) -> memoryview:
-        """Positions ``[a, b)`` of the take's source, verified: in a buffer of their own (``keep``), else in the
-        reused scratch buffer (valid until the next read)."""
+    def _read(self, take: _Take, a: int, b: int, into: memoryview | None) -> memoryview:
+        """Positions ``[a, b)`` of the take's source, verified, in ``into`` (at least their bytes and two
+        checksum blocks more; ``None``: a buffer of their own)."""
         rb = self._row_bytes(take)
         src = take.source
         vf = self._file(src.link, src.file)
-        into = None
-        if not keep:
-            if self._scratch is None:
-                self._scratch = memoryview(bytearray(SPAN_BYTES + 3 * BLOCK))
-            into = self._scratch if (b - a) * rb + 2 * BLOCK <= len(self._scratch) else None
         return vf.read(src.data_at + a * rb, src.data_at + b * rb, f"{src.link.label}: rows {a}-{b} of a block",
                        into=into)
+
+    def _scratch_for(self, n: int) -> memoryview | None:
+        """The reused scratch buffer, if ``n`` bytes (and two blocks) fit in it: valid until the next read."""
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(SPAN_BYTES + 3 * BLOCK))
+        return self._scratch if n + 2 * BLOCK <= len(self._scratch) else None
 
     def check(self) -> list[Problem]:
         """Plan, then read and verify every range (staged when it fits ``staging_bytes``); this rank's problems."""
@@ -294,20 +295,23 @@ class ChainReader:
         self._plan(problems)
         if problems:
             return problems
-        total = sum((b - a) * self._row_bytes(t) for t in self._takes for a, b in t.spans(self._row_bytes(t)))
-        stage = self._staging is None or total <= self._staging
+        spans = [(t, a, b, (b - a) * self._row_bytes(t)) for t in self._takes for a, b in t.spans(self._row_bytes(t))]
+        stage = self._staging is None or sum(n for *_, n in spans) <= self._staging
         self._staged = [] if stage else None
-        for take in self._takes:
-            for a, b in take.spans(self._row_bytes(take)):
-                try:
-                    raw = self._read(take, a, b, keep=self._staged is not None)
-                except _Bad as e:
-                    problems.append(Problem(Kind.CORRUPT, str(e)))
-                    continue
-                if self._staged is not None:
-                    self._staged.append((take, a, raw))
-                else:
-                    self._file(take.source.link, take.source.file).drop_cache()
+        room = _buffer(sum(n + 2 * BLOCK for *_, n in spans)) if stage else None  # one staging area, mapped once
+        at = 0
+        for take, a, b, n in spans:
+            into = room[at : at + n + 2 * BLOCK] if room is not None else self._scratch_for(n)
+            at += n + 2 * BLOCK
+            try:
+                raw = self._read(take, a, b, into)
+            except _Bad as e:
+                problems.append(Problem(Kind.CORRUPT, str(e)))
+                continue
+            if self._staged is not None:
+                self._staged.append((take, a, raw))
+            else:
+                self._file(take.source.link, take.source.file).drop_cache()
         return problems
 
     def copy(self) -> None:
@@ -318,7 +322,7 @@ class ChainReader:
             for take in reversed(self._takes):
                 for a, b in take.spans(self._row_bytes(take)):
                     try:
-                        raw = self._read(take, a, b, keep=False)
+                        raw = self._read(take, a, b, self._scratch_for((b - a) * self._row_bytes(take)))
                     except _Bad as e:
                         raise CheckpointError(f"the data changed between verification and copy; destinations may "
                                               f"be partly written: {e}") from None
@@ -332,6 +336,8 @@ class ChainReader:
 def _copy(take: _Take, a: int, b: int, raw: memoryview) -> None:
     """Copy what ``take`` wants of positions ``[a, b)`` (their bytes ``raw``) into the destination block."""
     src = take.source
+    if raw.readonly:  # a verified block served from the reader's cache (a copy): read-only
+        raw = memoryview(bytearray(raw))
     t = torch.frombuffer(raw, dtype=take.dtype) if len(raw) else torch.empty(0, dtype=take.dtype)
     t = t.view(b - a, *src.sizes[1:])
     if take.through:  # positions a..b are rows of the block, in order: one slice copy per cell
