@@ -232,7 +232,9 @@ class ChainReader:
                             filled[r0:r1, c] = True
                             take.copies.append(((starts, lens), need, need))
                 if take.copies:
-                    take.positions = torch.unique(torch.cat([sp for _, sp, _ in take.copies])) + int(inside[0])
+                    needed = [sp for _, sp, _ in take.copies]  # each ascending: one cell needs no sort
+                    take.positions = (needed[0] if len(needed) == 1 else torch.unique(torch.cat(needed))) + int(
+                        inside[0])
                     takes.append(take)
                 continue
             needed = []
@@ -356,10 +358,12 @@ def _copy(take: _Take, a: int, b: int, raw: memoryview) -> None:
         if values.dtype != dest.dtype or values.device != dest.device:
             values = values.to(device=dest.device, dtype=dest.dtype)
         k = hi - lo
-        if int(s[-1] - s[0]) + 1 == k and int(d[-1] - d[0]) + 1 == k:  # one run: a slice copy
-            dest.narrow(0, int(d[0]), k).copy_(values.narrow(0, int(s[0]), k))
+        run = int(s[-1] - s[0]) + 1 == k  # the positions are a run: no gather
+        picked = values.narrow(0, int(s[0]), k) if run else values.index_select(0, s.to(values.device))
+        if run and int(d[-1] - d[0]) + 1 == k:  # into a run of rows too: a slice copy
+            dest.narrow(0, int(d[0]), k).copy_(picked)
         else:
-            dest.index_copy_(0, d.to(dest.device), values.index_select(0, s.to(values.device)))
+            dest.index_copy_(0, d.to(dest.device), picked)
 
 
 def _set_leaves(sd: Any, values: Mapping[str, Any], prefix: str = "") -> None:
