@@ -47,7 +47,12 @@ Ratios are TorchRec / ours per repetition (> 1: ours faster) and ours /
 TorchRec for memory; reported as median and min..max over all repetitions of
 all runs. ``--runs N`` repeats everything in N fresh pairs of processes.
 
+``--dtype fp16`` makes every table fp16 (TorchRec's ``DataType.FP16``; its outputs stay fp32, and ours are asked
+for fp32 too, ``output_dtype=torch.float32``); ours then runs with its default stochastic rounding, and the
+one-step check allows one unit in the last place of fp16.
+
     python scripts/bench_train.py --reps 5 --out bench/results.json
+    python scripts/bench_train.py --dtype fp16 --runs 3            # fp16 tables
     python scripts/bench_train.py --rows 100000 --reps 3      # small configuration
 """
 
@@ -209,8 +214,11 @@ class _Bench:
         # ours applies the gradient summed over every rank's batch: compare the same update
         set_gradient_division(False)
         cfg = self.cfg
+        from torchrec.modules.embedding_configs import DataType
+
         configs = [EmbeddingBagConfig(name=n, embedding_dim=cfg["dim"], num_embeddings=cfg["rows"],
-                                      feature_names=[f"f{t}"]) for t, n in enumerate(self.names)]
+                                      feature_names=[f"f{t}"], data_type=getattr(DataType, cfg["dtype"].upper()))
+                   for t, n in enumerate(self.names)]
         ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
         fused = {"optimizer": getattr(EmbOptimType, self.layout.torchrec_optimizer), "learning_rate": LR}
         if self.layout.kind != "sgd":
@@ -241,7 +249,7 @@ class _Bench:
         import torchrec_dtensor_bridge as tdb
 
         with torch.no_grad():
-            return tdb.sharded_embedding_bags(self.ids, self.w, mode="sum")
+            return tdb.sharded_embedding_bags(self.ids, self.w, mode="sum", output_dtype=torch.float32)
 
     def torchrec_forward(self):
         import torch
@@ -252,7 +260,10 @@ class _Bench:
     def ours_step(self) -> None:
         import torchrec_dtensor_bridge as tdb
 
-        outs = tdb.sharded_embedding_bags(self.ids, self.w, mode="sum", optimizer=self.opt)
+        import torch
+
+        outs = tdb.sharded_embedding_bags(self.ids, self.w, mode="sum", optimizer=self.opt,
+                                          output_dtype=torch.float32)  # TorchRec's outputs are fp32
         sum((o * g).sum() for o, g in zip(outs, self.gw)).backward()
 
     def torchrec_step(self) -> None:
@@ -264,7 +275,7 @@ class _Bench:
         import torchrec_dtensor_bridge as tdb
         from torchrec_dtensor_bridge.convert.dtensor import local_shards_of
 
-        outs = tdb.sharded_embedding_bags(self.ids, self.w_dense, mode="sum")
+        outs = tdb.sharded_embedding_bags(self.ids, self.w_dense, mode="sum", output_dtype=torch.float32)
         sum((o * g).sum() for o, g in zip(outs, self.gw)).backward()
         with torch.no_grad():
             for w in self.w_dense:
@@ -292,15 +303,21 @@ class _Bench:
                 lo = spec.offsets[0]
                 sel = (every >= lo) & (every < lo + spec.sizes[0])
                 rows = every[sel] - lo
-                before = shard[rows].clone()
+                before = shard[rows].clone().float()
                 touched.append((f"table {t} rows {lo}+", shard, rows, before, want(before, sel)))
         for name, step in (("TorchRec", self.torchrec_step), ("ours", self.ours_step)):
             with torch.no_grad():
                 for _, shard, rows, before, _ in touched:
-                    shard[rows] = before
+                    shard[rows] = before.to(shard.dtype)
             step()
             for where, shard, rows, _, expected in touched:
-                _check(f"{self.layout.key} {name} training step ({self.layout.kind}), {where}", shard[rows], expected)
+                got = shard[rows].float()
+                if shard.dtype != torch.float32:  # the fp32 update rounded: within one unit in the last place
+                    tol = (expected.abs().max().item() + 1.0) * torch.finfo(shard.dtype).eps
+                    _check(f"{self.layout.key} {name} training step ({self.layout.kind}), {where}", got,
+                           expected.float(), tol=tol)
+                else:
+                    _check(f"{self.layout.key} {name} training step ({self.layout.kind}), {where}", got, expected)
         for w in self.w:
             if w.grad is not None:
                 raise Mismatch(f"{self.layout.key}: the fused optimizer left a weight.grad")
@@ -486,8 +503,10 @@ def _mib(b: float) -> str:
 def report(res: dict) -> None:
     """Print the side-by-side figures of :func:`run`'s result."""
     cfg = res["config"]
-    print(f"training: {cfg['tables']} tables x {cfg['rows']:,} rows x {cfg['dim']} fp32 "
-          f"({cfg['tables'] * cfg['rows'] * cfg['dim'] * 4 / 2**30 / 2:.2f} GiB of tables per rank), "
+    dtype = cfg.get("dtype", "fp32")
+    print(f"training: {cfg['tables']} tables x {cfg['rows']:,} rows x {cfg['dim']} {dtype} "
+          f"({cfg['tables'] * cfg['rows'] * cfg['dim'] * (4 if dtype == 'fp32' else 2) / 2**30 / 2:.2f} GiB of "
+          "tables per rank), "
           f"2 gloo ranks, 1 thread each, batch {cfg['batch']} per rank, bag {cfg['bag']}, sum; "
           f"{cfg['runs']} run(s) x {cfg['reps']} interleaved reps after {cfg['warmup']} warm-up "
           f"(forward samples: mean of {cfg['inner']} calls; dense: {cfg['dense_reps']} reps); "
@@ -612,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--malloc", choices=("steady", "default"), default="steady",
                         help="glibc malloc in the rank processes: steady (fixed thresholds, little heap trimming; "
                         "see STEADY_MALLOC) or glibc's default (page faults per call vary between runs)")
+    parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32",
+                        help="the tables' dtype (TorchRec's DataType); bf16 has no TorchRec CPU kernel to compare "
+                             "with (fbgemm-gpu-cpu 1.8 has none)")
     parser.add_argument("--out", type=Path, default=Path("bench/results.json"))
     args = parser.parse_args(argv)
     layouts = [k for k in args.layouts.split(",") if k]
@@ -622,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dim % 4:
         parser.error(f"--dim must be a multiple of 4 (TorchRec's kernels), got {args.dim}")
     names = ("rows", "tables", "dim", "batch", "bag", "reps", "warmup", "inner", "dense_reps", "mem_reps", "runs",
-             "forward_only", "malloc")
+             "forward_only", "malloc", "dtype")
     cfg = {k: getattr(args, k) for k in names} | {"layouts": layouts}
     import torchrec_dtensor_bridge as tdb
 
@@ -633,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     m = res["machine"]
     print(f"\n  total {res['seconds']:.0f} s on {m['cpus']} x {m['cpu']}; 1-min load average "
           f"{m['loadavg_1m_before']:.1f} before, {m['loadavg_1m_after']:.1f} after (above ~0.5 means other jobs ran)")
-    record(args.out, "train", res)
+    record(args.out, "train" if args.dtype == "fp32" else f"train_{args.dtype}", res)
     return 0
 
 

@@ -6,9 +6,10 @@ An :class:`OptimKind` holds what the stack needs to know about a fused optimizer
   (:class:`StateKind`: one value per row, per weight element, or per table) and TorchRec's key for each;
 * the hyper-parameters it reads besides ``lr``, with their defaults, and the weight decay modes it applies;
 * its names elsewhere: fbgemm's ``EmbOptimType`` member (which TorchRec's ``fused_params["optimizer"]``
-  takes) and its name in fbgemm's generated ops (``split_embedding_codegen_lookup_{name}_function_pt2``);
+  takes) and its name in fbgemm's generated ops (``split_embedding_backward_codegen_{name}_{unweighted,weighted}
+  _pt2_wrapper``);
 * which kernels implement its update: this package's C kernels (``native``: the code ``cpu_kernels.c``
-  knows it by), fbgemm's CPU kernels, fbgemm's CUDA lookup functions. A kind that none of them lists is
+  knows it by), fbgemm's CPU kernels, fbgemm's CUDA kernels. A kind that none of them lists is
   updated by its torch-op math alone.
 
 The registry (:func:`register`, :func:`lookup`, iterating :class:`OptimKind` itself) refuses names it does
@@ -186,6 +187,8 @@ class Hyper:
         weight_decay_mode: how ``weight_decay`` applies (one of the kind's ``decay_modes``; NONE without decay).
         beta1: Adam's first-moment decay.
         beta2: Adam's second-moment decay.
+        stochastic_rounding: half-precision rows (fp16, bf16) are written back from the fp32 update rounded
+            stochastically (unbiased: fbgemm's and TorchRec's default); ``False`` rounds to nearest even.
     """
 
     kind: OptimKind
@@ -195,6 +198,7 @@ class Hyper:
     weight_decay_mode: WeightDecayMode
     beta1: float
     beta2: float
+    stochastic_rounding: bool = True
 
 
 def register(kind: OptimKind) -> OptimKind:

@@ -253,6 +253,30 @@ def test_a_column_wise_rowwise_adagrad_target_is_refused_on_every_rank_with_noth
     key = f"fused.state.{_key('t2')}.t2.momentum1"
     assert f"key {key!r}: saved shape [9], destination shape [18]" in message, message
     assert "one value per row for each of 2 column shards" in message, message
+    assert "split_row_states=True" in message, "the refusal says what to do"
+
+
+def _split_into_column_blocks(rank: int, world: int, path: str) -> None:
+    """Asked for (``split_row_states=True``), the whole-row state of t2 loads into a column-wise plan's
+    per-block states: every block takes its row's saved value; everything else as saved."""
+    group = dist.group.WORLD
+    dmp = _dmp(COLUMN_WISE, group)
+    state = {"model": dmp, "fused": dmp.fused_optimizer}
+    tdb.checkpoint.load(state, path, split_row_states=True)
+    got = _snapshot(state, group)
+    key = f"fused.state.{_key('t2')}.t2.momentum1"
+    reference = _dmp(AFTER, group)  # the saved values, loaded where they need no conversion
+    ref_state = {"model": reference, "fused": reference.fused_optimizer}
+    tdb.checkpoint.load(ref_state, path, strict=False)
+    want = _snapshot(ref_state, group)
+    assert got[key].shape == (2 * TABLES["t2"],) and torch.equal(got[key], want[key].repeat(2)), (got[key], want[key])
+    for k, v in want.items():
+        if k != key and k in got:
+            assert torch.equal(got[k], v), k
+
+
+def test_a_whole_row_state_splits_into_column_blocks_when_asked(pool, saved):
+    pool.run(_split_into_column_blocks, saved[0])
 
 
 def _other_kind_target(rank: int, world: int, path: str) -> str:
@@ -326,3 +350,92 @@ def _column_wise_into_whole_rows(rank: int, world: int, path: str) -> None:
 
 def test_a_column_wise_rowwise_adagrad_state_resumes_whole_rows_exactly(pool, tmp_path):
     pool.run(_column_wise_into_whole_rows, str(tmp_path / "cw"))
+
+
+EBC_TABLES = {"a": (13, 8), "b": (10, 8)}  # b: column-wise on 2 ranks (two blocks of 4), then table-wise on 1
+
+
+def _fused_ebc(plan: dict[str, Any], group: dist.ProcessGroup):
+    """A TorchRec EBC of EBC_TABLES with fused row-wise Adagrad (lr FUSED_LR, eps 1e-3) under ``plan``."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.shard import shard
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingEnv
+
+    torch.manual_seed(3)
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r,
+                                                            feature_names=[f"f_{n}"]) for n, (r, d) in EBC_TABLES.items()],
+                                 device=torch.device("cpu"))
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                                                          "learning_rate": FUSED_LR, "eps": 1e-3})
+    world = group.size()
+    module_plan = construct_module_sharding_plan(ebc, per_param_sharding=plan, sharder=sharder, local_size=world,
+                                                 world_size=world, device_type="cpu")
+    return shard(ebc, plan=module_plan, env=ShardingEnv.from_process_group(group), device=torch.device("cpu"),
+                 sharder=sharder)
+
+
+def _ebc_batch(step: int, rank: int):
+    from torchrec import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(500 + 10 * step + rank)
+    lengths = torch.randint(0, 4, (len(EBC_TABLES), 6), generator=g)
+    values = [torch.randint(0, r, (int(lengths[t].sum()),), generator=g) for t, (r, _) in enumerate(EBC_TABLES.values())]
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{n}" for n in EBC_TABLES], values=torch.cat(values),
+                                              lengths=lengths.reshape(-1))
+    scale = {f"f_{n}": torch.randn(6, d, generator=g) for n, (_, d) in EBC_TABLES.items()}
+    return kjt, scale
+
+
+def _ebc_step(ebc, step: int, rank: int, world: int) -> None:
+    kjt, scale = _ebc_batch(step, rank)
+    out = ebc(kjt).wait().to_dict()
+    # TorchRec divides the embeddings' gradient by the world size: undo it, so every plan steps alike
+    (sum((out[k] * scale[k]).sum() for k in sorted(out)) * world).backward()
+
+
+def _column_wise_to_one_rank_next_step(rank: int, world: int, path: str) -> None:
+    """Table b trained column-wise with TorchRec's fused row-wise Adagrad on 2 ranks (one per-row state per
+    column block), saved, resumed table-wise on 1 rank: the state is combined exactly, and the next step of
+    TorchRec's kernel equals the unsharded row-wise Adagrad step from that state (the gradient of a sum
+    pooling: each row, the sum of its bags' output gradients)."""
+    from torchrec.distributed.sharding_plan import column_wise, table_wise
+
+    two, one = dist.new_group([0, 1]), dist.new_group([0])
+    if rank in (0, 1):
+        before = _fused_ebc({"a": table_wise(rank=0, compute_kernel="fused"),
+                             "b": column_wise(ranks=[0, 1], compute_kernel="fused")}, two)
+        for step in range(3):
+            _ebc_step(before, step, rank, 2)
+        tdb.checkpoint.save({"model": before, "fused": before.fused_optimizer}, path, process_group=two)
+    dist.barrier()
+    if rank != 0:
+        return
+    after = _fused_ebc({n: table_wise(rank=0, compute_kernel="fused") for n in EBC_TABLES}, one)
+    state = {"model": after, "fused": after.fused_optimizer}
+    tdb.checkpoint.load(state, path, process_group=one)
+    loaded = _snapshot(state, one)
+    weight, key = "model.embedding_bags.b.weight", "fused.state.embedding_bags.b.weight.b.momentum1"
+    assert loaded[key].shape == (EBC_TABLES["b"][0],), sorted(loaded)
+    kjt, scale = _ebc_batch(3, 0)
+    _ebc_step(after, 3, 0, 1)
+    got = _snapshot(state, one)
+    rows, dim = EBC_TABLES["b"]
+    grad = torch.zeros(rows, dim, dtype=torch.float64)
+    feature = kjt["f_b"]
+    for b, (lo, hi) in enumerate(zip(feature.offsets()[:-1].tolist(), feature.offsets()[1:].tolist())):
+        for r in feature.values()[lo:hi].tolist():
+            grad[r] += scale["f_b"][b].double()
+    touched = torch.zeros(rows, dtype=torch.bool)
+    touched[feature.values()] = True
+    m1 = loaded[key].double() + (grad ** 2).mean(1) * touched
+    want = loaded[weight].double() - FUSED_LR * grad / (m1.sqrt() + 1e-3).unsqueeze(1)
+    torch.testing.assert_close(got[key].double(), m1, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got[weight].double(), want, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(got[weight], loaded[weight]), "the step changed nothing"
+
+
+def test_a_column_wise_table_resumes_on_one_rank_and_steps_as_the_unsharded_rowwise_adagrad(pool, tmp_path):
+    pool.run(_column_wise_to_one_rank_next_step, str(tmp_path / "cw2"))

@@ -106,6 +106,36 @@ def test_fbgemm_calls_no_more_than_torchrec(pool, kind):
         assert theirs.get(FORWARD) == 1 and theirs.get(backward) == 1, theirs  # TorchRec: one per buffer
         assert ours.get(FORWARD) == 1 and ours.get(backward) == 1, ours
         assert ours.get("tdb::pool_sum") == 1 and ours.get("tdb::sparse_update") == 1, ours
+        # the backward op CUDA calls too (fbgemm's CPU kernel under it), once: no second forward
+        assert ours.get(f"fbgemm::split_embedding_backward_codegen_{kind}_unweighted_pt2_wrapper") == 1, ours
+
+
+def check_dense_calls(rank: int, world: int) -> dict:
+    """Our step without a fused optimizer over TorchRec's converted buffer (fbgemm's kernels): the profiler's
+    counts, and the dense gradient of each table against autograd through ``F.embedding_bag``."""
+    os.environ["TDB_KERNELS"] = "fbgemm"
+    try:
+        _, weights = _fused_module("sgd", world)
+        kjt = random_kjt(TABLES, batch=6, seed=7 + rank)
+        feats = [kjt[f"f_{n}"] for n in TABLES]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            outs = tdb.sharded_embedding_bags([f.values() for f in feats], list(weights.values()),
+                                              [f.offsets() for f in feats], mode="sum", include_last_offset=True)
+            sum((o * _scale(rank, f"f_{n}", o.shape)).sum() for n, o in zip(TABLES, outs)).backward()
+        for i, (n, w) in enumerate(weights.items()):
+            assert w.grad is not None, n
+        return _counts(prof)
+    finally:
+        os.environ.pop("TDB_KERNELS", None)
+
+
+def test_fbgemm_dense_path_one_forward_one_backward_per_storage(pool):
+    """Without a fused optimizer: one fbgemm forward and one fbgemm dense backward per storage and step (its
+    backward alone: no forward over a scratch)."""
+    for ours in pool.run(check_dense_calls):
+        assert ours.get(FORWARD) == 1, ours
+        assert ours.get("fbgemm::split_embedding_backward_codegen_dense_cpu") == 1, ours
+        assert ours.get("tdb::pool_sum") == 1 and ours.get("tdb::pool_sum_backward") == 1, ours
 
 
 def test_native_one_op_call_per_storage(pool):

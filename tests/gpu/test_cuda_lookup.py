@@ -124,7 +124,8 @@ def test_cuda_fused_optimizer_equals_cpu(groups, kind, shared):
 
 @pytest.mark.parametrize("kind", [None, *KINDS])
 def test_fbgemm_cuda_kernels_run(groups, kind):
-    """With fbgemm_gpu's CUDA build, its lookup functions are what runs on shards its kernels read."""
+    """With fbgemm_gpu's CUDA build, its kernels are what runs on shards they read: the lookup function's forward,
+    then its backward alone (no second forward)."""
     import torchrec_dtensor_bridge as tdb
     from torchrec_dtensor_bridge.kernels import fbgemm
 
@@ -140,7 +141,8 @@ def test_fbgemm_cuda_kernels_run(groups, kind):
         out.sum().backward()
         torch.cuda.synchronize()
     names_seen = {e.name for e in prof.events()}
-    want = ("fbgemm::dense_embedding_codegen_lookup_function" if kind is None
-            else f"fbgemm::split_embedding_codegen_lookup_{kind}_function_pt2")
+    want = ("fbgemm::split_embedding_backward_codegen_dense_unweighted_exact_cuda" if kind is None
+            else f"fbgemm::split_embedding_backward_codegen_{kind}_unweighted_pt2_wrapper")
     assert want in names_seen, sorted(n for n in names_seen if "fbgemm" in n or "tdb" in n)
-    assert "fbgemm::split_embedding_codegen_lookup_sgd_function_pt2" in names_seen  # the forward
+    forwards = [e for e in prof.events() if e.name == "fbgemm::split_embedding_codegen_lookup_sgd_function_pt2"]
+    assert len(forwards) == 1, "one forward (the lookup's), none in the backward"

@@ -2,8 +2,9 @@
 where there is no CUDA device. Not run on a GPU yet. Every expectation comes from plain torch on the unsharded
 table (``F.embedding_bag``, autograd, the textbook updates of ``tests/distributed/sparse_reference.py``).
 
-* fp16 tables (fbgemm's CUDA path is fp32 only; fp16 shards take torch's ops): lookups and ``weight.grad``
-  against ``F.embedding_bag`` on the full fp16 table, on every single-rank layout, within fp16 tolerance.
+* fp16 and bf16 tables (fbgemm's CUDA kernels for sums, torch's ops for mean and max): lookups and
+  ``weight.grad`` against ``F.embedding_bag`` on the full table, on every single-rank layout, within the
+  dtype's tolerance.
 * Tables wider than 2048 columns (fbgemm's CUDA kernels refuse ``max_D > 2048``): a 4096-wide table whole, in
   row blocks, in column blocks of which one is wider than 2048 and one is not, and beside a narrow table in
   one storage (the storage's widest table sets ``max_D``): lookups and ``weight.grad`` against
@@ -69,17 +70,20 @@ def _lookup_and_grad(layout: ShardLayout, full: torch.Tensor, mode: str, psw: to
     return out, ref, tdb.full_tensor(weight.grad), ref_table.grad
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("name", sorted(FP16))
 @pytest.mark.parametrize("mode", ["sum", "mean", "max", "sum_psw"])
-def test_fp16_lookup_and_grad(groups, name, mode):
+def test_half_lookup_and_grad(groups, name, mode, dtype):
     layout = FP16[name]
-    full = exact_table(NARROW, 3).to(CUDA, torch.float16)
+    full = exact_table(NARROW, 3).to(CUDA, dtype)
     psw = (torch.arange(30, device=CUDA) % 5 - 2).float() / 4 if mode == "sum_psw" else None  # exact in fp16
+    psw = None if psw is None else psw.to(dtype)
     out, ref, grad, ref_grad = _lookup_and_grad(layout, full, mode.removesuffix("_psw"), psw)
-    assert out.dtype == ref.dtype == torch.float16 and out.device == ref.device
-    torch.testing.assert_close(out, ref, **FP16_TOL)
-    assert grad.dtype == torch.float16
-    torch.testing.assert_close(grad, ref_grad, **FP16_TOL)
+    assert out.dtype == ref.dtype == dtype and out.device == ref.device
+    tol = FP16_TOL if dtype == torch.float16 else {"rtol": 1e-2, "atol": 1e-2}  # bf16: 2**-7 near 1
+    torch.testing.assert_close(out, ref, **tol)
+    assert grad.dtype == dtype
+    torch.testing.assert_close(grad, ref_grad, **tol)
 
 
 @pytest.mark.parametrize("name", sorted(WIDE_LAYOUTS))

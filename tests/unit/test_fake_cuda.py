@@ -140,6 +140,8 @@ def _recording_mode(rec: Recorder) -> Any:
                 names = [a.name for a in func._schema.arguments]
                 name = func._schema.name.split("::")[1]
                 rec.calls.append(Call(name, {**dict(zip(names, args)), **kwargs}))
+                if name.startswith("split_embedding_backward_codegen_"):
+                    return _backward_fake(rec, name, {**dict(zip(names, args)), **kwargs})
                 if name.endswith("_function_pt2"):
                     # fbgemm's lookup function itself (C++, one kernel for its CUDA, Meta and Autograd keys), as
                     # on a GPU: over tensors on their device (a meta kernel sees them on "meta"), under no_grad
@@ -196,7 +198,9 @@ def _register_kernel_fakes(rec: Recorder) -> None:
         assert set(on.values()) == {DEV}, f"fbgemm's forward kernel got tensors off {DEV}: {on}"
         fbgemm_refuses(total_D, max_D, indices, offsets, indice_weights)
         tables = weights_offsets.numel()
-        return dev_weights.new_empty((offsets.numel() - 1) // tables, total_D)
+        # the output's dtype is output_dtype's (fbgemm's SparseType: FP32 0, FP16 1, BF16 5), not the weights'
+        dtype = {0: torch.float32, 1: torch.float16, 5: torch.bfloat16}[output_dtype]
+        return dev_weights.new_empty((offsets.numel() - 1) // tables, total_D, dtype=dtype)
 
     for weighted in ("unweighted", "weighted"):
         torch.library.register_fake(f"fbgemm::split_embedding_codegen_forward_{weighted}_pt2_wrapper")(forward)
@@ -211,6 +215,58 @@ def _register_kernel_fakes(rec: Recorder) -> None:
         assert set(on.values()) == {DEV}, f"fbgemm's dense lookup got tensors off {DEV}: {on}"
         fbgemm_refuses(total_D, max_D, indices, offsets, indice_weights)
         return dev_weights.new_empty((offsets.numel() - 1) // weights_offsets.numel(), total_D)
+
+
+def _backward_fake(rec: Recorder, name: str, a: dict[str, Any]) -> torch.Tensor:
+    """fbgemm's backward ops (a fused update, the dense gradient), which cannot run over fake tensors: the call
+    recorded, its tensors checked to be on the device (the learning rate aside: a CPU scalar by fbgemm's
+    design) and what fbgemm refuses refused; the dense gradient's shape returned."""
+    rec.backward.append(name)
+    on = {k: str(v.device) for k, v in a.items() if isinstance(v, torch.Tensor) and k != "learning_rate_tensor"}
+    assert set(on.values()) == {DEV}, f"{name} got tensors off {DEV}: {on}"
+    width = rec.value(a["D_offsets"])[-1] if id(a["D_offsets"]) in rec.values else 4
+    fbgemm_refuses(width, a["max_D"], a["indices"], a["offsets"], a.get("indice_weights"))
+    if "_dense_" in name:
+        return a["dev_weights"].new_empty(a["dev_weights"].shape)
+    return a["grad_output"].new_empty(0)
+
+
+_COMMON = ("Tensor grad_output, Tensor(a!) host_weights, Tensor(b!) dev_weights, Tensor(c!) uvm_weights, "
+           "Tensor(d!) lxu_cache_weights, Tensor weights_placements, Tensor weights_offsets, Tensor D_offsets, "
+           "SymInt max_D, bool mixed_D, Tensor hash_size_cumsum, int total_hash_size_bits, Tensor indices, "
+           "Tensor offsets, int pooling_mode, Tensor indice_weights, Tensor lxu_cache_locations, int BT_block_size, "
+           "int max_segment_length_per_warp, bool stochastic_rounding, int info_B_num_bits, int info_B_mask_int64, "
+           "bool use_uniq_cache_locations, bool use_homogeneous_placements, ")
+CUDA_ONLY_OPS = {
+    # fbgemm_gpu 1.8's CUDA build defines these; its CPU build does not (schemas from its codegen templates:
+    # embedding_backward_split_template.cu for the dense backward, embedding_split_host_pt2_cuda_wrapper_template
+    # .cpp with optimizers.py's adam() arguments for Adam's backward)
+    **{f"split_embedding_backward_codegen_dense_{w}_exact_cuda":
+       "Tensor grad_output, Tensor(a!) dev_weights, Tensor weights_offsets, Tensor D_offsets, SymInt max_D, "
+       "bool mixed_D, Tensor hash_size_cumsum, int total_hash_size_bits, Tensor indices, Tensor offsets, "
+       f"int pooling_mode, {'Tensor indice_weights, ' if w == 'weighted' else ''}int unused_, "
+       "int max_segment_length_per_warp, float unused=0"
+       for w in ("unweighted", "weighted")},
+    # (the optional row_counter state comes after the learning rate, as Tensors: optimizer_args.py's reorder_args
+    # puts tensors before the arguments with defaults; fbgemm's autograd passes them in that order)
+    **{f"split_embedding_backward_codegen_adam_{w}_pt2_wrapper":
+       _COMMON + "Tensor(g!) momentum1_host, Tensor(h!) momentum1_dev, Tensor(i!) momentum1_uvm, "
+       "Tensor momentum1_placements, Tensor momentum1_offsets, Tensor(j!) momentum2_host, Tensor(k!) momentum2_dev, "
+       "Tensor(l!) momentum2_uvm, Tensor momentum2_placements, Tensor momentum2_offsets, Tensor learning_rate_tensor, "
+       "Tensor(p!) row_counter_host, Tensor(q!) row_counter_dev, Tensor(r!) row_counter_uvm, "
+       "Tensor row_counter_placements, Tensor row_counter_offsets, float eps=0, float beta1=0, float beta2=0, "
+       "float weight_decay=0, int iter=0, bool use_rowwise_bias_correction=False, int output_dtype=0"
+       for w in ("unweighted", "weighted")},
+}
+_LIBRARIES: list[Any] = []
+
+
+def _define_cuda_only_ops() -> None:
+    lib = torch.library.Library("fbgemm", "FRAGMENT")  # noqa: TOR901 - a test process's own definitions
+    _LIBRARIES.append(lib)
+    for name, schema in CUDA_ONLY_OPS.items():
+        if not hasattr(torch.ops.fbgemm, name):
+            lib.define(f"{name}({schema}) -> Tensor")
 
 
 @contextmanager
@@ -228,16 +284,7 @@ def _fake_cuda(rec: Recorder) -> Iterator[None]:
         rec.id_checks.append(op)
 
     ops.check_ids_on_device = check_ids_on_device
-    forward = fbgemm.run_forward
-
-    def backward(op: Callable[..., torch.Tensor], kwargs: dict[str, Any], grad: torch.Tensor,
-                 wrt: torch.Tensor) -> torch.Tensor | None:
-        rec.backward.append(str(op))
-        out = forward(op, kwargs)  # fbgemm's forward: it unpacks the argument lists
-        assert out.shape == grad.shape and grad.device == out.device, (tuple(grad.shape), grad.device)
-        return torch.zeros_like(wrt) if wrt.numel() else None
-
-    fbgemm.run_backward = backward
+    _define_cuda_only_ops()
     for tables in range(1, 5):  # fbgemm's bit split for T tables: its meta kernel (under fake tensors) has none
         fbgemm._infos(tables)
     _register_kernel_fakes(rec)
@@ -295,6 +342,41 @@ def _check_lookup(rec: Recorder, call: Call, t: Tables, *, kind: str, psw: torch
     _no_cpu_tensor(call)
 
 
+def _check_backward(rec: Recorder, call: Call, t: Tables, *, kind: str, ids: torch.Tensor, offsets: torch.Tensor,
+                    states: list[tuple[torch.Tensor, list[int]]], step: int) -> None:
+    """A fused update's one call: fbgemm's backward op with the CUDA form of every argument."""
+    a, n = call.args, len(t.dims)
+    assert call.op == f"split_embedding_backward_codegen_{kind}_unweighted_pt2_wrapper", call.op
+    assert a["dev_weights"] is t.storage, "the weights are not the caller's storage"
+    for name in ("host_weights", "uvm_weights", "indice_weights"):
+        assert a[name].dtype == torch.float32 and a[name].numel() == 0, name
+    assert tuple(a["lxu_cache_weights"].shape) == (0, 0) and a["lxu_cache_locations"].dtype == torch.int32
+    assert a["weights_placements"].dtype == torch.int32 and rec.value(a["weights_placements"]) == [fbgemm.DEVICE] * n
+    assert rec.value(a["weights_offsets"]) == t.at
+    assert rec.value(a["D_offsets"]) == list(itertools.accumulate(t.dims, initial=0))
+    assert rec.value(a["hash_size_cumsum"]) == list(itertools.accumulate(t.rows, initial=0))
+    assert a["max_D"] == max(t.dims) and a["mixed_D"] is (kind != "rowwise_adagrad" or len(set(t.dims)) > 1)
+    assert a["total_hash_size_bits"] == max(sum(t.rows).bit_length(), 1)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():  # fbgemm's own answer, on CPU (its meta kernel has none)
+        bits, mask = (int(x) for x in torch.ops.fbgemm.get_infos_metadata(torch.empty(0), 1, n))
+    assert (a["info_B_num_bits"], a["info_B_mask_int64"]) == (bits, mask)
+    assert (a["BT_block_size"], a["max_segment_length_per_warp"]) == (32, 32), "fbgemm's NVIDIA constants"
+    assert a["stochastic_rounding"] is True and a["pooling_mode"] == 0
+    given(a["indices"], ids)
+    given(a["offsets"], offsets)
+    lr = a["learning_rate_tensor"]
+    assert lr.device.type == "cpu" and lr.dim() == 0 and lr.dtype == torch.float32, "learning_rate_tensor"
+    for name, (state, at) in zip(("momentum1", "momentum2"), states):
+        assert a[f"{name}_dev"] is state and a[f"{name}_host"].numel() == 0 and a[f"{name}_uvm"].numel() == 0
+        assert rec.value(a[f"{name}_placements"]) == [fbgemm.DEVICE] * n
+        assert rec.value(a[f"{name}_offsets"]) == at, f"{name} offsets {rec.value(a[f'{name}_offsets'])} != {at}"
+    assert ("momentum1_dev" in a) == (kind != "sgd") and ("momentum2_dev" in a) == (kind == "adam")
+    if kind == "adam":
+        assert a["iter"] == step, f"iter {a['iter']} != step {step}"
+
+
 def given(got: torch.Tensor | None, passed: torch.Tensor | None) -> None:
     """What reached fbgemm for a tensor of the batch: the caller's own when contiguous, else a contiguous copy
     of its shape."""
@@ -311,14 +393,14 @@ def _no_cpu_tensor(call: Call) -> None:
 
 
 def one_call(rec: Recorder, run: Callable[[], object], *, backward: bool = False) -> Call:
-    """The one fbgemm lookup function ``run`` calls (and its forward kernel run, for pooling)."""
+    """The one fbgemm call ``run`` makes: its lookup function (pooling; its forward kernel run) or, with
+    ``backward``, its backward op alone (a fused update, the dense gradient: no forward kernel)."""
     before, kernels, back = len(rec.calls), len(rec.kernel_args), len(rec.backward)
     run()
-    calls = [c for c in rec.calls[before:] if "function" in c.op]
-    assert len(calls) == 1, f"expected one fbgemm lookup call, got {[c.op for c in calls]}"
+    calls = [c for c in rec.calls[before:] if "function" in c.op or c.op.startswith("split_embedding_backward_")]
+    assert len(calls) == 1, f"expected one fbgemm lookup or backward call, got {[c.op for c in calls]}"
     assert len(rec.backward) - back == int(backward), "backward (update / dense gradient) not run as expected"
-    if "dense" not in calls[0].op:
-        assert len(rec.kernel_args) - kernels == 1, "fbgemm's forward kernel did not run"
+    assert len(rec.kernel_args) - kernels == int(not backward), "fbgemm's forward kernel ran (or did not) "
     for c in rec.calls[before:]:  # every fbgemm op (get_infos_metadata reads no tensor: its CPU one is unused)
         if c.op != "get_infos_metadata":
             _no_cpu_tensor(c)
@@ -336,7 +418,7 @@ def _check_tables(rec: Recorder, t: Tables) -> None:
     call = one_call(rec, lambda: torch.ops.tdb.pool_sum_backward(grad, t.dims, t.rows, ids, offsets, None),
                      backward=True)
     a = call.args
-    assert call.op == "dense_embedding_codegen_lookup_function"
+    assert call.op == "split_embedding_backward_codegen_dense_unweighted_exact_cuda", call.op
     packed = list(itertools.accumulate([r * d for r, d in zip(t.rows, t.dims)], initial=0))
     assert rec.value(a["weights_offsets"]) == packed[:-1] and a["dev_weights"].numel() == packed[-1]
     given(a["indices"], ids)
@@ -356,8 +438,7 @@ def _check_tables(rec: Recorder, t: Tables) -> None:
                                         m2[0], m2[1], 0.1, 1e-8, wd, 0, 0.9, 0.999, step)
 
         call = one_call(rec, update, backward=True)
-        _check_lookup(rec, call, t, kind=kind, psw=None, ids=ids, offsets=offsets, states=states,
-                      step=step if kind == "adam" else 0)
+        _check_backward(rec, call, t, kind=kind, ids=ids, offsets=offsets, states=states, step=step)
         before = len(rec.calls)
         try:
             update(wd=0.01)

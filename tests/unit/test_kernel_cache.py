@@ -45,9 +45,10 @@ def _warnings(caplog, needle: str) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and needle in r.getMessage()]
 
 
-def _plain_target(cache: Path, source: Path = build.SOURCE) -> Path:
+def _plain_target(cache: Path, source: Path | tuple[Path, ...] = build.SOURCES) -> Path:
     """Where ``library(source, cache)`` puts the library with the default compiler."""
-    return cache / f"cpu_kernels-{build.cache_key(source.read_bytes(), str(REAL_CC))}.so"
+    sources = (source,) if isinstance(source, Path) else source
+    return cache / f"cpu_kernels-{build.cache_key(build.sources_bytes(sources), str(REAL_CC))}.so"
 
 
 @pytest.fixture
@@ -148,13 +149,16 @@ def test_untrusted_library_file_is_rebuilt_not_loaded(tmp_path, caplog, spoil, s
     assert sorted(p.name for p in cache.iterdir()) == [target.name]
 
 
-def test_source_change_builds_new_library(tmp_path):
-    source, cache = tmp_path / "cpu_kernels.c", tmp_path / "c"
-    shutil.copyfile(build.SOURCE, source)
-    first = build.library(source, cache)
-    with open(source, "a") as f:
+@pytest.mark.parametrize("changed", [0, 1], ids=["fp32_source", "half_source"])
+def test_source_change_builds_new_library(tmp_path, changed):
+    """A change to either of the library's sources is a new library."""
+    sources, cache = tuple(tmp_path / p.name for p in build.SOURCES), tmp_path / "c"
+    for src, dst in zip(build.SOURCES, sources):
+        shutil.copyfile(src, dst)
+    first = build.library(sources, cache)
+    with open(sources[changed], "a") as f:
         f.write("/* x */\n")
-    second = build.library(source, cache)
+    second = build.library(sources, cache)
     assert second != first and first.exists() and second.exists()
     assert second.stat().st_mtime_ns >= first.stat().st_mtime_ns and _loads(second)
 

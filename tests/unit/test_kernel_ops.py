@@ -4,7 +4,9 @@ arguments refused before any kernel runs (nothing modified)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -207,14 +209,22 @@ def test_ranks_settle_on_what_every_rank_has_and_the_first_ranks_calibration():
     assert kernels.pool_impl(cpu) is kernels.calibrated("pool")
 
 
-@pytest.mark.filterwarnings("ignore:.*dense_embedding_codegen_lookup_function.*:UserWarning")
+@contextlib.contextmanager
+def fbgemm_calls() -> Iterator[list[str]]:
+    """The names of the ``fbgemm`` ops run inside the block, in order (the profiler's record)."""
+    names: list[str] = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield names
+    names.extend(e.name.split("::")[1] for e in sorted(prof.events(), key=lambda e: e.time_range.start)
+                 if e.name.startswith("fbgemm::"))
+
+
 @pytest.mark.parametrize("with_psw", [False, True])
-def test_fbgemm_lookup_functions_equal_the_ops(with_psw, monkeypatch):
-    """The calls CUDA tables make (fbgemm's lookup functions) run here with the CPU forms of the same arguments:
-    the argument builder both devices share, checked by value against the ops. fbgemm-gpu-cpu has no Adam
-    backward: Adam's list is checked on fake CUDA tensors (test_fake_cuda.py). (The CPU build registers the
-    dense lookup function for CPU without autograd: torch warns, and its graph is fbgemm's own.)"""
-    monkeypatch.setenv("TDB_KERNELS", "fbgemm")
+def test_fbgemm_update_is_its_backward_alone(with_psw, monkeypatch):
+    """A fused update through fbgemm is one call of its backward op (the one both devices share, given the
+    CUDA form's argument list: host, device, unified-memory and cache weights, each state as five tensors),
+    no forward; its result equals this package's own kernel's (an independent implementation) on the same
+    inputs. The CUDA forward's lookup function runs here with the CPU forms of the same arguments."""
     cpu = torch.device("cpu")
     flat, offs, ids, offsets, _ = _storage(4)
     psw = torch.rand(ids.numel()) if with_psw else None
@@ -224,28 +234,50 @@ def test_fbgemm_lookup_functions_equal_the_ops(with_psw, monkeypatch):
     batch = kernels.Batch(ids, offsets, psw)
     got = fbgemm.lookup_forward(flat, args, batch)
     torch.testing.assert_close(got, torch.ops.tdb.pool_sum(flat, offs, DIMS, ROWS, ids, offsets, psw))
-    packed = list(itertools.accumulate([r * d for r, d in zip(ROWS, DIMS)], initial=0))
-    pargs = fbgemm.table_args(tuple(packed[:-1]), tuple(DIMS), tuple(ROWS), cpu)
-    got = fbgemm.lookup_dense_grad(grad, pargs, batch, packed[-1])
-    torch.testing.assert_close(got, torch.ops.tdb.pool_sum_backward(grad.contiguous(), DIMS, ROWS, ids, offsets,
-                                                                     psw))
+    which = "weighted" if with_psw else "unweighted"
     for kind in [k.name for k in OptimKind if k.fbgemm_cpu]:
         per_row = kind == "rowwise_adagrad"
         sizes = [r if per_row else r * d for r, d in zip(ROWS, DIMS)]
-        # fbgemm's CPU Adagrad reads its state at the weights' offsets: the ops call it so only then
+        # fbgemm's CPU Adagrad reads its state at the weights' offsets: one call only then
         m_offs = offs if kind == "adagrad" else [sum(sizes[:t]) + 4 * t for t in range(3)]
         state = None if kind == "sgd" else torch.rand(flat.numel() if kind == "adagrad" else sum(sizes) + 12)
-        ours = (flat.clone(), None if state is None else state.clone())
-        theirs = (flat.clone(), None if state is None else state.clone())
-        torch.ops.tdb.sparse_update(ours[0], offs, DIMS, ROWS, grad, ids, offsets, psw, kind, ours[1],
-                                    m_offs if state is not None else [], None, [], **HYPER)
-        hyper = Hyper(lookup(kind), HYPER["lr"], HYPER["eps"], 0.0, WeightDecayMode.NONE, 0.9, 0.99)
-        fbgemm.lookup_update(theirs[0], args, batch, grad, kernels.State(theirs[1], m_offs if state is not None
-                                                                          else [], step=1), hyper)
-        assert not torch.equal(theirs[0], flat), kind
-        torch.testing.assert_close(theirs[0], ours[0], msg=lambda m, k=kind: f"{k}: weights: {m}")
+        results = []
+        for impl in ("native", "fbgemm"):
+            monkeypatch.setenv("TDB_KERNELS", impl)
+            w, m = flat.clone(), None if state is None else state.clone()
+            with fbgemm_calls() as seen:
+                torch.ops.tdb.sparse_update(w, offs, DIMS, ROWS, grad, ids, offsets, psw, kind, m,
+                                            m_offs if state is not None else [], None, [], **HYPER)
+            results.append((w, m, seen))
+        (ours, our_m, none), (theirs, their_m, called) = results
+        assert none == [], f"{kind}: the native kernel called fbgemm: {none}"
+        # the op CUDA calls too, running fbgemm's CPU kernel under it; nothing else (no forward)
+        assert called == [f"split_embedding_backward_codegen_{kind}_{which}_pt2_wrapper",
+                          f"split_embedding_backward_codegen_{kind}_cpu"], (kind, called)
+        assert not torch.equal(theirs, flat), kind
+        torch.testing.assert_close(theirs, ours, msg=lambda m, k=kind: f"{k}: weights: {m}")
         if state is not None:
-            torch.testing.assert_close(theirs[1], ours[1], msg=lambda m, k=kind: f"{k}: state: {m}")
+            torch.testing.assert_close(their_m, our_m, msg=lambda m, k=kind: f"{k}: state: {m}")
+
+
+def test_fbgemm_backward_arguments_by_name():
+    """Every argument of fbgemm's backward ops (each kind it implements here, weighted or not) is one this
+    package names; an argument it does not know is refused by name, not passed positionally."""
+    cpu = torch.device("cpu")
+    flat, offs, ids, offsets, _ = _storage(5)
+    args = fbgemm.table_args(tuple(offs), tuple(DIMS), tuple(ROWS), cpu)
+    for kind in [k for k in OptimKind if k.fbgemm_cpu]:
+        state = kernels.State(torch.zeros(flat.numel()), offs, None, (), 1)
+        hyper = Hyper(kind, 0.1, 1e-2, 0.0, WeightDecayMode.NONE, 0.9, 0.99)
+        values = fbgemm.backward_values(flat, args, kernels.Batch(ids, offsets, None), torch.zeros(6, sum(DIMS)),
+                                        state, hyper)
+        for weighted in (False, True):
+            schema = fbgemm.backward_op(kind, weighted).default._schema
+            missing = [a.name for a in schema.arguments if a.name not in values and not a.has_default_value()]
+            assert missing == [], (kind.name, weighted, missing)
+        del values["max_D"]
+        with pytest.raises(ValueError, match="'max_D'"):
+            fbgemm.run_backward_op(kind, values)
 
 
 def test_cuda_tables_choose_fbgemm_where_its_cuda_build_can(monkeypatch):

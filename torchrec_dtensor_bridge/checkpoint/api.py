@@ -290,6 +290,7 @@ def load(
     trusted_pickles: bool = False,
     process_group: dist.ProcessGroup | None = None,
     convert_dtypes: bool = False,
+    split_row_states: bool = False,
 ) -> ReadStats:
     """Load the checkpoint at ``path`` in place into ``state_dict``; *collective*.
 
@@ -331,6 +332,12 @@ def load(
         convert_dtypes: load a floating-point tensor saved in another floating-point dtype (an fp32
             checkpoint into fp16 tables: a routine memory saving), rounding as ``Tensor.copy_`` does. Off by
             default: a dtype mismatch is refused (plain DCP converts silently).
+        split_row_states: load a row-wise optimizer state saved with one value per row (a table not cut by
+            columns, or a ``FusedOptimizer``'s) into a column-wise table whose optimizer keeps one per row and
+            column block (TorchRec's row-wise Adagrad): every block takes its row's value. An approximation,
+            hence asked for: a block's own statistic (the mean of its columns' squared gradients) was never
+            saved; the row's (the mean over all its columns) stands in for it. The other way, per-block states
+            into one per row, is exact and needs no flag (the blocks' values weighted by their widths).
 
     Returns:
         What this rank read (:class:`.reader.ReadStats`): ``bytes_read`` from data files (every pass),
@@ -358,7 +365,8 @@ def load(
         extra.append(Problem(Kind.VALUE, f"staging_bytes must be a non-negative int or None, got {staging_bytes!r}"))
     try:
         opened = open_agreed(path, expanded.view, strict, verify, member_group(group, what), what, extra,
-                             optional=expanded.optional, hints=expanded.hints, convert_dtypes=convert_dtypes)
+                             optional=expanded.optional, hints=expanded.hints, convert_dtypes=convert_dtypes,
+                             split_row_states=split_row_states)
         try:
             expanded.drop(opened.absent)
             combine, undo = combine_row_states(expanded.row_states, opened.row_states, opened.metadata)

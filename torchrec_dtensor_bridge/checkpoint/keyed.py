@@ -107,7 +107,8 @@ def row_state_hint(rows: int) -> Hint:
                     "widths, which this checkpoint does not (it was written before they were recorded): resume "
                     "under the same column cut, or leave its optimizer out of the load to start that state afresh)")
         return (f"{head}, and one value per row does not split into per-shard values exactly: resume under the "
-                "checkpoint's cut, or leave its optimizer out of the load to start that state afresh)")
+                "checkpoint's cut, load(..., split_row_states=True) to give every column block its row's value "
+                "(an approximation), or leave its optimizer out of the load to start that state afresh)")
 
     return why
 
@@ -116,12 +117,16 @@ def combine_row_states(row_states: Mapping[str, tuple[MutableMapping[str, Any], 
                        conversions: Mapping[str, tuple[int, ...]], metadata: Any,
                        ) -> tuple[Callable[[], None], Callable[[], None]]:
     """Put a buffer of the saved shape in the view (where ``row_states`` says) under each key of
-    ``conversions`` (a column-cut table's per-block row state, saved; one value per row, loading); return
-    what, after the load, combines them
-    into the destinations (each row: its blocks' values weighted by their widths, the mean over all
-    columns that each block's value is over its own) and puts the destinations back, and what puts them
-    back untouched (a failed load). Every rank reads each buffer whole (one value per row and block); the
-    combination is copied into each rank's blocks of the destination without communication."""
+    ``conversions`` (:func:`.loading.row_state_conversions`); return what, after the load, converts them into
+    the destinations and puts the destinations back, and what puts them back untouched (a failed load):
+
+    - a column-cut table's per-block row states, saved, into one value per row: each row its blocks' values
+      weighted by their widths (the mean over all columns that each block's value is over its own);
+    - one value per row, saved, into a column-cut table's per-block states (asked for with
+      ``split_row_states``): every block its row's value.
+
+    Every rank reads each buffer whole; the result is copied into each rank's blocks of the destination
+    without communication."""
     swapped = []
     for fqn, widths in conversions.items():
         mapping, key = row_states[fqn]
@@ -132,10 +137,12 @@ def combine_row_states(row_states: Mapping[str, tuple[MutableMapping[str, Any], 
 
     def finish() -> None:
         for fqn, mapping, key, dest, buf, widths in swapped:
-            w = torch.tensor(widths, dtype=torch.float64)
-            per_block = buf.view(len(widths), -1).to(torch.float64)
-            rows = (per_block * w[:, None]).sum(0) / w.sum()
-            rows = rows.to(shape_and_dtype(dest)[1])
+            if buf.numel() * len(widths) == shape_and_dtype(dest)[0][0]:  # one per row into one per row and block
+                rows = buf.repeat(len(widths)).to(shape_and_dtype(dest)[1])
+            else:
+                w = torch.tensor(widths, dtype=torch.float64)
+                per_block = buf.view(len(widths), -1).to(torch.float64)
+                rows = ((per_block * w[:, None]).sum(0) / w.sum()).to(shape_and_dtype(dest)[1])
             if isinstance(dest, (DTensor, ShardedTensor)):  # this rank's blocks of it, from the whole
                 copy_into(layout_of(dest, name=fqn), local_shards_of(dest), rows, name=fqn)
             else:

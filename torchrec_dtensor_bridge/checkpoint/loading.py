@@ -90,35 +90,46 @@ column blocks' widths (written by a save; what lets a load combine the blocks' s
 
 
 def row_state_conversions(flat: list[tuple[str, Any]], md: Metadata, manifest: dict[str, Any] | None,
-                          convertible: Mapping[str, Any] | None) -> dict[str, tuple[int, ...]]:
-    """Per key of ``flat`` that ``convertible`` names (a keyed optimizer's per-row state): the saved column
-    blocks' widths, when the checkpoint holds one value per row and block (``rows x blocks``) and the
-    destination one per row. Only widths the manifest recorded count (whole numbers, at least two)."""
+                          convertible: Mapping[str, Any] | None, *, split: bool = False,
+                          ) -> dict[str, tuple[int, ...]]:
+    """Per key of ``flat`` that ``convertible`` names (a keyed optimizer's per-row state), how it converts:
+
+    - the saved column blocks' widths, when the checkpoint holds one value per row and block (``rows x
+      blocks``) and the destination one per row (exact: combined weighted by the widths). Only widths the
+      manifest recorded count (whole numbers, at least two);
+    - with ``split``, one 0 per destination block, when the checkpoint holds one value per row and the
+      destination one per row and block (an approximation, asked for: every block takes its row's value).
+    """
     recorded = manifest.get(ROW_STATE_COLUMNS) if manifest is not None else None
-    if not isinstance(recorded, dict) or not convertible:
+    if not convertible:
         return {}
     out: dict[str, tuple[int, ...]] = {}
     for fqn, value in flat:
-        widths, m = recorded.get(fqn), md.state_dict_metadata.get(fqn)
+        widths, m = recorded.get(fqn) if isinstance(recorded, dict) else None, md.state_dict_metadata.get(fqn)
         if fqn not in convertible or not isinstance(value, torch.Tensor) or not isinstance(m, TensorStorageMetadata):
+            continue
+        dest, saved = global_shape(value), tuple(m.size)
+        if len(dest) != 1 or len(saved) != 1:
+            continue
+        if split and saved[0] and dest[0] % saved[0] == 0 and dest[0] // saved[0] > 1:
+            out[fqn] = (0,) * (dest[0] // saved[0])
             continue
         if not (isinstance(widths, list) and len(widths) > 1 and all(type(w) is int and w > 0 for w in widths)):
             continue
-        dest = global_shape(value)
-        if len(dest) == 1 and tuple(m.size) == (dest[0] * len(widths),):
+        if saved == (dest[0] * len(widths),):
             out[fqn] = tuple(widths)
     return out
 
 
 def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mapping[str, Hint] | None = None,
                 absent: frozenset[str] = frozenset(), *, convert_dtypes: bool = False,
-                manifest: dict[str, Any] | None = None,
+                manifest: dict[str, Any] | None = None, split_row_states: bool = False,
                 ) -> tuple[list[Problem], list[tuple[str, Any]], dict[str, tuple[int, ...]]]:
-    """This rank's problems with ``sd`` against the checkpoint, its leaves, and the per-row states it combines
+    """This rank's problems with ``sd`` against the checkpoint, its leaves, and the per-row states it converts
     (:func:`row_state_conversions`)."""
     problems: list[Problem] = []
     flat = [(fqn, v) for fqn, v in leaves(sd) if not (absent and _under(fqn, absent))]
-    combined = row_state_conversions(flat, md, manifest, hints)
+    combined = row_state_conversions(flat, md, manifest, hints, split=split_row_states)
     saved = md.state_dict_metadata
     for fqn, value in flat:
         m = saved.get(fqn)
@@ -229,6 +240,7 @@ class Opened:
 
 def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool, verify: bool, rank: int,
              optional: tuple[str, ...], hints: Mapping[str, Hint] | None, convert_dtypes: bool = False,
+             split_row_states: bool = False,
              ) -> tuple[DirLock | None, dict[str, Any] | None, Metadata | None, list[Problem], str | None,
                         dict[str, tuple[int, ...]], Chain | None]:
     """One rank's look at generation ``name``: lock it, read and check everything short of the data."""
@@ -256,7 +268,8 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
             chain = open_chain(root, manifest, md, path.name)
             checked = metadata_for_checks(chain)
         key_problems, flat, combined = _check_keys(state_dict, checked, strict, hints, _absent(checked, optional),
-                                                   convert_dtypes=convert_dtypes, manifest=manifest)
+                                                   convert_dtypes=convert_dtypes, manifest=manifest,
+                                                   split_row_states=split_row_states)
         if chain is not None:  # the data: the chain's reads check it (chainread); the head's objects here
             flat = [(fqn, v) for fqn, v in flat if not isinstance(v, torch.Tensor)]
         problems += key_problems
@@ -277,7 +290,8 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
 
 def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify: bool,
                 g: CommGroup, what: str, extra: list[Problem], *, optional: tuple[str, ...] = (),
-                hints: Mapping[str, Hint] | None = None, convert_dtypes: bool = False) -> Opened:
+                hints: Mapping[str, Hint] | None = None, convert_dtypes: bool = False,
+                split_row_states: bool = False) -> Opened:
     """Resolve ``path`` once (rank 0), lock and examine that generation on every rank, agree; *collective*.
 
     Steps 1-3 of the module docstring. On success every rank holds a shared lock on the same generation
@@ -295,6 +309,7 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
             those it holds nothing under are not checked, and are listed in ``Opened.absent``.
         hints: per key, why a shape mismatch cannot convert (appended to its refusal).
         convert_dtypes: accept a floating-point destination of another floating-point dtype than the saved one.
+        split_row_states: give a column-cut table's per-block row states each its row's saved value.
 
     Returns:
         The generation every rank agreed to read, its lock, manifest and metadata, and the absent optional keys.
@@ -314,7 +329,8 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
             raise first.error(f"{what} refused, nothing was modified:\n  {first.message} (rank {g.members[0]})")
         assert name is not None
         lock, manifest, md, problems, ident, combined, chain = _examine(path, name, state_dict, strict, verify, rank,
-                                                                        optional, hints, convert_dtypes)
+                                                                        optional, hints, convert_dtypes,
+                                                                        split_row_states)
         everyone = gather_objects((lock is None and not problems, problems + extra, ident), g)
         if any(moved for moved, _, _ in everyone):
             if chain is not None:

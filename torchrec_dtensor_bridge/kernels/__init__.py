@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from . import ops  # noqa: F401 - registers torch.ops.tdb
 from .args import Batch, State, Tables
-from .calls import Pooling, Update, accepts, pool, update, update_supported, weight_grad
+from .calls import Pooling, Update, accepts, pool, update, update_supported, weight_grad, weight_grads
 from .choose import Impl, calibrated, choice_code, dense_impl, pool_impl, settle, update_impl
 from .reference import add_bag_grads
 
@@ -32,4 +32,5 @@ __all__ = [
     "Batch", "Impl", "Pooling", "State", "Tables", "Update", "accepts", "add_bag_grads", "calibrated",
     "choice_code", "dense_impl", "pool", "pool_impl", "settle", "update", "update_impl", "update_supported",
     "weight_grad",
+    "weight_grads",
 ]

@@ -31,13 +31,16 @@ import stat
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["SOURCE", "cache_dir", "cache_key", "cpu_model", "library"]
+__all__ = ["SOURCE", "SOURCES", "cache_dir", "cache_key", "cpu_model", "library", "sources_bytes"]
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_kernels16.c"))
+"""The C sources of the library: fp32 tables, half-precision tables (one shared library)."""
 _FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11")
 _ATTEMPTS = ((), ("-DTDB_NO_CLONES",))  # per-feature-level copies need GCC 12; else one plain copy
 _LIBS = ("-lm",)
@@ -147,20 +150,28 @@ def _trusted_dir(cache: Path) -> Path:
     return private
 
 
-def _compile_args(extra: tuple[str, ...], *, out: str, source: str) -> list[str]:
+def _compile_args(extra: tuple[str, ...], *, out: str, source: str | Sequence[str]) -> list[str]:
     """The compiler's arguments for one attempt of :data:`_ATTEMPTS`: what :func:`_compile` runs and what
     :func:`cache_key` hashes, so that no flag, retry or library can change without a new key."""
-    return [*_FLAGS, *extra, "-o", out, source, *_LIBS]
+    sources = [source] if isinstance(source, str) else list(source)
+    return [*_FLAGS, *extra, "-o", out, *sources, *_LIBS]
 
 
-def _compile(cc: str, source: Path, target: Path) -> None:
+def sources_bytes(sources: Sequence[Path]) -> bytes:
+    """What :func:`cache_key` hashes of the sources: one file's bytes, or each file's bytes after its length."""
+    if len(sources) == 1:
+        return sources[0].read_bytes()
+    return b"".join(len(data).to_bytes(8, "little") + data for data in (p.read_bytes() for p in sources))
+
+
+def _compile(cc: str, source: Sequence[Path], target: Path) -> None:
     """Compile ``source`` into a temporary file beside ``target``, then rename it over ``target``."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".cpu_kernels-", suffix=".so")
     os.close(fd)
     try:
         for extra in _ATTEMPTS:
             try:
-                proc = subprocess.run([cc, *_compile_args(extra, out=tmp, source=str(source))],
+                proc = subprocess.run([cc, *_compile_args(extra, out=tmp, source=[str(p) for p in source])],
                                       capture_output=True, text=True, timeout=_TIMEOUT_S, check=False)
             except (OSError, subprocess.TimeoutExpired) as e:
                 raise RuntimeError(f"C compiler {cc} could not compile {source} (limit {_TIMEOUT_S} s): {e}") from e
@@ -175,11 +186,11 @@ def _compile(cc: str, source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
-def library(source: Path = SOURCE, cache: Path | None = None, *, rebuild: bool = False) -> Path:
+def library(source: Path | Sequence[Path] = SOURCES, cache: Path | None = None, *, rebuild: bool = False) -> Path:
     """The compiled library for ``source``, built unless a trusted one is already cached.
 
     Args:
-        source: The C source file.
+        source: The C source file, or files compiled into one library.
         cache: The cache directory; :func:`cache_dir` when ``None``.
         rebuild: Compile even when a library is cached, replacing it atomically (for a library that
             failed to load).
@@ -190,9 +201,10 @@ def library(source: Path = SOURCE, cache: Path | None = None, *, rebuild: bool =
     Raises:
         RuntimeError: No C compiler, or it failed (with the tail of its stderr) or timed out.
     """
+    sources = (source,) if isinstance(source, Path) else tuple(source)
     cc = _compiler()
     directory = _trusted_dir(cache_dir() if cache is None else cache)
-    target = directory / f"cpu_kernels-{cache_key(source.read_bytes(), cc)}.so"
+    target = directory / f"cpu_kernels-{cache_key(sources_bytes(sources), cc)}.so"
     if not rebuild:
         try:
             why = _problem(target, directory=False)
@@ -205,5 +217,5 @@ def library(source: Path = SOURCE, cache: Path | None = None, *, rebuild: bool =
         if why != "missing":
             log.warning("torchrec_dtensor_bridge: not loading cached kernel library %s (%s); rebuilding it",
                         target, why)
-    _compile(cc, source, target)
+    _compile(cc, sources, target)
     return target

@@ -12,16 +12,17 @@ local ids from them, so these calls tell the ops that the ids are checked (``ids
 not check them again (on CUDA, a device synchronisation per op and storage). A direct caller of
 ``torch.ops.tdb`` keeps the ops' own check.
 
-1. :func:`accepts` - whether a shard can go through the ops at all (fp32, 2-D, contiguous, on CPU, or on CUDA
-   with fbgemm's CUDA build and rows its kernels can read: 16-byte aligned, at most
-   :data:`.limits.MAX_D` columns).
+1. :func:`accepts` - whether a shard can go through the ops at all (2-D, contiguous, fp32, fp16 or bf16; on
+   CPU, or on CUDA with fbgemm's CUDA build and rows its kernels can read: 16-byte aligned, at most
+   :data:`.limits.MAX_D` columns). The ops pool half-precision rows into fp32; a request's output and
+   dense gradient come back in its shard's dtype (as ``torch.embedding_bag``'s would).
 2. :func:`pool` - :class:`Pooling` requests whose shard the ops accept, with int64 ids and offsets, and that
    sum are grouped by storage (and batch size, and whether they carry per-sample weights); each group is
    ONE ``tdb::pool_sum`` over a flat view of the storage spanning its shards (no copy), and each request's
    output is its columns of the result. MAX pooling, other dtypes and strided shards run
    ``torch.embedding_bag`` on the shard itself (fbgemm has no MAX; max keeps its arg-max rows for backward).
-3. :func:`weight_grad` - the dense gradient of one request's shard (``tdb::pool_sum_backward``; scattered by
-   the arg-max rows for max).
+3. :func:`weight_grads` - the dense gradients of requests' shards, grouped by storage as for pooling: ONE
+   ``tdb::pool_sum_backward`` per group (scattered by the arg-max rows for max; :func:`weight_grad` for one).
 4. :func:`update` - :class:`Update` requests (each one a shard :func:`update_supported` accepts) are grouped
    by weight storage, state storage, hyper-parameters and step; each group is ONE ``tdb::sparse_update``.
 
@@ -46,7 +47,7 @@ from . import choose, fbgemm, limits, native
 from .args import Batch, Tables
 from .reference import add_bag_grads
 
-__all__ = ["Pooling", "Update", "accepts", "pool", "update", "update_supported", "weight_grad"]
+__all__ = ["Pooling", "Update", "accepts", "pool", "update", "update_supported", "weight_grad", "weight_grads"]
 
 
 _Member = TypeVar("_Member")
@@ -55,10 +56,14 @@ _Member = TypeVar("_Member")
 def accepts(shard: torch.Tensor) -> bool:
     """Whether ``shard`` can be looked up and updated through the ops (whatever runs underneath): on CUDA,
     only where fbgemm's CUDA kernels can take it whatever the batch (:func:`.limits.fits`: 16-byte aligned
-    rows of 1 to :data:`.limits.MAX_D` columns)."""
-    return (shard.dtype == torch.float32 and shard.dim() == 2 and shard.is_contiguous()
-            and (shard.device.type == "cpu" or (shard.device.type == "cuda" and fbgemm.cuda_available()
-                                                 and limits.fits(shard, [0], [shard.shape[1]]))))
+    rows of 1 to :data:`.limits.MAX_D` columns); fp32, fp16 or bf16 (on CPU, what runs is
+    :func:`.choose.for_weights`'s: bf16 only on ours)."""
+    if shard.dim() != 2 or not shard.is_contiguous():
+        return False
+    if shard.device.type == "cpu":
+        return shard.dtype in native.DTYPES
+    return (shard.device.type == "cuda" and shard.dtype in native.DTYPES
+            and fbgemm.cuda_available() and limits.fits(shard, [0], [shard.shape[1]]))
 
 
 def _int64(ids: torch.Tensor, offsets: torch.Tensor) -> bool:
@@ -86,6 +91,7 @@ class Pooling:
         offsets: its ``bags + 1`` bag boundaries.
         weights: per-sample weights, one per id, or ``None``.
         max_mode: MAX pooling (else SUM).
+        out_dtype: the output's dtype (``None``: the shard's); the ops pool in fp32.
     """
 
     shard: torch.Tensor
@@ -93,6 +99,7 @@ class Pooling:
     offsets: torch.Tensor
     weights: torch.Tensor | None
     max_mode: bool
+    out_dtype: torch.dtype | None = None
 
 
 def _flat(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
@@ -130,9 +137,10 @@ def pool(requests: list[Pooling]) -> list[tuple[torch.Tensor, torch.Tensor | Non
             if r.max_mode or not accepts(r.shard) or not _int64(r.ids, r.offsets):
                 res, _, _, argmax = torch.embedding_bag(r.shard, r.ids, r.offsets, False, 2 if r.max_mode else 0,
                                                         False, r.weights, True)
-                out[k] = (res, argmax if r.max_mode else None)
+                out[k] = (res if r.out_dtype in (None, res.dtype) else res.to(r.out_dtype),
+                          argmax if r.max_mode else None)
                 continue
-            key = (*_home(r.shard), r.offsets.numel(), r.weights is not None)
+            key = (*_home(r.shard), r.offsets.numel(), r.weights is not None, r.out_dtype)
             groups.setdefault(key, []).append(k)
         for group in groups.values():
             first = requests[group[0]]
@@ -150,6 +158,9 @@ def _pool_call(requests: list[Pooling], at_out: list[int],
     ids, offsets, psw = _batch([(r.ids, r.offsets, r.weights) for r in requests])
     res = torch.ops.tdb.pool_sum(flat, at, [s.shape[1] for s in shards], [s.shape[0] for s in shards], ids, offsets,
                                  None if psw is None else psw.to(torch.float32), ids_checked=True)
+    want = requests[0].out_dtype or shards[0].dtype  # half-precision tables pool in fp32
+    if res.dtype != want:
+        res = res.to(want)
     c0 = 0
     for k, s in zip(at_out, shards):
         out[k] = (res if len(requests) == 1 else res.narrow(1, c0, s.shape[1]), None)
@@ -159,16 +170,46 @@ def _pool_call(requests: list[Pooling], at_out: list[int],
 def weight_grad(grad: torch.Tensor, r: Pooling, argmax: torch.Tensor | None = None) -> torch.Tensor:
     """The dense gradient of ``r.shard`` given its output gradient (for max: ``argmax`` from :func:`pool`,
     and ``grad`` already masked to the entries that count)."""
-    if argmax is not None:
-        return torch.zeros_like(r.shard).scatter_add_(0, argmax.clamp(min=0), grad.to(r.shard.dtype))
-    if not accepts(r.shard) or not _int64(r.ids, r.offsets):
-        return add_bag_grads(torch.zeros_like(r.shard), grad, r.ids, r.offsets, r.weights)
-    grad = grad.to(torch.float32)
+    return weight_grads([(grad, r, argmax)])[0]
+
+
+def weight_grads(requests: list[tuple[torch.Tensor, Pooling, torch.Tensor | None]]) -> list[torch.Tensor]:
+    """:func:`weight_grad` of each ``(grad, request, argmax)``; the sums whose shards share a storage (and batch
+    size, and whether they carry per-sample weights) in ONE ``tdb::pool_sum_backward``, each shard's gradient a
+    view of its result (the ops give every table's gradient back to back)."""
+    out: list[torch.Tensor | None] = [None] * len(requests)
+    groups: dict[tuple, list[int]] = {}
+    for k, (grad, r, argmax) in enumerate(requests):
+        if argmax is not None:
+            out[k] = torch.zeros_like(r.shard).scatter_add_(0, argmax.clamp(min=0), grad.to(r.shard.dtype))
+        elif not accepts(r.shard) or not _int64(r.ids, r.offsets):
+            out[k] = add_bag_grads(torch.zeros_like(r.shard), grad, r.ids, r.offsets, r.weights)
+        else:
+            groups.setdefault((*_home(r.shard), r.offsets.numel(), r.weights is not None), []).append(k)
+    for group in groups.values():
+        first = requests[group[0]][1]
+        for members in _calls(group, lambda k: requests[k][1].ids.numel(), first.offsets.numel() - 1,
+                              first.shard.device):
+            _grad_call([requests[k] for k in members], members, out)
+    return [o for o in out if o is not None]
+
+
+def _grad_call(requests: list[tuple[torch.Tensor, Pooling, torch.Tensor | None]], at_out: list[int],
+               out: list[torch.Tensor | None]) -> None:
+    """ONE ``tdb::pool_sum_backward`` for ``requests`` (shards of one storage); each one's gradient at its place
+    in ``out``."""
+    shards = [r.shard for _, r, _ in requests]
+    grad = _columns([g.to(torch.float32) for g, _, _ in requests])
     grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-    psw = None if r.weights is None else r.weights.to(torch.float32)
-    flat = torch.ops.tdb.pool_sum_backward(grad, [r.shard.shape[1]], [r.shard.shape[0]], r.ids, r.offsets, psw,
-                                           ids_checked=True)
-    return flat.view(r.shard.shape)
+    ids, offsets, psw = _batch([(r.ids, r.offsets, r.weights) for _, r, _ in requests])
+    flat = torch.ops.tdb.pool_sum_backward(grad, [s.shape[1] for s in shards], [s.shape[0] for s in shards], ids,
+                                           offsets, None if psw is None else psw.to(torch.float32), ids_checked=True)
+    if flat.dtype != shards[0].dtype:  # a weight's gradient has its dtype
+        flat = flat.to(shards[0].dtype)
+    at = 0
+    for k, s in zip(at_out, shards):
+        out[k] = flat.narrow(0, at, s.numel()).view(s.shape)
+        at += s.numel()
 
 
 @dataclass(frozen=True)
@@ -211,7 +252,8 @@ def update_supported(shard: torch.Tensor, hyper: Hyper, weights: torch.Tensor | 
         return False
     if ids is not None and offsets is not None and not _int64(ids, offsets):
         return False
-    which = choose.update_impl(shard.device, hyper.kind, hyper.weight_decay)
+    which = choose.for_weights(choose.update_impl(shard.device, hyper.kind, hyper.weight_decay), shard.device,
+                               shard.dtype, stochastic=hyper.stochastic_rounding)
     if which is choose.Impl.TORCH:
         return False
     n = 0 if ids is None else ids.numel()
@@ -236,7 +278,7 @@ def _columns(grads: list[torch.Tensor]) -> torch.Tensor:
     if adjacent:
         width = sum(g.shape[1] for g in grads)
         return torch.as_strided(g0, (g0.shape[0], width), (g0.stride(0) if g0.shape[0] > 1 else width, 1),
-                                g0.storage_offset())
+                                g0.storage_offset()).to(torch.float32)
     return torch.cat([g.to(torch.float32) for g in grads], dim=1)
 
 
@@ -273,4 +315,5 @@ def _update_call(members: list[Update]) -> None:
         flat, at, [s.shape[1] for s in shards], [s.shape[0] for s in shards], _columns([u.grad for u in members]),
         ids, offsets, psw, hyper.kind.name, m1, m1_at, m2, m2_at, hyper.lr, hyper.eps, hyper.weight_decay,
         hyper.weight_decay_mode.value, hyper.beta1, hyper.beta2, first.step, ids_checked=True,
+        stochastic_rounding=hyper.stochastic_rounding,
     )

@@ -41,7 +41,7 @@ from ..optim_kinds import REGISTERED, Hyper, OptimKind, StateKind, WeightDecayMo
 from . import build, fbgemm, native
 from .args import Batch, State, Tables
 
-__all__ = ["Impl", "calibrated", "choice_code", "dense_impl", "pool_impl", "settle", "update_impl"]
+__all__ = ["Impl", "calibrated", "choice_code", "dense_impl", "for_weights", "pool_impl", "settle", "update_impl"]
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +179,26 @@ def _update_impl(device: torch.device, kind: OptimKind, decayed: bool) -> Impl:
     if not candidates:  # no kernel lists the kind
         return Impl.TORCH
     return _pick(candidates, f"update_{kind.name}", device)
+
+
+def for_weights(which: Impl, device: torch.device, dtype: torch.dtype, *, stochastic: bool = False) -> Impl:
+    """``which`` (a choice for fp32 tables) for tables of ``dtype``; ``stochastic``: an update that rounds
+    half-precision rows stochastically.
+
+    fbgemm's CPU kernels take fp16 tables, not bf16, and round an update to nearest whatever they are asked
+    (fbgemm_gpu-cpu 1.8 ignores ``stochastic_rounding``): work they cannot do as asked goes to ours where
+    every rank has them (else torch's). fbgemm's CUDA kernels take fp16 and bf16 tables (its CUDA code generator
+    dispatches both). The same inputs give the same answer on every rank of an agreement.
+    """
+    if dtype == torch.float32 or which is Impl.TORCH:
+        return which
+    if dtype not in native.DTYPES:
+        return Impl.TORCH
+    if device.type != "cpu":
+        return which
+    if which is Impl.FBGEMM and (dtype != torch.float16 or stochastic):
+        return Impl.NATIVE if _available(Impl.NATIVE, device) else Impl.TORCH
+    return which
 
 
 def choice_code(device: torch.device) -> int:

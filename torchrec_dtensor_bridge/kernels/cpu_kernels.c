@@ -1,5 +1,5 @@
 /*
- * This package's CPU kernels for fp32 embedding tables: the pooled sum of a bag lookup, and the fused
+ * This package's CPU kernels for fp32 embedding tables (half-precision ones: cpu_kernels16.c): the pooled sum of a bag lookup, and the fused
  * optimizers' sparse updates in place, each over every table of one flat storage in one call (table t's
  * rows at element woff[t], dims[t] wide; its bags t * B .. (t + 1) * B - 1 of the T * B + 1 offsets,
  * table-major, absolute positions in ids).
@@ -79,18 +79,18 @@
 #define TDB_INLINE static inline
 #endif
 
-int tdb_version(void) { return 8; }
+int tdb_version(void) { return 9; }
 
-/* Whether the last + 1 offsets run forward inside [0, n]. */
-static int tdb_offsets_in_order(const int64_t* offsets, int64_t last, int64_t n) {
+/* Whether the last + 1 offsets run forward inside [0, n] (also cpu_kernels16.c's). */
+int tdb_offsets_in_order(const int64_t* offsets, int64_t last, int64_t n) {
   if (offsets[0] < 0 || offsets[last] > n) return 0;
   for (int64_t i = 0; i < last; ++i)
     if (offsets[i + 1] < offsets[i]) return 0;
   return 1;
 }
 
-/* Whether ids[lo..hi) all lie inside [0, rows). */
-static int tdb_ids_inside(const int64_t* ids, int64_t lo, int64_t hi, int64_t rows) {
+/* Whether ids[lo..hi) all lie inside [0, rows) (also cpu_kernels16.c's). */
+int tdb_ids_inside(const int64_t* ids, int64_t lo, int64_t hi, int64_t rows) {
   for (int64_t p = lo; p < hi; ++p)
     if (ids[p] < 0 || ids[p] >= rows) return 0;
   return 1;

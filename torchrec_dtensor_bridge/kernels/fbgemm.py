@@ -7,37 +7,30 @@ table at an element offset into it (``weights_offsets``), so they run on the
 caller's storage directly: one call for every table of one storage (gaps between
 tables are fine), zero-copy, as TorchRec runs one call per fbgemm buffer.
 
-On CPU (``fbgemm-gpu-cpu``), the kernels themselves:
+On CPU (``fbgemm-gpu-cpu``) and CUDA (``fbgemm-gpu``; not measured on a GPU yet):
 
-* forward: ``split_embedding_codegen_forward_cpu`` (SUM pooling);
-* dense weight gradient: ``split_embedding_backward_codegen_dense_cpu``. It does not
-  read the weights, so it is given a packed scratch layout and returns every table's
-  gradient back to back (no gradient as large as the storage);
-* fused update: ``split_embedding_backward_codegen_{name}_cpu`` (the kinds whose record
-  says ``fbgemm_cpu``, :mod:`...optim_kinds`) update the rows (and momentum) in place.
-  fbgemm_gpu-cpu 1.8 builds no CPU Adam, and ignores weight decay in these kernels.
-
-On CUDA (``fbgemm-gpu``), fbgemm's own lookup functions, as its training module calls them
-(not measured on a GPU yet):
-
-* forward: ``split_embedding_codegen_lookup_sgd_function_pt2`` under ``no_grad``;
-* dense weight gradient: ``dense_embedding_codegen_lookup_function`` over a packed scratch
-  layout, then its backward;
-* fused update: ``split_embedding_codegen_lookup_{name}_function_pt2`` (the kinds whose record
-  says ``fbgemm_cuda``; each one's extra arguments in :data:`_OPTIMIZER_ARGS`), then its backward
-  from the output gradient: fbgemm's backward updates the rows (and momentum) in place
-  (:func:`run_backward`).
+* forward: on CPU the kernel itself, ``split_embedding_codegen_forward_cpu`` (SUM pooling); on CUDA
+  fbgemm's lookup function ``split_embedding_codegen_lookup_sgd_function_pt2`` under ``no_grad``
+  (:func:`lookup_forward`; its C++ forward unpacks the CUDA argument lists);
+* fused update: fbgemm's backward alone, ``split_embedding_backward_codegen_{name}_{unweighted,weighted}
+  _pt2_wrapper`` (:func:`backward_op`), the op fbgemm's own training module calls from its autograd
+  backward, one schema for both devices (it runs ``..._exact_cuda`` on CUDA, ``..._cpu`` on CPU), given
+  the arguments its module gives (:func:`backward_values`): no forward runs, and no per-sample-weight
+  gradient is computed. The kinds whose record says ``fbgemm_cpu`` / ``fbgemm_cuda`` (:mod:`...optim_kinds`);
+  fbgemm_gpu-cpu 1.8 builds no CPU Adam;
+* dense weight gradient: on CPU ``split_embedding_backward_codegen_dense_cpu``, on CUDA
+  ``split_embedding_backward_codegen_dense_{unweighted,weighted}_exact_cuda`` (:func:`device_dense_grad`):
+  fbgemm's dense backward alone, over a packed layout it never reads (every table's gradient back to back;
+  no gradient as large as the storage).
 
 Steps of a call (:func:`pool_sum`, :func:`dense_grad`, :func:`update`: the records of :mod:`.args`):
 
 1. :func:`table_args` builds the per-table tensors shared by every call, once per tables and
    device (cached), on the tables' device: the same code for every device, the device decides
    only the placements (``HOST`` on CPU, ``DEVICE`` elsewhere).
-2. :func:`weights_list` / :func:`state_list` give a storage in the form fbgemm's lookup
-   functions read: 3 tensors on CPU, 5 (weights) or 4 (state) on CUDA.
-3. :func:`lookup_args` and :func:`optimizer_args` give the lookup functions' keyword arguments
-   (fbgemm's ``split_embedding_codegen_lookup_invokers`` order); every tensor on the tables'
-   device but ``learning_rate_tensor``, a CPU scalar as fbgemm wants it.
+2. :func:`backward_values` (and :func:`lookup_args` for the CUDA forward) name every argument; an op is
+   called with the arguments its schema names (:func:`call_by_name`), every tensor on the tables' device but
+   ``learning_rate_tensor``, a CPU scalar as fbgemm wants it.
 
 Tensors built here are cached per device: build them outside any ``FakeTensorMode`` (under
 one, the kernel ops' fakes stand in for the implementations and nothing here runs). The caller
@@ -61,9 +54,9 @@ from ..optim_kinds import ADAGRAD, ADAM, ROWWISE_ADAGRAD, SGD, Hyper, OptimKind
 from .args import Batch, State, Tables
 
 __all__ = [
-    "TableArgs", "available", "constant", "cuda_available", "dense_grad", "flat_batch", "lookup_args",
-    "lookup_dense_grad", "lookup_forward", "lookup_update", "optimizer_args", "pool_sum", "run_backward", "run_forward", "state_list", "table_args", "update",
-    "weights_list",
+    "TableArgs", "available", "backward_op", "backward_values", "call_by_name", "constant", "cuda_available",
+    "dense_grad", "device_dense_grad", "flat_batch", "lookup_args", "lookup_forward", "pool_sum", "run_backward_op",
+    "run_forward", "table_args", "update", "weights_list",
 ]
 
 POOL_SUM = 0  # fbgemm_gpu PoolingMode.SUM
@@ -168,16 +161,22 @@ def constant(values: tuple[int, ...], device: torch.device | str) -> torch.Tenso
 class _Unused:
     """What fbgemm's CUDA argument lists hold for the memory kinds a caller's storage does not use."""
 
-    uvm: torch.Tensor  # fp32 (0,): no unified-memory part
-    cache_weights: torch.Tensor  # fp32 (0, 0): no cache
+    uvm: torch.Tensor  # (0,) in the weights' dtype: no unified-memory part (fbgemm reads it as the weights' type)
+    cache_weights: torch.Tensor  # (0, 0) in the cache's dtype (the weights', fp32 for bf16): no cache
     cache_locations: torch.Tensor  # int32 (0,): no cache
+    placements: torch.Tensor  # int32 (0,): a state with no tables (Adam's row counters)
+    offsets: torch.Tensor  # int64 (0,): a state with no tables
 
 
-@functools.lru_cache(maxsize=8)
-def _unused(device: str) -> _Unused:
-    return _Unused(torch.empty(0, dtype=torch.float32, device=device),
-                   torch.empty(0, 0, dtype=torch.float32, device=device),
-                   torch.empty(0, dtype=torch.int32, device=device))
+@functools.lru_cache(maxsize=16)
+def _unused(device: str, dtype: torch.dtype = torch.float32) -> _Unused:
+    # fbgemm's cache holds fp32 or fp16 rows (its module refuses a bf16 cache): bf16 tables' placeholder is fp32
+    cache = torch.float32 if dtype == torch.bfloat16 else dtype
+    return _Unused(torch.empty(0, dtype=dtype, device=device),
+                   torch.empty(0, 0, dtype=cache, device=device),
+                   torch.empty(0, dtype=torch.int32, device=device),
+                   torch.empty(0, dtype=torch.int32, device=device),
+                   torch.empty(0, dtype=torch.int64, device=device))
 
 
 @functools.lru_cache(maxsize=64)
@@ -190,6 +189,16 @@ def _infos(tables: int) -> tuple[int, int]:
     """fbgemm's ``(info_B_num_bits, info_B_mask)`` for ``tables`` tables (as its training module gets them)."""
     bits, mask = torch.ops.fbgemm.get_infos_metadata(torch.empty(0, device="cpu"), 1, tables)
     return int(bits), int(mask)
+
+
+def _bag_bits(args: TableArgs, batch: Batch) -> tuple[int, int]:
+    """:func:`_infos` for the call's tables, after checking that its bags per table fit them."""
+    tables = args.weights_offsets.numel()
+    bits, mask = _infos(tables)
+    bags = (batch.offsets.numel() - 1) // tables
+    if bags > mask:
+        raise ValueError(f"fbgemm: {bags} bags per table exceed the {mask} its kernels address for {tables} tables")
+    return bits, mask
 
 
 # --- the entry points -------------------------------------------------------------------------------------
@@ -212,7 +221,7 @@ def dense_grad(grad: torch.Tensor, dims: Sequence[int], rows: Sequence[int], bat
     packed = list(itertools.accumulate([r * d for r, d in zip(rows, dims)], initial=0))
     args = table_args(tuple(packed[:-1]), tuple(dims), tuple(rows), grad.device)
     if not args.on_host:
-        return lookup_dense_grad(grad, args, batch, packed[-1])
+        return device_dense_grad(grad, args, batch, packed[-1])
     scratch = torch.empty(packed[-1], dtype=torch.float32, device=grad.device)  # shape and dtype only: never read
     return torch.ops.fbgemm.split_embedding_backward_codegen_dense_cpu(
         grad, scratch, args.weights_offsets, args.d_offsets, args.total_d, args.hash_size_cumsum, args.hash_bits,
@@ -222,20 +231,18 @@ def dense_grad(grad: torch.Tensor, dims: Sequence[int], rows: Sequence[int], bat
 
 def update(tables: Tables, batch: Batch, grad: torch.Tensor, state: State, hyper: Hyper) -> None:
     """The fused update of every table, in place, with ``hyper.kind`` (whose record says ``fbgemm_cpu`` on CPU,
-    ``fbgemm_cuda`` on CUDA). ``grad``: ``(bags, total_d)`` with unit column stride (rows may be strided)."""
+    ``fbgemm_cuda`` on CUDA): fbgemm's backward alone (:func:`backward_values`), no forward.
+    ``grad``: ``(bags, total_d)`` with unit column stride (rows may be strided on CPU)."""
     batch = flat_batch(batch)
     device = tables.storage.device
     args = table_args(tuple(tables.offsets), tuple(tables.dims), tuple(tables.rows), device)
-    if not args.on_host:
-        lookup_update(tables.storage, args, batch, grad, state, hyper)
-        return
     m1 = state.momentum1
-    if m1 is None or not hyper.kind.per_element or list(state.momentum1_offsets) == list(tables.offsets):
-        at = None if m1 is None else constant(tuple(state.momentum1_offsets), device)
-        _update_on_host(tables.storage, args, batch, grad, m1, at, hyper)
+    if (not args.on_host or m1 is None or not hyper.kind.per_element
+            or list(state.momentum1_offsets) == list(tables.offsets)):
+        run_backward_op(hyper.kind, backward_values(tables.storage, args, batch, grad, state, hyper))
         return
     # fbgemm's CPU kernels address element-wise state by the WEIGHTS' offsets (the state's are unread): for
-    # state laid out otherwise, one call per table
+    # state laid out otherwise, one call per table (its CUDA kernels read the state's offsets: one call there)
     dims, rows = tables.dims, tables.rows
     starts = list(itertools.accumulate(dims, initial=0))
     bags = (batch.offsets.numel() - 1) // len(dims)
@@ -245,21 +252,105 @@ def update(tables: Tables, batch: Batch, grad: torch.Tensor, state: State, hyper
             continue
         one = table_args((0,), (dims[t],), (rows[t],), device)
         first = state.momentum1_offsets[t]
-        _update_on_host(tables.view(t).view(-1), one, mine, grad[:, starts[t] : starts[t + 1]],
-                        m1[first : first + rows[t] * dims[t]], one.weights_offsets, hyper)
+        alone = State(m1[first : first + rows[t] * dims[t]], (0,), None, (), state.step)
+        run_backward_op(hyper.kind, backward_values(tables.view(t).view(-1), one, mine,
+                                                    grad[:, starts[t] : starts[t + 1]], alone, hyper))
 
 
-def _update_on_host(weights: torch.Tensor, args: TableArgs, batch: Batch, grad: torch.Tensor,
-                    momentum: torch.Tensor | None, momentum_offsets: torch.Tensor | None, hyper: Hyper) -> None:
-    """fbgemm_gpu-cpu's backward-with-optimizer kernel for ``hyper.kind``: one call."""
-    place = args.placements
-    common = (grad, weights, place, args.weights_offsets, args.d_offsets, args.total_d, args.hash_size_cumsum,
-              args.hash_bits, batch.ids, batch.offsets, POOL_SUM, batch.per_sample_weights, False)
-    op = getattr(torch.ops.fbgemm, f"split_embedding_backward_codegen_{hyper.kind.fbgemm}_cpu")
-    if momentum is None:
-        op(*common, _learning_rate(hyper.lr))
-    else:
-        op(*common, momentum, place, momentum_offsets, _learning_rate(hyper.lr), eps=hyper.eps)
+def backward_op(kind: OptimKind, weighted: bool) -> Any:
+    """fbgemm's backward-with-update op for ``kind``: the op its own training module's autograd calls, with one
+    schema for CPU and CUDA (``..._pt2_wrapper``; on CUDA it runs ``..._exact_cuda``, on CPU ``..._cpu``)."""
+    which = "weighted" if weighted else "unweighted"
+    return getattr(torch.ops.fbgemm, f"split_embedding_backward_codegen_{kind.fbgemm}_{which}_pt2_wrapper")
+
+
+def run_backward_op(kind: OptimKind, values: dict[str, Any]) -> None:
+    """Calls :func:`backward_op` with the arguments its schema names, taken from ``values`` by name (an
+    argument ``values`` lacks: its default, ``None`` where optional, else a ``ValueError`` naming it)."""
+    op = backward_op(kind, values["indice_weights"].numel() > 0)
+    call_by_name(op, values)
+
+
+def call_by_name(op: Any, values: dict[str, Any]) -> Any:
+    """``op(**kwargs)`` with each argument of ``op``'s schema taken from ``values`` by name."""
+    kwargs: dict[str, Any] = {}
+    for a in op.default._schema.arguments:
+        if a.name in values:
+            kwargs[a.name] = values[a.name]
+        elif a.has_default_value():
+            continue
+        elif isinstance(a.type, torch.OptionalType):
+            kwargs[a.name] = None
+        else:
+            raise ValueError(f"fbgemm: {op.default._schema.name} takes {a.name!r}, which this package does not "
+                             f"give (it gives {sorted(values)})")
+    return op(**kwargs)
+
+
+def backward_values(weights: torch.Tensor, args: TableArgs, batch: Batch, grad: torch.Tensor, state: State,
+                    hyper: Hyper) -> dict[str, Any]:
+    """The arguments of :func:`backward_op`, by name, as fbgemm's training module hands them (its pt2
+    autograd's backward): the tables in ``host_weights`` on CPU, in ``dev_weights`` on a device; each state
+    as five tensors (``{name}_host``, ``_dev``, ``_uvm``, ``_placements``, ``_offsets``); the launch constants
+    of its NVIDIA build (``BT_block_size`` 32, ``max_segment_length_per_warp`` 32); the optimizer's
+    hyper-parameters under fbgemm's names (Adam's ``iter`` is the step being taken)."""
+    device = weights.device
+    unused, fp32 = _unused(str(device), weights.dtype), _unused(str(device))
+    bits, mask = _bag_bits(args, batch)
+    if not args.on_host:
+        grad = grad.contiguous()  # rows back to back, as fbgemm's module hands its output gradients
+    psw = batch.per_sample_weights
+    values: dict[str, Any] = {
+        "grad_output": grad,
+        "host_weights": weights if args.on_host else unused.uvm,
+        "dev_weights": unused.uvm if args.on_host else weights,
+        "uvm_weights": unused.uvm,
+        "lxu_cache_weights": unused.cache_weights,
+        "weights_placements": args.placements,
+        "weights_offsets": args.weights_offsets,
+        "D_offsets": args.d_offsets,
+        "max_D": args.max_d,
+        # row-wise Adagrad's kernels for tables of one width are faster; fbgemm's module asks for them so
+        "mixed_D": hyper.kind is not ROWWISE_ADAGRAD or args.max_d * len(args.placements) != args.total_d,
+        "hash_size_cumsum": args.hash_size_cumsum,
+        "total_hash_size_bits": args.hash_bits,
+        "indices": batch.ids,
+        "offsets": batch.offsets,
+        "pooling_mode": POOL_SUM,
+        "indice_weights": fp32.uvm if psw is None else psw,
+        "lxu_cache_locations": unused.cache_locations,
+        "BT_block_size": 32,
+        "max_segment_length_per_warp": 32,
+        "stochastic_rounding": hyper.stochastic_rounding,
+        "info_B_num_bits": bits,
+        "info_B_mask_int64": mask,
+        "use_uniq_cache_locations": False,
+        "use_homogeneous_placements": True,
+        "learning_rate_tensor": _learning_rate(hyper.lr),
+        "eps": hyper.eps,
+        "weight_decay": hyper.weight_decay,
+        "weight_decay_mode": hyper.weight_decay_mode.value,
+        "max_norm": 0.0,
+        "beta1": hyper.beta1,
+        "beta2": hyper.beta2,
+        "iter": state.step,
+        "use_rowwise_bias_correction": False,
+        # Adam's per-row step counters, unused without rowwise bias correction: its CUDA backward takes them as
+        # (non-optional) Tensors, empty, as fbgemm's training module's autograd hands them
+        "row_counter_host": unused.uvm,
+        "row_counter_dev": unused.uvm,
+        "row_counter_uvm": unused.uvm,
+        "row_counter_placements": unused.placements,
+        "row_counter_offsets": unused.offsets,
+        "output_dtype": OUTPUT_FP32,
+    }
+    for name, m, at in (("momentum1", state.momentum1, state.momentum1_offsets),
+                        ("momentum2", state.momentum2, state.momentum2_offsets)):
+        if m is not None:
+            values.update({f"{name}_host": m if args.on_host else fp32.uvm,
+                           f"{name}_dev": fp32.uvm if args.on_host else m, f"{name}_uvm": fp32.uvm,
+                           f"{name}_placements": args.placements, f"{name}_offsets": constant(tuple(at), device)})
+    return values
 
 
 # --- fbgemm's lookup functions (CUDA; the same calls run on CPU with the CPU forms) ---------------------------
@@ -269,16 +360,8 @@ def weights_list(weights: torch.Tensor, args: TableArgs) -> list[torch.Tensor]:
     ``[dev, uvm, placements, offsets, lxu_cache]`` on a device (the tables in ``dev``)."""
     if args.on_host:
         return [weights, args.placements, args.weights_offsets]
-    unused = _unused(str(weights.device))
+    unused = _unused(str(weights.device), weights.dtype)
     return [weights, unused.uvm, args.placements, args.weights_offsets, unused.cache_weights]
-
-
-def state_list(state: torch.Tensor, at: torch.Tensor, args: TableArgs) -> list[torch.Tensor]:
-    """An optimizer state buffer as fbgemm's lookup functions take it: ``[flat, placements, offsets]`` in host
-    memory, ``[dev, uvm, placements, offsets]`` on a device."""
-    if args.on_host:
-        return [state, args.placements, at]
-    return [state, _unused(str(state.device)).uvm, args.placements, at]
 
 
 def lookup_args(weights: torch.Tensor, args: TableArgs, batch: Batch, placeholder: torch.Tensor, *,
@@ -286,11 +369,7 @@ def lookup_args(weights: torch.Tensor, args: TableArgs, batch: Batch, placeholde
     """The keyword arguments every ``split_embedding_codegen_lookup_*_function_pt2`` takes (``step``: the
     optimizer's iteration, read by Adam's bias correction)."""
     batch = flat_batch(batch)
-    tables = args.weights_offsets.numel()
-    bits, mask = _infos(tables)
-    bags = (batch.offsets.numel() - 1) // tables
-    if bags > mask:
-        raise ValueError(f"fbgemm: {bags} bags per table exceed the {mask} its kernels address for {tables} tables")
+    bits, mask = _bag_bits(args, batch)
     return {
         "placeholder_autograd_tensor": placeholder,
         "weights": weights_list(weights, args),
@@ -317,83 +396,35 @@ def lookup_args(weights: torch.Tensor, args: TableArgs, batch: Batch, placeholde
     }
 
 
-_OPTIMIZER_ARGS: dict[OptimKind, Callable[[Hyper], dict[str, list[Any]]]] = {
-    SGD: lambda h: {},
-    ADAGRAD: lambda h: {"optim_float": [h.eps]},
-    ROWWISE_ADAGRAD: lambda h: {"optim_int": [h.weight_decay_mode.value],  # weight_decay_mode
-                                "optim_float": [h.eps, h.weight_decay, 0.0]},  # max_norm 0: none
-    ADAM: lambda h: {"optim_tensor": [None] * 5,  # no row counter (row-wise bias correction off)
-                     "optim_float": [h.eps, h.beta1, h.beta2, h.weight_decay], "optim_bool": [False]},
-}
-"""Per kind, the arguments of its lookup function beyond its states (its ``optim_*`` lists, fbgemm's order)."""
-
-
-def optimizer_args(args: TableArgs, state: State, hyper: Hyper) -> dict[str, Any]:
-    """The keyword arguments of ``hyper.kind``'s ``split_embedding_codegen_lookup_{name}_function_pt2`` beyond
-    :func:`lookup_args`: its states (``momentum1``, ``momentum2``) and its ``optim_*`` lists."""
-    extra = _OPTIMIZER_ARGS.get(hyper.kind)
-    if extra is None:
-        raise ValueError(f"fbgemm: no lookup function updates with {hyper.kind.name!r}; kinds "
-                         f"{[k.name for k in _OPTIMIZER_ARGS]}")
-    out = extra(hyper)
-    device = args.weights_offsets.device
-    for name, m, at in (("momentum1", state.momentum1, state.momentum1_offsets),
-                        ("momentum2", state.momentum2, state.momentum2_offsets)):
-        if m is not None:
-            out[name] = state_list(m, constant(tuple(at), device), args)
-    return out
-
-
-def _lookup_function(kind: OptimKind) -> Callable[..., torch.Tensor]:
-    return getattr(torch.ops.fbgemm, f"split_embedding_codegen_lookup_{kind.fbgemm}_function_pt2")
-
-
 def run_forward(op: Callable[..., torch.Tensor], kwargs: dict[str, Any]) -> torch.Tensor:
     """``op(**kwargs)`` (an fbgemm autograd function) under ``no_grad``: its forward alone."""
     with torch.no_grad():
         return op(**kwargs)
 
 
-def run_backward(op: Callable[..., torch.Tensor], kwargs: dict[str, Any], grad: torch.Tensor,
-                 wrt: torch.Tensor) -> torch.Tensor | None:
-    """``op(**kwargs)`` (an fbgemm autograd function), then its backward from ``grad``; the gradient of
-    ``wrt``. fbgemm's lookup functions update their weights (and state) in place in that backward."""
-    with torch.enable_grad():
-        out = op(**kwargs)
-        return torch.autograd.grad(out, wrt, grad, allow_unused=True)[0]
-
-
 def lookup_forward(weights: torch.Tensor, args: TableArgs, batch: Batch) -> torch.Tensor:
     """``(bags, total_d)`` through fbgemm's lookup function (no update: under ``no_grad``)."""
     batch = flat_batch(batch)
     placeholder = torch.empty(0, dtype=torch.float32, device=weights.device)
-    return run_forward(_lookup_function(SGD), lookup_args(weights, args, batch, placeholder))
+    return run_forward(torch.ops.fbgemm.split_embedding_codegen_lookup_sgd_function_pt2,
+                       lookup_args(weights, args, batch, placeholder))
 
 
-def lookup_dense_grad(grad: torch.Tensor, packed: TableArgs, batch: Batch, numel: int) -> torch.Tensor:
-    """Every table's dense weight gradient, back to back at ``packed``'s offsets, through fbgemm's dense
-    lookup function and its backward (forward over a zero scratch of ``numel`` elements, then discarded)."""
+def device_dense_grad(grad: torch.Tensor, packed: TableArgs, batch: Batch, numel: int) -> torch.Tensor:
+    """Every table's dense weight gradient, back to back at ``packed``'s offsets, through fbgemm's CUDA dense
+    backward (``split_embedding_backward_codegen_dense_{unweighted,weighted}_exact_cuda``, the op its dense
+    module's autograd calls): no forward. ``dev_weights`` is a scratch of ``numel`` elements it takes its
+    shape from and never reads."""
     batch = flat_batch(batch)
-    scratch = torch.zeros(numel, dtype=torch.float32, device=grad.device, requires_grad=True)
-    grad = grad.contiguous()  # rows back to back, as fbgemm's module hands its output gradients
-    kwargs = {
-        "dev_weights": scratch, "weights_offsets": packed.weights_offsets, "D_offsets": packed.d_offsets,
-        "total_D": packed.total_d, "max_D": packed.max_d, "hash_size_cumsum": packed.hash_size_cumsum,
-        "total_hash_size_bits": packed.hash_bits, "indices": batch.ids, "offsets": batch.offsets,
-        "pooling_mode": POOL_SUM, "indice_weights": batch.per_sample_weights, "feature_requires_grad": None,
-        "output_dtype": OUTPUT_FP32,
+    psw = batch.per_sample_weights
+    which = "unweighted" if psw is None else "weighted"
+    op = getattr(torch.ops.fbgemm, f"split_embedding_backward_codegen_dense_{which}_exact_cuda")
+    values = {
+        "grad_output": grad.contiguous(),  # rows back to back, as fbgemm's module hands its output gradients
+        "dev_weights": torch.empty(numel, dtype=torch.float32, device=grad.device),
+        "weights_offsets": packed.weights_offsets, "D_offsets": packed.d_offsets, "max_D": packed.max_d,
+        "mixed_D": True, "hash_size_cumsum": packed.hash_size_cumsum, "total_hash_size_bits": packed.hash_bits,
+        "indices": batch.ids, "offsets": batch.offsets, "pooling_mode": POOL_SUM, "indice_weights": psw,
+        "unused_": 32, "max_segment_length_per_warp": 32, "unused": 0.0,  # BT_block_size: unused there
     }
-    out = run_backward(torch.ops.fbgemm.dense_embedding_codegen_lookup_function, kwargs, grad, scratch)
-    return torch.zeros_like(scratch, requires_grad=False) if out is None else out
-
-
-def lookup_update(weights: torch.Tensor, args: TableArgs, batch: Batch, grad: torch.Tensor, state: State,
-                  hyper: Hyper) -> None:
-    """The fused update of every table of one call through fbgemm's lookup function for ``hyper.kind``: its
-    forward, then its backward from ``grad``, which updates the rows and state in place."""
-    batch = flat_batch(batch)
-    placeholder = torch.zeros(0, dtype=torch.float32, device=weights.device, requires_grad=True)
-    grad = grad.contiguous()  # rows back to back, as fbgemm's module hands its output gradients
-    kwargs = lookup_args(weights, args, batch, placeholder, lr=hyper.lr, step=state.step)
-    kwargs.update(optimizer_args(args, state, hyper))
-    run_backward(_lookup_function(hyper.kind), kwargs, grad, placeholder)
+    return call_by_name(op, values)

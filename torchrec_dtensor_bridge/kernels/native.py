@@ -50,16 +50,19 @@ from ..optim_kinds import Hyper, WeightDecayMode
 from . import build
 from .args import Batch, State, Tables
 
-__all__ = ["MAX_DIM", "NativeKernel", "fits", "kernel"]
+__all__ = ["DTYPES", "MAX_DIM", "NativeKernel", "fits", "kernel"]
 
 log = logging.getLogger(__name__)
 
-_VERSION = 8
+_VERSION = 9
 MAX_DIM = 8192
 """The widest table the C code takes (``TDB_MAX_DIM``)."""
 _MAX_ROWS = 2**31  # rows and ids are grouped as 32-bit keys
 _MIN_PER_THREAD = 16384  # occurrences: below this, one thread
 _BAD_ARGUMENTS = -1000000  # cpu_kernels.c's TDB_BAD_ARGUMENTS
+_HALF = {torch.float16: 1, torch.bfloat16: 2}  # cpu_kernels16.c's TDB_F16, TDB_BF16
+DTYPES = frozenset({torch.float32, *_HALF})
+"""The weights' dtypes the C code takes (fp32: ``cpu_kernels.c``; fp16, bf16: ``cpu_kernels16.c``)."""
 
 
 def fits(tables: Tables, batch: Batch) -> bool:
@@ -91,6 +94,13 @@ class NativeKernel:
         lib.tdb_update_tables.restype = i32
         lib.tdb_check_tables.argtypes = [i64, p, p, i64, p, i64]
         lib.tdb_check_tables.restype = i32
+        lib.tdb_pool_tables16.argtypes = [p, i32, i64, p, p, p, p, i64, p, p, i64, p, i64, i64, i64, p]
+        lib.tdb_pool_tables16.restype = i32
+        lib.tdb_bag_square_sums16.argtypes = [p, i64, i64, p, p, i64, p]
+        lib.tdb_bag_square_sums16.restype = None
+        lib.tdb_apply_tables16.argtypes = [i32, i32, p, i32, i32, ctypes.c_uint64, i64, p, p, p, p, p, p, p, i64, p,
+                                           p, p, p, p, p, p, i64, i64, i64, p]
+        lib.tdb_apply_tables16.restype = i32
         self.lib, self.path = lib, path
 
     def ids_valid(self, ids: torch.Tensor, offsets: torch.Tensor, rows: Sequence[int]) -> bool:
@@ -111,14 +121,16 @@ class NativeKernel:
         n = len(dims)
         bags, width = (offsets.numel() - 1) // n, sum(dims)
         out = torch.empty(bags, width, dtype=torch.float32)
-        head = (weights.data_ptr(), n, _i64(tuple(tables.offsets)).data_ptr(), _i64(tuple(dims)).data_ptr(),
+        half = _HALF.get(weights.dtype)  # fp16 / bf16: cpu_kernels16.c's, which also takes the type
+        fn, first = (self.lib.tdb_pool_tables, (weights.data_ptr(),)) if half is None else (
+            self.lib.tdb_pool_tables16, (weights.data_ptr(), half))
+        head = (*first, n, _i64(tuple(tables.offsets)).data_ptr(), _i64(tuple(dims)).data_ptr(),
                 _i64(tuple(rows)).data_ptr(), out.data_ptr(), out.stride(0) if bags else width,
                 _i64(tuple(_starts(dims))).data_ptr(), ids.data_ptr(), ids.numel(), offsets.data_ptr(), bags)
         # all tables' bags split evenly over the torch threads (each bag's sum is the same whatever the split)
         total = n * bags
         parts = max(1, min(torch.get_num_threads(), ids.numel() // _MIN_PER_THREAD, total))
-        for rc in _in_parts(self.lib.tdb_pool_tables, head, [total * k // parts for k in range(parts + 1)],
-                            (_ptr(psw),)):
+        for rc in _in_parts(fn, head, [total * k // parts for k in range(parts + 1)], (_ptr(psw),)):
             if rc != 0:
                 raise ValueError(f"pooled lookup: ids of table {-1 - rc} outside [0, {rows[-1 - rc]}) or offsets "
                                  "out of order")
@@ -130,7 +142,9 @@ class NativeKernel:
 
         ``grad``: the bags' output gradient ``(B, sum(dims))`` fp32 with unit column stride, table ``t`` at its
         columns; ``state``: as :class:`.args.State`; weight decay as :mod:`..optim.update`; the step counts
-        from 1, this one included.
+        from 1, this one included. fp16 and bf16 weights (``cpu_kernels16.c``): fp32 math and state, each row
+        written back rounded once, stochastically (``hyper.stochastic_rounding``; the seed drawn from torch's
+        default generator, so that ``torch.manual_seed`` repeats a run) or to nearest even.
         """
         weights, dims, rows, kind = tables.storage, tables.dims, tables.rows, hyper.kind
         assert kind.native is not None, f"{kind.name}: no native kernel"
@@ -143,39 +157,44 @@ class NativeKernel:
         keys, occ, bag_of = work[0], work[1], work[2]
         decay = hyper.weight_decay_mode if hyper.weight_decay else WeightDecayMode.NONE
         rows_t, goff, dims_t = _i64(tuple(rows)), _i64(tuple(_starts(dims))), _i64(tuple(dims))
-        woff_t = _i64(tuple(tables.offsets))
         m1, m2 = state.momentum1, state.momentum2
         m1_at = None if m1 is None else _i64(tuple(state.momentum1_offsets))
         m2_at = None if m2 is None else _i64(tuple(state.momentum2_offsets))
-        bag_sq = None  # a per-row state: a row touched once takes its statistic from its bag's
-        if kind.row_wise and decay is not WeightDecayMode.L2:
-            bag_sq = torch.empty(n_tables * bags, dtype=torch.float32)
-        lr, step, b1, b2 = hyper.lr, state.step, hyper.beta1, hyper.beta2
-        counts = kind.counts_steps  # bias corrections of this step
-        values = torch.tensor([lr, hyper.eps, hyper.weight_decay, b1, b2, lr / (1 - b1**step) if counts else 0.0,
-                               1 - b2**step if counts else 1.0], dtype=torch.float32)
-        tables_args = (weights.data_ptr(), n_tables, woff_t.data_ptr(), dims_t.data_ptr())
+        half = _HALF.get(weights.dtype)
+        values = _hyper_values(hyper, state.step, torch.float32 if half is None else torch.float64)
+        tables_args = (weights.data_ptr(), n_tables, _i64(tuple(tables.offsets)).data_ptr(), dims_t.data_ptr())
         states = (_ptr(m1), _ptr(m1_at), _ptr(m2), _ptr(m2_at))
         grads = (grad.data_ptr(), grad.stride(0), goff.data_ptr(), _ptr(psw))
+        # a per-row state: a row touched once takes its statistic from its bag's
+        bag_sq = (torch.empty(n_tables * bags, dtype=torch.float32) if kind.row_wise and decay is not WeightDecayMode.L2
+                  and (half is None or psw is None) else None)
         threads = torch.get_num_threads()
-        if threads == 1 or n < 2 * _MIN_PER_THREAD:  # each table grouped right before its walk
+        if half is None and (threads == 1 or n < 2 * _MIN_PER_THREAD):  # each table grouped right before its walk
             rc = self.lib.tdb_update_tables(
                 kind.native, decay.value, *tables_args, rows_t.data_ptr(), *states, *grads, ids.data_ptr(), n,
                 offsets.data_ptr(), bags, *(w.data_ptr() for w in work), _ptr(bag_sq), values.data_ptr())
             self._raise(rc, rows, n)
             return
-        # several threads: every table grouped first (nothing written unless every id is valid), then the
-        # walks, cut over all tables' occurrences on row boundaries
+        # every table grouped first (nothing written unless every id is valid), then the walks, cut over all
+        # tables' occurrences on row boundaries over the threads
         rc = self.lib.tdb_group_tables(n_tables, rows_t.data_ptr(), ids.data_ptr(), n, offsets.data_ptr(), bags,
                                        *(w.data_ptr() for w in work))
         self._raise(rc, rows, n)
         if bag_sq is not None:
-            self.lib.tdb_bag_square_sums_tables(grad.data_ptr(), grad.stride(0), n_tables, goff.data_ptr(),
-                                                dims_t.data_ptr(), bags, bag_sq.data_ptr())
-        head = (kind.native, decay.value, *tables_args, *states, *grads, keys.data_ptr(), occ.data_ptr(),
-                bag_of.data_ptr(), _ptr(bag_sq), offsets.data_ptr(), bags)
+            square_sums = self.lib.tdb_bag_square_sums_tables if half is None else self.lib.tdb_bag_square_sums16
+            square_sums(grad.data_ptr(), grad.stride(0), n_tables, goff.data_ptr(), dims_t.data_ptr(), bags,
+                        bag_sq.data_ptr())
+        walk = (keys.data_ptr(), occ.data_ptr(), bag_of.data_ptr(), _ptr(bag_sq), offsets.data_ptr(), bags)
+        head: tuple[object, ...]
+        if half is None:
+            fn, head = self.lib.tdb_apply_tables, (kind.native, decay.value, *tables_args, *states, *grads, *walk)
+        else:  # fp16 / bf16 (cpu_kernels16.c): rounded stochastically with a seed from torch's default generator
+            stochastic = bool(hyper.stochastic_rounding)
+            seed = int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64).item()) if stochastic else 0
+            fn, head = self.lib.tdb_apply_tables16, (kind.native, decay.value, weights.data_ptr(), half,
+                                                     int(stochastic), seed, *tables_args[1:], *states, *grads, *walk)
         bounds = offsets[::bags].tolist()
-        for rc in _in_parts(self.lib.tdb_apply_tables, head, _row_cuts(keys, threads, bounds), (values.data_ptr(),)):
+        for rc in _in_parts(fn, head, _row_cuts(keys, threads, bounds), (values.data_ptr(),)):
             self._raise(rc, rows, n)
 
     @staticmethod
@@ -189,6 +208,15 @@ class NativeKernel:
         if rc == _BAD_ARGUMENTS:
             raise RuntimeError("sparse update kernel: bad arguments (kind, decay or width)")
         raise ValueError(f"sparse update: ids of table {-2 - rc} outside [0, {rows[-2 - rc]})")
+
+
+def _hyper_values(hyper: Hyper, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """The update's hyper-parameters as the C code reads them (``TDB_LR`` ... ``TDB_ADAM_BC2``): Adam's bias
+    corrections for ``step``; fp32 for ``cpu_kernels.c``, fp64 for ``cpu_kernels16.c``."""
+    lr, b1, b2 = hyper.lr, hyper.beta1, hyper.beta2
+    counts = hyper.kind.counts_steps  # bias corrections of this step
+    return torch.tensor([lr, hyper.eps, hyper.weight_decay, b1, b2, lr / (1 - b1**step) if counts else 0.0,
+                         1 - b2**step if counts else 1.0], dtype=dtype)
 
 
 def _contiguous(batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

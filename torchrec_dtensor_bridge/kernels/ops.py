@@ -6,9 +6,13 @@
   the dense weight gradients of that lookup, flat, back to back.
 * ``tdb::sparse_update(weights!, weights_offsets, dims, rows, grad, ids, offsets, per_sample_weights, kind,
   momentum1!, momentum1_offsets, momentum2!, momentum2_offsets, lr, eps, weight_decay, decay, beta1, beta2,
-  step, ids_checked=False) -> ()``: a fused optimizer's update of the touched rows of every table of one
-  storage (and their state), in place; ``kind`` a registered kind's name (:mod:`...optim_kinds`), ``decay`` a
-  ``WeightDecayMode`` value.
+  step, ids_checked=False, stochastic_rounding=True) -> ()``: a fused optimizer's update of the touched rows of
+  every table of one storage (and their state), in place; ``kind`` a registered kind's name (:mod:`...optim_kinds`),
+  ``decay`` a ``WeightDecayMode`` value; fp16 / bf16 rows are written back from the fp32 update rounded
+  stochastically, or to nearest with ``stochastic_rounding=False``.
+
+The weights may be fp32, fp16 or bf16 (the kernels read rows as fp32 and pool into fp32); optimizer state is
+fp32.
 
 ``ids_checked=True`` says that the caller has checked the ids and offsets (:attr:`.args.Batch.ids_checked`):
 the op then skips its own id check, which on CUDA synchronises the device. :mod:`.calls` passes it (the
@@ -82,7 +86,8 @@ def _update_args(weights: Tensor, weights_offsets: list[int], dims: list[int], r
                  ids: Tensor, offsets: Tensor, per_sample_weights: Tensor | None, kind: str, momentum1: Tensor | None,
                  momentum1_offsets: list[int], momentum2: Tensor | None, momentum2_offsets: list[int], lr: float,
                  eps: float, weight_decay: float, decay: int, beta1: float, beta2: float, step: int,
-                 ids_checked: bool = False) -> tuple[Tables, Batch, Tensor, State, Hyper]:
+                 ids_checked: bool = False, stochastic_rounding: bool = True,
+                 ) -> tuple[Tables, Batch, Tensor, State, Hyper]:
     found = REGISTERED.get(kind)
     if found is None:
         raise _fail("sparse_update", "kind", repr(kind), f"one of {names()}")
@@ -90,7 +95,7 @@ def _update_args(weights: Tensor, weights_offsets: list[int], dims: list[int], r
         raise _fail("sparse_update", "decay", decay, f"one of {sorted(_DECAY_VALUES)}")
     return (Tables(weights, weights_offsets, dims, rows), Batch(ids, offsets, per_sample_weights, ids_checked), grad,
             State(momentum1, momentum1_offsets, momentum2, momentum2_offsets, step),
-            Hyper(found, lr, eps, weight_decay, WeightDecayMode(decay), beta1, beta2))
+            Hyper(found, lr, eps, weight_decay, WeightDecayMode(decay), beta1, beta2, stochastic_rounding))
 
 
 # --- step 2: the checks -----------------------------------------------------------------------------------------
@@ -99,9 +104,9 @@ def _check_tables(op: str, tables: Tables) -> None:
     weights, at, dims, rows = tables.storage, tables.offsets, tables.dims, tables.rows
     if len(dims) == 0 or len(rows) != len(dims) or len(at) != len(dims):
         raise _fail(op, "weights_offsets, dims, rows", (at, dims, rows), "one entry per table (>= 1)")
-    if weights.dim() != 1 or weights.dtype != torch.float32 or weights.stride(0) != 1:
+    if weights.dim() != 1 or weights.dtype not in native.DTYPES or weights.stride(0) != 1:
         raise _fail(op, "weights", f"{weights.dtype} of shape {tuple(weights.shape)} strides {weights.stride()}",
-                    "a flat contiguous float32 tensor")
+                    "a flat contiguous float32, float16 or bfloat16 tensor")
     for t, (o, d, r) in enumerate(zip(at, dims, rows)):
         if d < 0 or r < 0 or o < 0 or o + d * r > weights.numel():
             raise _fail(op, f"table {t}", f"offset {o}, {r} rows x {d} columns",
@@ -210,7 +215,7 @@ def _pool_sum(tables: Tables, batch: Batch) -> Tensor:
     device = tables.storage.device
     b = _check_batch("pool_sum", len(tables.dims), batch, device)
     on_cpu, width = device.type == "cpu", sum(tables.dims)
-    which = choose.pool_impl(device)
+    which = choose.for_weights(choose.pool_impl(device), device, tables.storage.dtype)
     if (which is Impl.NATIVE and not native.fits(tables, batch)) or (
             which is Impl.FBGEMM and not on_cpu and _cuda_misfit(tables, batch, b) is not None):
         which = Impl.TORCH
@@ -280,10 +285,12 @@ def _sparse_update(tables: Tables, batch: Batch, grad: Tensor, state: State, hyp
     """A fused optimizer's update of every table of one storage, in place (see the module docstring)."""
     b = _check_update(tables, batch, grad, state, hyper)
     device = tables.storage.device
-    which = choose.update_impl(device, hyper.kind, hyper.weight_decay)
+    which = choose.for_weights(choose.update_impl(device, hyper.kind, hyper.weight_decay), device,
+                               tables.storage.dtype, stochastic=hyper.stochastic_rounding)
     if which is Impl.TORCH:
         raise ValueError(f"tdb::sparse_update: no one-pass kernel for kind {hyper.kind.name!r} with "
-                         f"weight_decay={hyper.weight_decay} on {device} (kernels.choose.update_impl)")
+                         f"weight_decay={hyper.weight_decay} on {device} for {tables.storage.dtype} tables "
+                         f"(stochastic_rounding={hyper.stochastic_rounding}; kernels.choose.update_impl)")
     if device.type == "cpu":
         if which is Impl.NATIVE and not native.fits(tables, batch):
             raise _fail("sparse_update", "dims, rows, ids", (list(tables.dims), list(tables.rows), batch.ids.numel()),
@@ -345,7 +352,8 @@ _LIB.define("pool_sum_backward(Tensor grad, int[] dims, int[] rows, Tensor ids, 
 _LIB.define("sparse_update(Tensor(a!) weights, int[] weights_offsets, int[] dims, int[] rows, Tensor grad, "
             "Tensor ids, Tensor offsets, Tensor? per_sample_weights, str kind, Tensor(b!)? momentum1, "
             "int[] momentum1_offsets, Tensor(c!)? momentum2, int[] momentum2_offsets, float lr, float eps, "
-            "float weight_decay, int decay, float beta1, float beta2, int step, bool ids_checked=False) -> ()")
+            "float weight_decay, int decay, float beta1, float beta2, int step, bool ids_checked=False, "
+            "bool stochastic_rounding=True) -> ()")
 
 
 def _register(name: str, grouped: Callable[..., tuple[Any, ...]], run: Callable[..., Any],

@@ -299,6 +299,7 @@ class TableOptions:
     padding: int | None
     max_norm: float | None
     norm_type: float
+    out_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -334,7 +335,8 @@ class TableCodes:
         optimizer: a digest of the fused optimizer's kind's name (-1: none).
         psw_grad: 1 when backward computes the per-sample weights' gradient.
         hyper: a digest of the fused optimizer's hyper-parameters (lr, eps, weight decay and its
-            mode, betas; 0: none): ranks stepping with different ones would part ways silently.
+            mode, betas, rounding; 0: none): ranks stepping with different ones would part ways silently.
+        out_dtype: index of the output's dtype in :data:`DTYPES` (-1: the weight's).
     """
 
     op: int
@@ -349,11 +351,12 @@ class TableCodes:
     optimizer: int = -1
     psw_grad: int = 0
     hyper: int = 0
+    out_dtype: int = -1
 
     @classmethod  # every rank builds its own, from its arguments; ranks compare them in the agreement step
     def of(cls, op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
            shape: tuple[int, ...], dtype: torch.dtype | None, layout: int = -1, *, optimizer: Binding | None = None,
-           psw_grad: bool = False) -> TableCodes:
+           psw_grad: bool = False, out_dtype: torch.dtype | None = None) -> TableCodes:
         two_d = len(shape) == 2
         return cls(
             op, MODES.index(mode) if mode in MODES else -1, -1 if padding is None else int(padding),
@@ -363,6 +366,7 @@ class TableCodes:
             DTYPES.index(dtype) if dtype in DTYPES else -1, layout,
             -1 if optimizer is None else _name_code(optimizer.hyper.kind.name), int(psw_grad),
             0 if optimizer is None else _hyper_code(optimizer.hyper),
+            DTYPES.index(out_dtype) if out_dtype in DTYPES else -1,
         )
 
     def values(self) -> list[int]:
@@ -383,7 +387,8 @@ def table_fields(bags: Bags | None, codes: TableCodes, sends: Sequence[int] | No
 
 def _hyper_code(hyper: Hyper) -> int:
     """A digest of an optimizer's hyper-parameters, the same in every process, never 0 ("no optimizer")."""
-    values = [hyper.lr, hyper.eps, hyper.weight_decay, float(hyper.weight_decay_mode.value), hyper.beta1, hyper.beta2]
+    values = [hyper.lr, hyper.eps, hyper.weight_decay, float(hyper.weight_decay_mode.value), hyper.beta1, hyper.beta2,
+              float(hyper.stochastic_rounding)]
     return _name_code(struct.pack(f"<{len(values)}d", *values))
 
 
@@ -403,6 +408,8 @@ def _shown(name: str, column: list[int]) -> list[object]:
         return ["none" if c == 0 else f"{c:08x}" for c in column]
     if name in ("max_norm", "norm_type"):
         return [None if name == "max_norm" and c == 0 else _float(c) for c in column]
+    if name in ("dtype", "out_dtype"):
+        return [(None if name == "out_dtype" else "?") if c < 0 else DTYPES[c] for c in column]
     if name == "padding_idx":
         return [None if c < 0 else c for c in column]
     if name == "optimizer":

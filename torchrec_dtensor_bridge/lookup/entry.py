@@ -287,7 +287,7 @@ def _run(
             routed=routes[t] is not None and o.max_norm is None, route=routes[t],
             received=tuple(0 if i.sends is None else i.sends[rank] for i in infos[t]),
         )
-        plans.append(make_plan(table, batch, PoolOptions(o.mode == "max", o.padding, skip_padding), fn=fn,
+        plans.append(make_plan(table, batch, PoolOptions(o.mode == "max", o.padding, skip_padding, o.out_dtype), fn=fn,
                                binding=None if bindings is None else bindings[t], psw_grad=psw_grad(bags[t])))
     return pooled_lookup(plans, [t.weight for t in tables],
                          [b.weights if p.psw_grad else None for b, p in zip(bags, plans)])
@@ -303,6 +303,7 @@ def make_plan(table: ResolvedTable, batch: BatchPlan, pooling: PoolOptions, *, f
         table, batch, pooling, rank, table.group.size, table.group.group, table.layout.shards_on(rank),
         table.strategy.computes(table.layout, rank), track=table.weight.requires_grad and track,
         optimizer=binding, psw_grad=psw_grad and track, call=fn,
+        out_dtype=pooling.out_dtype or table.layout.dtype or table.weight.dtype,
     )
 
 

@@ -71,7 +71,7 @@ def _select(plan: LookupPlan, i: int) -> tuple[Pooling, torch.Tensor, torch.Tens
         psw = None if batch.weights is None else batch.weights.detach().index_select(0, at)
     offsets = torch.zeros(batch.num_bags + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(counts, 0, out=offsets[1:])
-    return Pooling(shard.detach(), local, offsets, psw, pooling.max_mode), counts, at
+    return Pooling(shard.detach(), local, offsets, psw, pooling.max_mode, plan.out_dtype), counts, at
 
 
 def _compute_blocks(plans: list[LookupPlan]) -> list[list[Block]]:
@@ -146,10 +146,10 @@ def _backward(ctx: Any, grad_outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tens
     fused = [t for t, p in enumerate(plans) if p.optimizer is not None]
     if fused:  # updated in place; no weight gradient
         fused_update(plans, blocks, pieces, ctx.wins, fused)
-    grads = [None if p.optimizer is not None else table_grads(p, bl, pc, win)
-             for p, bl, pc, win in zip(plans, blocks, pieces, ctx.wins)]
-    return (None, *(None if g is None else grad_dtensor(m, p, g)
-                    for m, p, g in zip(ctx.weight_meta, plans, grads)), *psw_grads)
+    dense = [t for t, p in enumerate(plans) if p.optimizer is None]
+    grads = table_grads(plans, blocks, pieces, ctx.wins, dense) if dense else {}
+    return (None, *(grad_dtensor(m, p, grads[t]) if t in grads else None
+                    for t, (m, p) in enumerate(zip(ctx.weight_meta, plans))), *psw_grads)
 
 
 def pooled_lookup(

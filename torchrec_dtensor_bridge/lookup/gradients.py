@@ -1,7 +1,7 @@
 """The dense weight gradient of a lookup's tables (those without a fused optimizer).
 
-1. each pooled block's shard gets the gradient of the bags it pooled (:func:`..kernels.weight_grad`; for max
-   only where it won), every other shard zeros;
+1. each pooled block's shard gets the gradient of the bags it pooled (:func:`..kernels.weight_grads`, every
+   table of the call at once: one kernel call per storage; for max only where it won), every other shard zeros;
 2. an un-pooled lookup's padding row gets none;
 3. the table's strategy makes every copy of a block agree (``Strategy.sync_grads``);
 4. the shards become one DTensor with the weight's mesh, placements and layout (:func:`grad_dtensor`).
@@ -14,27 +14,37 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..wrapper import LocalShardsWrapper
-from ..kernels import Pooling, weight_grad
+from ..kernels import Pooling, weight_grads
 from .plan import Block, LookupPlan
 
 __all__ = ["grad_dtensor", "table_grads"]
 
 
-def table_grads(
-    plan: LookupPlan, blocks: list[Block], pieces: list[torch.Tensor], win: list[torch.Tensor] | None
-) -> list[torch.Tensor]:
-    """One table's per-shard weight gradients from its blocks' output gradients."""
-    computed: dict[int, torch.Tensor] = {}
-    for k, (b, g) in enumerate(zip(blocks, pieces)):
-        if win is not None:
-            g = g * win[k]
-        r = Pooling(plan.table.shards[b.index].detach(), b.ids, b.offsets, b.weights, plan.pooling.max_mode)
-        computed[b.index] = weight_grad(g, r, b.argmax)
-    # only shards no block was computed on (replicas, empty blocks) start from zeros
-    grads = [computed[i] if i in computed else torch.zeros_like(s) for i, s in enumerate(plan.table.shards)]
-    _mask_padding(plan, grads)
-    plan.table.strategy.sync_grads(plan, grads)
-    return grads
+def table_grads(plans: list[LookupPlan], blocks: list[list[Block]], pieces: list[list[torch.Tensor]],
+                wins: list[list[torch.Tensor] | None], dense: list[int]) -> dict[int, list[torch.Tensor]]:
+    """Per table ``t`` of ``dense``, its per-shard weight gradients from its blocks' output gradients (every
+    table's kernel calls made together)."""
+    requests: list[tuple[torch.Tensor, Pooling, torch.Tensor | None]] = []
+    where: list[tuple[int, int]] = []
+    for t in dense:
+        plan, win = plans[t], wins[t]
+        for k, (b, g) in enumerate(zip(blocks[t], pieces[t])):
+            if win is not None:
+                g = g * win[k]
+            r = Pooling(plan.table.shards[b.index].detach(), b.ids, b.offsets, b.weights, plan.pooling.max_mode)
+            requests.append((g, r, b.argmax))
+            where.append((t, b.index))
+    computed: dict[tuple[int, int], torch.Tensor] = dict(zip(where, weight_grads(requests)))
+    out: dict[int, list[torch.Tensor]] = {}
+    for t in dense:
+        plan = plans[t]
+        # only shards no block was computed on (replicas, empty blocks) start from zeros
+        grads = [computed[(t, i)] if (t, i) in computed else torch.zeros_like(s)
+                 for i, s in enumerate(plan.table.shards)]
+        _mask_padding(plan, grads)
+        plan.table.strategy.sync_grads(plan, grads)
+        out[t] = grads
+    return out
 
 
 def _mask_padding(plan: LookupPlan, grads: list[torch.Tensor]) -> None:

@@ -100,11 +100,15 @@ class PoolOptions:
         padding_idx: the padding row (non-negative), or ``None``.
         skip_padding: True for bags (padding ids contribute nothing); False for an un-pooled lookup (the
             padding row is returned but gets no gradient).
+        out_dtype: the pooled output's dtype (``None``: the weight's, as ``F.embedding_bag``'s); half-precision
+            tables pool in fp32 in the kernels, so ``torch.float32`` keeps that precision, as TorchRec's
+            fp16 tables give fp32 outputs.
     """
 
     max_mode: bool
     padding_idx: int | None
     skip_padding: bool
+    out_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,8 @@ class LookupPlan:
             returning a gradient.
         psw_grad: backward computes the gradient of this rank's per-sample weights.
         call: the public call, for messages (a timeout in backward names it).
+        out_dtype: the dtype of the pooled output, its exchanges and its gradient (:attr:`PoolOptions.out_dtype`,
+            resolved).
     """
 
     table: ResolvedTable
@@ -163,6 +169,7 @@ class LookupPlan:
     optimizer: Binding | None = None
     psw_grad: bool = False
     call: str = "lookup"
+    out_dtype: torch.dtype = torch.float32
 
 
 @dataclass(frozen=True)

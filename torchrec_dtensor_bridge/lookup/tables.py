@@ -58,6 +58,8 @@ def _per_table(name: str, value: Any, n: int, scalar: tuple[type, ...]) -> list[
     return list(value)
 
 
+_OUTPUT_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64})
+
 def _weights(weights: Any) -> list[Any]:
     """The weights as a list (a refusal here is recorded; the group is then taken from nothing)."""
     if not isinstance(weights, Sequence) or isinstance(weights, torch.Tensor):
@@ -77,9 +79,12 @@ def _labels(names: Any, n: int) -> list[str]:
 def _validate(
     inputs: Any, weights: list[Any], offsets: Any, per_sample_weights: Any, group: CommGroup, *, mode: Any,
     padding_idx: Any, include_last_offset: bool, max_norm: Any, norm_type: Any,
-    optimizer: FusedOptimizer | None = None, names: Any = None,
+    optimizer: FusedOptimizer | None = None, names: Any = None, output_dtype: Any = None,
 ) -> tuple[list[ResolvedTable], list[Bags], list[TableOptions], list[TableCodes], list[Binding | None]]:
     """Every table resolved, its canonical batch and options; raises :class:`RejectedArguments` (local)."""
+    if output_dtype is not None and output_dtype not in _OUTPUT_DTYPES:
+        raise RejectedArguments(ValueError, f"{_FN}: output_dtype must be None or one of "
+                                f"{sorted(map(str, _OUTPUT_DTYPES))}, got {output_dtype!r}")
     if not isinstance(inputs, Sequence) or isinstance(inputs, torch.Tensor):
         raise RejectedArguments(TypeError, f"{_FN}: inputs must be a list of Tensors, got {type(inputs).__name__}")
     n = len(weights)
@@ -116,9 +121,9 @@ def _validate(
         bags.append(bags_from_input(fn, inputs[t], offs[t], psws[t], rows=shape[0], mode=modes[t],
                                     include_last_offset=include_last_offset, weight_dtype=w.dtype,
                                     pending=pending))
-        options.append(TableOptions(modes[t], padding, norms[t], ptypes[t]))
+        options.append(TableOptions(modes[t], padding, norms[t], ptypes[t], output_dtype))
         codes.append(TableCodes.of(2, modes[t], padding, norms[t], ptypes[t], shape, w.dtype, tables[t].digest,
-                                   optimizer=binds[t], psw_grad=psw_grad(bags[-1])))
+                                   optimizer=binds[t], psw_grad=psw_grad(bags[-1]), out_dtype=output_dtype))
     check_values(pending)  # one host read for every table's ids and offsets
     return tables, bags, options, codes, binds
 
@@ -138,6 +143,7 @@ def sharded_embedding_bags(
     process_group: dist.ProcessGroup | None = None,
     optimizer: FusedOptimizer | None = None,
     names: Sequence[str] | None = None,
+    output_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """:func:`sharded_embedding_bag` of several tables in one call, with fused collectives; *collective*.
 
@@ -153,7 +159,10 @@ def sharded_embedding_bags(
     group passes the same tables in the same order: the group of the weights'
     meshes (all on one group; tables on one-rank meshes join it), or
     ``process_group``. ``names`` (one per table) name the tables in error
-    messages (else their positions).
+    messages (else their positions). ``output_dtype`` (``None``: each weight's
+    dtype, as ``F.embedding_bag``) gives every output in that dtype: the kernels
+    pool fp16 and bf16 rows in fp32, and ``torch.float32`` keeps it, as TorchRec's
+    half-precision tables do (the output gradient then stays fp32 too).
 
     Raises:
         TypeError, ValueError, NotImplementedError: on every rank, naming the
@@ -182,7 +191,7 @@ def sharded_embedding_bags(
             tables, bags, options, codes, binds = _validate(
                 inputs, listed, offsets, per_sample_weights, group, mode=mode, padding_idx=padding_idx,
                 include_last_offset=include_last_offset, max_norm=max_norm, norm_type=norm_type,
-                optimizer=optimizer, names=names,
+                optimizer=optimizer, names=names, output_dtype=output_dtype,
             )
         except RejectedArguments as e:
             error = e

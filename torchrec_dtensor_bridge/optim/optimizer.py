@@ -15,7 +15,7 @@ from ..agreement import Rejected
 from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards_of
 from ..convert.reshard import copy_into
 from ..optim_kinds import Hyper, OptimKind, StateKind, WeightDecayMode, lookup
-from .state import Binding, TableState, share_storage
+from .state import Binding, TableState, share_storage, state_dtype
 from .torchrec_state import export_torchrec, import_torchrec
 from .update import check_math
 
@@ -97,6 +97,9 @@ class FusedOptimizer:
         weight_decay_mode: ``"l2"`` (added to the gradient) or ``"decoupled"``
             (row-wise Adagrad only; Adam's decay is always decoupled, as fbgemm's).
         beta1, beta2: Adam's moment decays; ``None``: the kind's defaults.
+        stochastic_rounding: for fp16 / bf16 tables, write the updated rows back rounded stochastically
+            (unbiased; fbgemm's and TorchRec's default) or, with ``False``, to nearest even. The update itself
+            and the optimizer state are fp32. No effect on fp32 tables.
 
     Example::
 
@@ -117,6 +120,7 @@ class FusedOptimizer:
         weight_decay_mode: str = "l2",
         beta1: float | None = None,
         beta2: float | None = None,
+        stochastic_rounding: bool = True,
     ) -> None:
         okind = _kind(kind)
         check_math(okind)
@@ -131,8 +135,10 @@ class FusedOptimizer:
         for what, v in (("beta1", beta1), ("beta2", beta2)):
             if not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise ValueError(f"FusedOptimizer: {what} must be in [0, 1), got {v!r}")
+        if not isinstance(stochastic_rounding, bool):
+            raise ValueError(f"FusedOptimizer: stochastic_rounding must be True or False, got {stochastic_rounding!r}")
         self._build(named, okind, Hyper(okind, float(lr), float(eps), float(weight_decay), mode, float(beta1),
-                                        float(beta2)))
+                                        float(beta2), stochastic_rounding))
 
     @classmethod
     def for_conversion(cls, weights: Mapping[str, DTensor] | Sequence[DTensor], kind: str) -> FusedOptimizer:
@@ -240,6 +246,8 @@ class FusedOptimizer:
                     out[key] = dtensor_from_local_shards(t.rows[0], t.row_states, device_mesh=mesh)
                 else:
                     lay = t.layout.with_name(key)
+                    if lay.dtype is not None and state_dtype(lay.dtype) != lay.dtype:  # fp32 for half tables
+                        lay = dataclasses.replace(lay, dtype=state_dtype(lay.dtype))
                     out[key] = dtensor_from_local_shards(lay, [e[state] for e in t.elements], device_mesh=mesh)
         return out
 

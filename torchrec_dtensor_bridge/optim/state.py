@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from ..layout import ShardLayout, ShardSpec
 from ..optim_kinds import Hyper, OptimKind, StateKind
 
-__all__ = ["Binding", "TableState", "row_layout", "share_storage"]
+__all__ = ["Binding", "TableState", "row_layout", "share_storage", "state_dtype"]
 
 
 def row_layout(layout: ShardLayout, name: str) -> tuple[ShardLayout, list[int]]:
@@ -85,7 +85,7 @@ class TableState:
             self.row_states = [torch.zeros(s.sizes, dtype=torch.float32, device=self._device())
                                for s in lay.shards_on(self.rank)]
         element = [s.name for s in self.kind.states if s.shape is StateKind.ELEMENT]
-        self.elements = [{n: torch.zeros_like(s) for n in element} for s in self.shards]
+        self.elements = [{n: torch.zeros_like(s, dtype=state_dtype(s.dtype)) for n in element} for s in self.shards]
 
     def _device(self) -> torch.device:
         return self.shards[0].device if self.shards else torch.device("cpu")
@@ -109,7 +109,7 @@ class Binding:
     def misfit(self) -> str | None:
         """Why the table's state on this rank no longer fits its shards, or ``None`` when it does: the kernels
         write ``state[row]`` unchecked, so per-row state must be one fp32 value per row of each row block and
-        element-wise state shaped as its shard, in its dtype; all contiguous, on the shards' device. Lookups
+        element-wise state shaped as its shard, in :func:`state_dtype` of its dtype; all contiguous, on the shards' device. Lookups
         check it before their agreement step, so a damaged state on one rank makes every rank raise before
         anything is updated."""
         t = self.table
@@ -118,7 +118,8 @@ class Binding:
             blocks = t.rows[0].shards_on(t.rank)
             checks.append(("momentum1", list(t.row_states), [(tuple(b.sizes), torch.float32) for b in blocks]))
         for name in t.elements[0] if t.elements else {}:
-            checks.append((name, [e[name] for e in t.elements], [(tuple(s.shape), s.dtype) for s in t.shards]))
+            checks.append((name, [e[name] for e in t.elements],
+                           [(tuple(s.shape), state_dtype(s.dtype)) for s in t.shards]))
         for name, got, want in checks:
             devices = {x.device for x in got} | {s.device for s in t.shards}
             if [(tuple(x.shape), x.dtype) for x in got] != want or len(devices) > 1 or not all(
@@ -127,6 +128,12 @@ class Binding:
                         f"{[(list(x.shape), x.dtype) for x in got]} on {sorted(map(str, devices))}, the shards "
                         f"need {[(list(shape), dtype) for shape, dtype in want]}, contiguous, on the shards' device")
         return None
+
+
+def state_dtype(weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a table's element-wise optimizer state: fp32 for half-precision tables (fp16, bf16: as
+    fbgemm and TorchRec keep it), else the table's own."""
+    return torch.float32 if weight_dtype in (torch.float16, torch.bfloat16) else weight_dtype
 
 
 def _packed(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

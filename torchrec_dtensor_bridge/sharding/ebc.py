@@ -125,6 +125,7 @@ def ebc_forward(self: Any, features: Any, optimizer: FusedOptimizer | None = Non
             process_group=group_of(self),
             optimizer=optimizer,
             names=[list(self.embedding_bags)[k] for k in sharded],
+            output_dtype=torch.float32,  # TorchRec's pooled outputs are fp32 whatever the tables' dtype
         )
         outs.update(zip(sharded, results))
     pooled: list[torch.Tensor] = []

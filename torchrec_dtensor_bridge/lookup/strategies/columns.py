@@ -56,7 +56,7 @@ class Columns(Strategy):
         for t, (p, bl) in enumerate(zip(plans, blocks)):
             if p.batch.replicated:  # this rank's blocks side by side
                 outs[t] = torch.cat([b.out for b in bl], dim=1) if bl else torch.empty(
-                    p.batch.bags.num_bags, 0, dtype=p.table.layout.dtype, device=p.batch.bags.ids.device)
+                    p.batch.bags.num_bags, 0, dtype=p.out_dtype, device=p.batch.bags.ids.device)
             else:
                 exchanged.append(t)
         for t, out in zip(exchanged, exchange_columns(plans, blocks, exchanged)):
@@ -113,7 +113,7 @@ def exchange_columns(plans: Sequence[LookupPlan], blocks: Sequence[list[Block]],
     """
     if not tables:
         return []
-    p0, dtype = plans[tables[0]], common_dtype(plans[t].table.layout.dtype for t in tables)
+    p0, dtype = plans[tables[0]], common_dtype(plans[t].out_dtype for t in tables)
     if all(plans[t].batch.num_bags == p0.batch.num_bags for t in tables):
         received = _exchange_columns_rows(plans, blocks, tables, dtype)
     else:
@@ -123,7 +123,7 @@ def exchange_columns(plans: Sequence[LookupPlan], blocks: Sequence[list[Block]],
     for t in tables:
         start, own = row_starts(plans[t].batch.num_bags)[rank], plans[t].batch.num_bags[rank]
         pieces = [(b.cols[0], b.out[start : start + own]) for b in blocks[t]] + received[t]  # (first column, values)
-        dim, tdtype = plans[t].table.layout.global_shape[1], plans[t].table.layout.dtype
+        dim, tdtype = plans[t].table.layout.global_shape[1], plans[t].out_dtype
         if len(pieces) == 1 and pieces[0][1].shape[1] == dim:
             outs.append(pieces[0][1].to(tdtype))
             continue
@@ -215,7 +215,7 @@ def columns_backward(
     """
     if not tables:
         return []
-    p0, dtype = plans[tables[0]], common_dtype(plans[t].table.layout.dtype for t in tables)
+    p0, dtype = plans[tables[0]], common_dtype(plans[t].out_dtype for t in tables)
     world, dev = p0.world, p0.batch.bags.ids.device
     bags = p0.batch.num_bags
     if all(plans[t].batch.num_bags == bags for t in tables):
@@ -231,7 +231,7 @@ def columns_backward(
             for k, b in enumerate(blocks[t]):
                 got[t][k].append(flat[at : at + n * b.cols[1]].view(n, b.cols[1]))
                 at += n * b.cols[1]
-    return [[torch.cat(parts).to(plans[t].table.layout.dtype) for parts in got[t]] for t in tables]
+    return [[torch.cat(parts).to(plans[t].out_dtype) for parts in got[t]] for t in tables]
 
 
 def _columns_backward_rows(
@@ -275,7 +275,7 @@ def _columns_backward_rows(
     for t in tables:
         table = []
         for b in blocks[t]:
-            table.append(full[:, at : at + b.cols[1]].to(plans[t].table.layout.dtype))
+            table.append(full[:, at : at + b.cols[1]].to(plans[t].out_dtype))
             at += b.cols[1]
         out.append(table)
     return out

@@ -264,7 +264,7 @@ def partial_output(plan: LookupPlan, blocks: list[Block], fill: float) -> torch.
     total, dim = plan.batch.bags.num_bags, plan.table.layout.global_shape[1]
     if len(blocks) == 1 and blocks[0].cols == (0, dim) and not plan.pooling.max_mode:
         return blocks[0].out
-    partial = torch.full((total, dim), fill, dtype=plan.table.layout.dtype, device=plan.batch.bags.ids.device)
+    partial = torch.full((total, dim), fill, dtype=plan.out_dtype, device=plan.batch.bags.ids.device)
     for b in blocks:
         c0, w = b.cols
         if plan.pooling.max_mode:
@@ -297,7 +297,7 @@ class ReduceMessage:
         p0 = plans[tables[0]]
         self.plans, self.tables, self.rank, self.group = plans, tables, p0.rank, p0.group
         # the dtype torch.cat of the partials would give (kept: outputs come back in it)
-        dtype = functools.reduce(torch.promote_types, [plans[t].table.layout.dtype or torch.float32 for t in tables])
+        dtype = functools.reduce(torch.promote_types, [plans[t].out_dtype for t in tables])
         dims = {t: plans[t].table.layout.global_shape[1] for t in tables}
         self.sizes = [sum(plans[t].batch.num_bags[q] * dims[t] for t in tables) for q in range(p0.world)]
         dev, rank = p0.batch.bags.ids.device, self.rank
@@ -329,7 +329,7 @@ class ReduceMessage:
                 view.copy_(blocks[0].out[s : s + n])
                 continue
             # summed in the table's own dtype (as the unfused sum), then placed
-            acc = view if view.dtype == plan.table.layout.dtype else torch.empty(n, dim, dtype=plan.table.layout.dtype,
+            acc = view if view.dtype == plan.out_dtype else torch.empty(n, dim, dtype=plan.out_dtype,
                                                                               device=view.device)
             acc.zero_()
             for b in blocks:
@@ -407,7 +407,7 @@ def gather_grads(
     if not tables:
         return []
     p0 = plans[tables[0]]
-    dtype = common_dtype(plans[t].table.layout.dtype for t in tables)
+    dtype = common_dtype(plans[t].out_dtype for t in tables)
     dims = [plans[t].table.layout.global_shape[1] for t in tables]
     bags = p0.batch.num_bags
     if all(plans[t].batch.num_bags == bags for t in tables):
@@ -415,7 +415,7 @@ def gather_grads(
         start = row_starts(bags)[p0.rank]
         torch.cat([grad_outs[t].to(dtype) for t in tables], dim=1, out=full[start : start + bags[p0.rank]])
         share_rows(full, bags, p0.group)
-        return [full[:, a : a + d].to(plans[t].table.layout.dtype) for t, a, d in zip(tables, row_starts(dims), dims)]
+        return [full[:, a : a + d].to(plans[t].out_dtype) for t, a, d in zip(tables, row_starts(dims), dims)]
     mine = torch.cat([grad_outs[t].reshape(-1).to(dtype) for t in tables])
     counts = [sum(plans[t].batch.num_bags[r] * d for t, d in zip(tables, dims)) for r in range(p0.world)]
     gathered = share_flat(mine, counts, p0.group)
@@ -423,4 +423,4 @@ def gather_grads(
     per_rank = [_split_flat(flat, [(plans[t].batch.num_bags[r], d) for t, d in zip(tables, dims)])
                 for r, flat in enumerate(gathered)]
     del gathered
-    return [torch.cat([rows[k] for rows in per_rank]).to(plans[t].table.layout.dtype) for k, t in enumerate(tables)]
+    return [torch.cat([rows[k] for rows in per_rank]).to(plans[t].out_dtype) for k, t in enumerate(tables)]
