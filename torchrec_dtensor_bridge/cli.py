@@ -1,4 +1,4 @@
-"""Command line: ``python -m torchrec_dtensor_bridge {inspect,migrate,export}``.
+"""Command line: ``python -m torchrec_dtensor_bridge {inspect,migrate,export,compact}``.
 
 A thin argparse shell over :mod:`torchrec_dtensor_bridge.checkpoint`; every
 failure prints ``error: ...`` to stderr and exits non-zero.
@@ -39,9 +39,9 @@ DST must not exist, or be a checkpoint written by this tool (it is replaced atom
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m torchrec_dtensor_bridge",
-        description="Inspect, migrate and export checkpoints of TorchRec sharded tables (DTensor / DCP).",
+        description="Inspect, migrate, export and compact checkpoints of TorchRec sharded tables (DTensor / DCP).",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,migrate,export}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,migrate,export,compact}")
     p = sub.add_parser("inspect", help="print a checkpoint's tables, shapes, dtypes and shard layouts",
                        description="Print every key of a checkpoint: dtype, shape, shard cuts and size.")
     p.add_argument("path", help="a checkpoint written by checkpoint.save, or any DCP directory")
@@ -63,6 +63,13 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--keys", action="append", metavar="GLOB",
                    help="only the keys matching this glob pattern (repeatable; default: every tensor)")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c = sub.add_parser("compact", help="write an incremental checkpoint's chain as one self-contained checkpoint",
+                       description="Load the checkpoint SRC, following its chain of incremental links (every link "
+                       "verified), and save it whole to DST: a full checkpoint that depends on no other (its links "
+                       "may then be deleted) and can be the base of later incremental saves. Holds the "
+                       "checkpoint's tensors in memory; no process group.")
+    c.add_argument("src", help="a checkpoint written by checkpoint.save (full or incremental)")
+    c.add_argument("dst", help="the checkpoint to write (a new path, or one written by checkpoint.save)")
     return parser
 
 
@@ -90,6 +97,9 @@ def _run(args: argparse.Namespace) -> str:
         if args.json:
             return json.dumps(checkpoint.inspect(args.path), indent=2)
         return checkpoint.format_report(args.path)
+    if args.command == "compact":
+        save_id = checkpoint.compact(args.src, args.dst)
+        return f"compacted {args.src} into {args.dst} (save id {save_id})"
     if args.command == "export":
         done = checkpoint.export(args.src, args.dst, format=args.format, keys=args.keys,
                                  progress=not args.no_progress)

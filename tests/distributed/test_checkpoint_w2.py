@@ -184,7 +184,7 @@ def test_reused_generation_drops_files_of_a_larger_world(pool, tmp_path):
     pool.run(_save_on, str(path), 2, 2)  # the first generation becomes the spare
     pool.run(_save_on, str(path), 1, 3)  # reuses it from one rank
     files = sorted(p.name for p in path.resolve().iterdir())
-    assert files == [".metadata", "__0_0.distcp", "tdb_manifest.json"], files
+    assert files == [".metadata", "__0_0.distcp", "digests_0.tdb", "tdb_manifest.json"], files
     dest = {"t": torch.zeros(12, 4)}
     tdb.checkpoint.load(dest, str(path))
     assert torch.equal(dest["t"], reference_table((12, 4), seed=3))

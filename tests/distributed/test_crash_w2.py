@@ -1,4 +1,5 @@
-"""Crash matrix: a saving rank SIGKILLed at each stage, on a fresh path and over a checkpoint.
+"""Crash matrix: a saving rank SIGKILLed at each stage, on a fresh path, over a checkpoint, and in an incremental
+save (its base and the previous incremental checkpoint at the path stay loadable).
 
 Each case runs two fresh gloo processes (a killed rank breaks its group, so the
 shared pool is not used). Afterwards this process loads the path with no
@@ -37,7 +38,8 @@ def _worker(rank, port, path, mode, stage, victim, results):
                             timeout=timedelta(seconds=60))
 
     def state(seed):
-        table = reference_table(LAYOUT.global_shape, seed=seed)
+        incremental = mode.startswith("incremental") and seed == 2
+        table = _sparse_new() if incremental else reference_table(LAYOUT.global_shape, seed=seed)
         return {"t": dtensor_from_local_shards(LAYOUT, [table[s.slices()].clone() for s in LAYOUT.shards_on(rank)])}
 
     try:
@@ -45,6 +47,11 @@ def _worker(rank, port, path, mode, stage, victim, results):
             tdb.checkpoint.save(state(1), path)
         if mode == "overwrite_spare":  # now a spare generation exists: the killed save rewrites it
             tdb.checkpoint.save(state(1), path)
+        base = None
+        if mode.startswith("incremental"):  # a full base, an incremental over it, then the killed incremental save
+            base = path + "-base"
+            tdb.checkpoint.save(state(1), base)
+            tdb.checkpoint.save(state(1), path, base=base)
 
         def hook(name):
             if name == stage and rank == victim:
@@ -53,7 +60,10 @@ def _worker(rank, port, path, mode, stage, victim, results):
         api._fault_hook = hook
         t0 = time.monotonic()
         try:
-            tdb.checkpoint.save(state(2), path)
+            if mode == "incremental_async":  # killed on the thread that writes and commits
+                tdb.checkpoint.save(state(2), path, base=base, asynchronous=True).result()
+            else:
+                tdb.checkpoint.save(state(2), path, base=base)
             results.put((rank, "saved", time.monotonic() - t0))
         except Exception as e:  # noqa: BLE001 - reported to the test
             results.put((rank, f"raised {type(e).__name__}", time.monotonic() - t0))
@@ -79,9 +89,19 @@ DEFAULT_OTHERS = {("fresh", "prepared"), ("fresh", "committed"), ("overwrite", "
                   ("overwrite", "manifest_written")}
 
 
+DEFAULT_OTHERS |= {("incremental", "dcp_saved"), ("incremental_async", "dcp_saved")}  # mid-incremental saves
+
+
+def _sparse_new():
+    """The incremental mode's new values: three rows of the old table changed."""
+    table = reference_table(LAYOUT.global_shape, seed=1)
+    table[[3, 30, 50]] = reference_table(LAYOUT.global_shape, seed=2)[[3, 30, 50]]
+    return table
+
+
 def _cases():
     for stage, victim, committed in STAGES:
-        for mode in ("fresh", "overwrite", "overwrite_spare"):
+        for mode in ("fresh", "overwrite", "overwrite_spare", "incremental", "incremental_async"):
             default = mode == "overwrite_spare" or (mode, stage) in DEFAULT_OTHERS
             yield pytest.param(mode, stage, victim, committed, marks=() if default else (pytest.mark.slow,),
                                id=f"{stage}-{victim}-{committed}-{mode}")
@@ -116,12 +136,12 @@ def test_killed_save(tmp_path, mode, stage, victim, committed):
     assert seconds < 45, f"survivor took {seconds:.1f}s to notice"
 
     old = reference_table(LAYOUT.global_shape, seed=1)
-    new = reference_table(LAYOUT.global_shape, seed=2)
+    new = _sparse_new() if mode.startswith("incremental") else reference_table(LAYOUT.global_shape, seed=2)
     dest = {"t": torch.full(LAYOUT.global_shape, -1.0)}
     if committed:
         tdb.checkpoint.load(dest, path)
         assert torch.equal(dest["t"], new)
-    elif mode in ("overwrite", "overwrite_spare"):
+    elif mode in ("overwrite", "overwrite_spare", "incremental", "incremental_async"):
         tdb.checkpoint.load(dest, path)
         assert torch.equal(dest["t"], old), "an interrupted overwrite changed what the checkpoint returns"
     else:
@@ -130,6 +150,9 @@ def test_killed_save(tmp_path, mode, stage, victim, committed):
         assert torch.equal(dest["t"], torch.full(LAYOUT.global_shape, -1.0))
     # the next save cleans up what the interrupted one left
     tdb.checkpoint.save({"t": new.clone()}, path)
+    if mode.startswith("incremental"):  # the base is whole, and the killed save left nothing beside it
+        base_gens = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ck-base.tdb-"))
+        assert len(base_gens) == 1, base_gens
     leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ck.tdb-"))
     assert len(leftovers) <= 2, leftovers  # the committed generation and at most one spare
     assert Path(path).resolve().name in leftovers

@@ -35,6 +35,7 @@ from .. import agreement
 from ..agreement import ProblemKind
 from ..groups import CommGroup, of_group
 from .errors import (
+    BrokenChainError,
     CheckpointBusyError,
     CheckpointError,
     CorruptCheckpointError,
@@ -62,6 +63,7 @@ class Kind(enum.Enum):
     NOT_A_CHECKPOINT = (ProblemKind.FAILURE, NotACheckpointError)  # a file, or a directory of other things
     NOT_A_DIRECTORY = (ProblemKind.BAD_VALUE, NotADirectoryError)  # a path under a regular file
     CORRUPT = (ProblemKind.FAILURE, CorruptCheckpointError)  # damaged, hostile or inconsistent files
+    BROKEN_CHAIN = (ProblemKind.FAILURE, BrokenChainError)  # a link of an incremental checkpoint gone or replaced
     BUSY = (ProblemKind.FAILURE, CheckpointBusyError)  # another save holds the path
     IO = (ProblemKind.FAILURE, CheckpointError)  # the file system refused (OSError, errno named)
 
@@ -103,6 +105,8 @@ def problem_from(e: BaseException, where: str = "") -> Problem:
         return Problem(Kind.INCOMPLETE, f"{prefix}{e}")
     if isinstance(e, NotACheckpointError):
         return Problem(Kind.NOT_A_CHECKPOINT, f"{prefix}{e}")
+    if isinstance(e, BrokenChainError):
+        return Problem(Kind.BROKEN_CHAIN, f"{prefix}{e}")
     if isinstance(e, CorruptCheckpointError):
         return Problem(Kind.CORRUPT, f"{prefix}{e}")
     if isinstance(e, OSError):

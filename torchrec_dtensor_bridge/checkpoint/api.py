@@ -51,6 +51,7 @@ Both first replace every DCP ``Stateful`` value of the state_dict by its state
 
 from __future__ import annotations
 
+import copy
 import shutil
 import uuid
 from collections.abc import Callable, Mapping
@@ -60,22 +61,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ..agreement import gather_objects
 from ..groups import CommGroup
-from .agree import Kind, Problem, from_rank0, member_group, problem_from, raise_gathered
-from .commit import DirLock, SaveLock, commit, generation_dir, prepare_generation, prune, sweep, writable_parent
-from .common import (dcp_failures, dcp_quietly, default_process_group, dtype_of, global_shape, leaves, object_summary,
-                     run_dcp)
+from .agree import Kind, Problem, member_group, problem_from, raise_gathered
+from .chainread import load_chain
+from .commit import DirLock, SaveLock, generation_dir, prepare_generation, writable_parent
+from .common import default_process_group, dtype_of, global_shape, leaves, object_summary, run_dcp
 from .errors import CheckpointError
+from .incremental import BaseCheckpoint, Rows, open_base, without_tensors
 from .keyed import combine_row_states
 from .loading import ROW_STATE_COLUMNS, SafeObjectPlanner, open_agreed
-from .manifest import Checksums, write_manifest
+from .manifest import Checksums
 from .reader import ReadStats, VerifiedReader
+from .saving import Job, side_group, staged_copy, start, wait_pending
 from .stateful import Expanded, expand
-from .validate import parse_metadata
-from .writer import ChecksummingWriter
 
 __all__ = ["DEFAULT_STAGING_BYTES", "default_process_group", "load", "save"]
 
@@ -131,9 +131,11 @@ def save(
     state_dict: Mapping[str, Any],
     path: str | Path,
     *,
+    base: str | Path | None = None,
+    asynchronous: bool = False,
     keep_spare: bool = True,
     process_group: dist.ProcessGroup | None = None,
-) -> str:
+) -> Any:
     """Save ``state_dict`` (DTensors, ShardedTensors, tensors, objects) to ``path``; *collective*.
 
     Values may be DCP ``Stateful`` objects (with ``state_dict()`` / ``load_state_dict()``): a
@@ -141,16 +143,33 @@ def save(
     (keyed by its parameters' names in a module of the same state_dict), a ``FusedOptimizer``;
     each is saved as its ``state_dict()`` (see :mod:`.stateful`).
 
-    Atomic: until the final rename, a load of ``path`` returns the previous
+    Returns the save id (asynchronous: a future of it). Atomic: until the final rename, a load of ``path``
+    returns the previous
     checkpoint; a save interrupted at any point (a rank killed) never damages
     it. Every rank must hold the same shape and dtype for each key (checked
     before anything is written). One save per path at a time: a second job
     saving to the same path raises :class:`.CheckpointBusyError` at once.
-    Returns the save id.
+
+    Every save records a digest of every row it writes (8 bytes a row; rows of at most 8 bytes are their own
+    digest). With ``base``, the save is *incremental*: per tensor block, only the rows whose digest differs
+    from the base's are written, the rest refer to the base (see :mod:`.incremental`); a load follows the
+    chain of bases back to a full checkpoint (:mod:`.chain`), and :func:`~.compact.compact` makes a chain one
+    self-contained checkpoint again.
 
     Args:
         state_dict: what to save (nested dicts allowed, Stateful values expanded).
         path: the checkpoint path (a symlink to its committed generation).
+        base: an earlier checkpoint of the same tensor keys, shapes and dtypes, written by this function (full
+            or incremental), in the same directory as ``path`` and not ``path`` itself: save only what changed
+            since it. The base's generation must stay: a later save to the base's path may replace it, and a
+            load of this checkpoint then refuses, naming the missing link.
+        asynchronous: return once what the save writes is copied - with ``base``, the changed rows, their
+            digests and the non-tensor values; without, every value (memory for a second copy of the
+            state) - and write and commit on a thread (:mod:`.saving`): the call returns
+            a ``concurrent.futures.Future`` of the save id (its exception: what a synchronous save would raise,
+            on every rank). Everything that can be refused is refused before it returns. The commit stays
+            atomic: a process killed meanwhile leaves the previous checkpoint in force. This process's next
+            save waits for it first; wait for the future before exiting or loading the checkpoint.
         keep_spare: keep the superseded generation so the next save rewrites its
             files in place (faster: BENCHMARKS.md, "Checkpoints") instead of
             allocating new ones; ``False`` keeps only the committed generation.
@@ -162,7 +181,8 @@ def save(
         NotADirectoryError: an existing parent of ``path`` is a file (on every rank, nothing written).
         TypeError: a Stateful's ``state_dict()`` is not a mapping (on every rank, nothing written).
         CheckpointBusyError: another save to ``path`` is in progress.
-        ValueError: ranks disagree on a key's shape or dtype (on every rank, nothing written).
+        ValueError: ranks disagree on a key's shape or dtype, or ``base`` is not a checkpoint of the same keys,
+            shapes and dtypes (on every rank, nothing written).
         CheckpointError: ``path`` exists and is not a checkpoint of ours, or writing or committing failed (the
             previous checkpoint stays in force).
 
@@ -172,6 +192,7 @@ def save(
         >>> state = {"model": dmp, "fused": dmp.fused_optimizer, "dense": adam, "step": 100}
         >>> tdb.checkpoint.save(state, "/ckpt/latest")  # Statefuls: each object's state_dict()
     """
+    wait_pending()  # this process's asynchronous save, if one runs, first
     expanded, group, path, what = _call("save", state_dict, path, process_group)
     state_dict = expanded.view
     g = member_group(group, what)
@@ -186,6 +207,16 @@ def save(
             writable_parent(path)
         except NotADirectoryError as e:  # before anything is written; raised as itself on every rank
             problems.append(Problem(Kind.NOT_A_DIRECTORY, str(e)))
+    base_ck: BaseCheckpoint | None = None
+    if base is not None:
+        try:
+            base_ck = open_base(base, path)
+        except ValueError as e:
+            problems.append(Problem(Kind.VALUE, str(e)))
+        except Exception as e:  # reported to every rank
+            problems.append(problem_from(e, f"base {base}"))
+    rows = Rows(state_dict, dist.get_rank() if dist.is_initialized() else 0, base_ck)
+    signature = _signature(state_dict)
     if rank == 0 and not problems:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -197,93 +228,55 @@ def save(
             _, gen_lock = prepare_generation(path, gen, reuse=keep_spare)
         except Exception as e:  # reported to every rank
             problems.append(problem_from(e, f"cannot prepare {gen.name}"))
-    everyone = gather_objects((save_id, problems, _signature(state_dict), expanded.local_records(),
-                               expanded.column_widths), g)
+    everyone = gather_objects((save_id, problems, signature, expanded.local_records(),
+                               expanded.column_widths, rows.describe(), base_ck and base_ck.save_id), g)
     save_id = everyone[0][0]
     gen = generation_dir(path, save_id)
-    disagree = _disagreements([s for _, _, s, _, _ in everyone], g)
+    disagree = _disagreements([e[2] for e in everyone], g)
+    if not disagree:  # every rank compares every rank's keys with the base's: the same verdict everywhere
+        disagree += rows.check({k: v for e in everyone for k, v in e[2].items()})
+    if base_ck is not None and len({e[6] for e in everyone}) > 1:
+        disagree.append(Problem(Kind.VALUE, f"base {base}: ranks found different saves {[e[6] for e in everyone]} "
+                                            "(it was saved to while this save began); save again"))
     if not disagree:
-        expanded.merge_records([r for _, _, _, r, _ in everyone])
-    widths = {k: list(v) for *_, cuts in everyone for k, v in cuts.items()}  # each rank knows its own tables
+        expanded.merge_records([e[3] for e in everyone])
+    widths = {k: list(v) for e in everyone for k, v in e[4].items()}  # each rank knows its own tables
+    job: Job | None = None
     try:
-        if disagree or any(p for _, p, _, _, _ in everyone):
+        if disagree or any(e[1] for e in everyone):
             if rank == 0 and gen_lock is not None:
                 shutil.rmtree(gen, ignore_errors=True)
-            raise_gathered(what + " refused, nothing was written", [p for _, p, _, _, _ in everyone], g, disagree)
-        _stage("prepared")
-        local_sums = _write_generation(state_dict, gen, g, what)
-        _stage("dcp_saved")
-        sums = gather_objects(local_sums, g)
-        _stage("checksummed")
-        outcome: str | None = None
-        if rank == 0:
-            outcome = _commit(path, gen, sums, world, keep_spare, gen_lock,
-                              {"objects": object_summary(state_dict), ROW_STATE_COLUMNS: widths})
-            gen_lock = None
-        outcome = from_rank0(outcome, g)
-        if outcome:
-            raise CheckpointError(outcome)
+            raise_gathered(what + " refused, nothing was written", [e[1] for e in everyone], g, disagree)
+        rows.own([e[5] for e in everyone], rank or 0)
+        try:
+            mine = rows.compute()
+        except Exception as e:  # reported to every rank
+            mine = [problem_from(e, "row digests")]
+        found = gather_objects(mine, g)  # the base's digests of this rank's blocks: readable?
+        if any(found):
+            if rank == 0:
+                shutil.rmtree(gen, ignore_errors=True)
+            raise_gathered(what + " refused, nothing was written", found, g)
+        state: Mapping[str, Any] = state_dict
+        if base_ck is not None:  # the tensors go to row files; what DCP writes is a copy when asynchronous
+            state = without_tensors(state_dict)
+            state = copy.deepcopy(state) if asynchronous else state
+        elif asynchronous:  # a full save writes every tensor: all of it is copied
+            state = staged_copy(state_dict)
+        side = side_group(g) if asynchronous else g
+        job = Job(path, gen, save_id, g, what, state, rows, base_ck, [e[2] for e in everyone],
+                  {"objects": object_summary(state_dict), ROW_STATE_COLUMNS: widths}, keep_spare, lock, gen_lock)
     finally:
-        if gen_lock is not None:
-            gen_lock.release()
-        if lock is not None:
-            lock.release()
-    return save_id
-
-
-def _write_generation(state_dict: Mapping[str, Any], gen: Path, g: CommGroup, what: str) -> dict[str, Any]:
-    """``dcp.save`` into ``gen``; on failure every rank raises with every rank's OS errors (errno named) and rank 0
-    removes ``gen``."""
-    writer = ChecksummingWriter(gen, sync_files=True)
-    problems: list[Problem] = []
-    try:
-        with dcp_quietly():
-            dcp.save(state_dict, storage_writer=writer, process_group=g.group)
-    except CheckpointException as e:
-        local = writer.os_errors
-        problems += [problem_from(err, f"writing {name}") for name, err in local]
-        if not local:
-            failures = dcp_failures(e)
-            oserr = [f for f in failures if isinstance(f, OSError)]
-            problems.append(problem_from(oserr[0]) if oserr else Problem(Kind.IO, f"dcp.save failed: {e}"))
-    everyone = gather_objects(problems, g)
-    if any(everyone):
-        if g.rank == 0:
-            shutil.rmtree(gen, ignore_errors=True)
-        raise_gathered(f"{what} failed, the previous checkpoint is intact and {gen.name} was removed", everyone, g)
-    return writer.file_sums
-
-
-def _commit(path: Path, gen: Path, sums: list[Any], world: int, keep_spare: bool, gen_lock: DirLock | None,
-            records: dict[str, Any]) -> str | None:
-    """Rank 0: manifest, rename, sweep; the failure message or ``None``. Releases ``gen_lock`` once committed."""
-    committed = False
-    try:
-        md_bytes = (gen / ".metadata").read_bytes()
-        md = parse_metadata(md_bytes, str(gen / ".metadata"))
-        files = sorted({info.relative_path for info in md.storage_data.values()})
-        prune(gen, {".metadata", *files})  # leftovers of a reused generation (e.g. more ranks)
-        merged = {rel: fs for part in sums for rel, fs in part.items() if rel in files}
-        dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
-        write_manifest(gen, gen.name.rsplit(".tdb-", 1)[1], md, merged,
-                       {"world_size": world, "dcp_save_id": dcp_id, **records}, metadata=md_bytes)
-        _stage("manifest_written")
-        previous = commit(path, gen)
-        committed = True
-        if gen_lock is not None:
-            gen_lock.release()
-        _stage("committed")
-        sweep(path, keep=gen, spare=previous if keep_spare else None)
-        return None
-    except Exception as e:  # reported to every rank
-        p = problem_from(e)
-        if not committed:
-            shutil.rmtree(gen, ignore_errors=True)
-            return f"commit of {gen} as {path} failed, the previous checkpoint is intact: {p.message}"
-        return f"{path} was committed, but removing older generations failed: {p.message}"
-    finally:
-        if gen_lock is not None:
-            gen_lock.release()
+        if job is None:
+            rows.close()
+            if gen_lock is not None:
+                gen_lock.release()
+            if lock is not None:
+                lock.release()
+    if not asynchronous:
+        return job.run(_stage)
+    job.group = side
+    return start(job, _stage)
 
 
 # -------------------------------------------------------------------- load
@@ -378,18 +371,23 @@ def load(
             expanded.drop(opened.absent)
             combine, undo = combine_row_states(expanded.row_states, opened.row_states, opened.metadata)
             checksums = Checksums(opened.manifest) if verify and opened.manifest is not None else None
+            head = opened.chain.links[0].metadata if opened.chain is not None else opened.metadata
             reader = VerifiedReader(opened.root, checksums=checksums, process_group=group,
-                                    staging_bytes=staging_bytes, what=what, metadata=opened.metadata,
+                                    staging_bytes=staging_bytes, what=what, metadata=head,
                                     trusted_pickles=trusted_pickles)
             try:
-                run_dcp(dcp.load, expanded.view, storage_reader=reader,
-                        planner=SafeObjectPlanner(trusted_pickles), process_group=group)
+                if opened.chain is None:
+                    run_dcp(dcp.load, expanded.view, storage_reader=reader,
+                            planner=SafeObjectPlanner(trusted_pickles), process_group=group)
+                else:  # an incremental checkpoint
+                    load_chain(opened.chain, expanded.view, reader, group, what, verify=verify,
+                               staging_bytes=staging_bytes, trusted_pickles=trusted_pickles)
             except BaseException:
                 undo()
                 raise
             combine()
         finally:
-            opened.lock.release()
+            opened.release()
     except BaseException:
         expanded.rollback()
         raise

@@ -20,7 +20,8 @@ What a load (or ``inspect``) of ``path`` raises when there is nothing usable to 
 - :class:`CorruptCheckpointError`: ``path`` is a checkpoint (its ``.metadata``
   or its manifest exists) whose files are damaged, inconsistent or hostile: a
   ``.metadata`` or manifest that cannot be parsed or fails its checksum, a
-  manifest without its ``.metadata``, a data file missing or truncated.
+  manifest without its ``.metadata``, a data file missing or truncated. Its subclass
+  :class:`BrokenChainError`: a link an incremental checkpoint depends on is gone or was replaced.
 
 Example::
 
@@ -33,6 +34,7 @@ Example::
 from __future__ import annotations
 
 __all__ = [
+    "BrokenChainError",
     "CheckpointBusyError",
     "CheckpointError",
     "CorruptCheckpointError",
@@ -59,3 +61,7 @@ class CorruptCheckpointError(CheckpointError):
 
 class CheckpointBusyError(CheckpointError):
     """Another save to the same path is in progress."""
+
+
+class BrokenChainError(CorruptCheckpointError):
+    """A link of an incremental checkpoint's chain is missing or was replaced (the message names the link)."""

@@ -7,8 +7,10 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from .commit import resolve
-from .common import format_mib, tensor_bytes
+from .chain import Chain, describe, is_incremental, metadata_for_checks, open_chain
+from .commit import lock_generation, resolve
+from .common import format_bytes, format_mib, tensor_bytes
+from .incremental import ROW_DIGESTS
 from .manifest import read_manifest
 from .validate import read_metadata
 
@@ -26,14 +28,25 @@ def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
     untrusted checkpoints: the manifest and ``.metadata`` are verified and parsed
     without running code (:mod:`.manifest`, :mod:`.validate`); nothing else is read.
 
+    For an incremental checkpoint (:func:`~.api.save` with ``base=``) every link of its chain is opened and
+    checked (:mod:`.chain`), the tensors' ``shards`` are the blocks the newest link was saved from, and each
+    tensor has ``links``: per link, newest first, its ``name``, ``save_id``, ``base``, ``rows`` (of this
+    tensor: the rows the link holds, every block counted) and ``bytes`` (the link's data files).
+
     Example::
 
         >>> tdb.checkpoint.inspect("/ckpt/step100")["ebc.embedding_bags.t0.weight"]["shape"]
         [1000, 64]
     """
-    root = resolve(Path(path).absolute())
+    path = Path(path).absolute()
+    root = resolve(path)
     manifest = read_manifest(root)
     md = read_metadata(root, manifest)
+    links = None
+    if is_incremental(manifest):
+        assert manifest is not None
+        chain = _open(path, root, manifest, md)
+        md, links = metadata_for_checks(chain), describe(chain)
     objects = _recorded_objects(manifest)
     out: dict[str, dict[str, Any]] = {}
     for fqn in sorted(md.state_dict_metadata):
@@ -43,10 +56,10 @@ def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
             out[fqn] = {"type": "object", "shape": None, "dtype": None, "shards": [],
                         "bytes": getattr(stored, "length", 0), **objects.get(fqn, {})}
             continue
-        shards = sorted(
-            ({"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks),
-            key=lambda s: s["offsets"],
-        )
+        chunks = [(list(c.offsets), list(c.sizes)) for c in m.chunks]
+        if links is not None and manifest is not None:
+            chunks = [(b[0], b[1]) for b in manifest[ROW_DIGESTS]["blocks"].get(fqn, [])]
+        shards = sorted(({"offsets": o, "sizes": s} for o, s in chunks), key=lambda s: s["offsets"])
         out[fqn] = {
             "type": "tensor",
             "shape": list(m.size),
@@ -54,7 +67,22 @@ def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
             "shards": shards,
             "bytes": tensor_bytes(md, fqn),
         }
+        if links is not None:
+            out[fqn]["links"] = [{**{k: v for k, v in link.items() if k != "rows"}, "rows": link["rows"].get(fqn, 0)}
+                                 for link in links]
     return out
+
+
+def _open(path: Path, root: Path, manifest: dict[str, Any], md: Any) -> Chain:
+    """The chain of the incremental checkpoint ``root`` (its links checked, their locks released again)."""
+    head = lock_generation(path, root.name)
+    try:
+        chain = open_chain(root, manifest, md, path.name)
+        chain.release()
+        return chain
+    finally:
+        if head is not None:
+            head.release()
 
 
 def _recorded_objects(manifest: dict[str, Any] | None) -> dict[str, dict[str, str]]:
@@ -99,6 +127,14 @@ def format_report(path: str | Path) -> str:
     lines.append(fmt.format(*head).rstrip())
     lines += [fmt.format(*r).rstrip() for r in rows]
     lines.append(f"{len(rows)} keys, {format_mib(total)} MiB of tensors")
+    links = next((rec["links"] for rec in info.values() if "links" in rec), None)
+    if links is not None:
+        lines.append(f"incremental: a chain of {len(links)} links, newest first (rows: those each link holds)")
+        for i, link in enumerate(links):
+            held = {k: rec["links"][i]["rows"] for k, rec in info.items() if "links" in rec}
+            what = "full checkpoint" if link["base"] is None else f"base {link['base']}, rows " + (
+                ", ".join(f"{k} {n}" for k, n in held.items() if n) or "none")
+            lines.append(f"  {link['name']}  save {link['save_id']}  {format_bytes(link['bytes'])}  {what}")
     return "\n".join(lines)
 
 

@@ -43,6 +43,7 @@ from ..convert import layout_of
 from ..groups import CommGroup
 from ..wrapper import LocalShardsWrapper
 from .agree import Kind, Problem, from_rank0, problem_from, raise_gathered
+from .chain import Chain, is_incremental, metadata_for_checks, open_chain
 from .commit import DirLock, committed_name, lock_generation
 from .common import dtype_of, global_shape, leaves
 from .errors import CheckpointError, CorruptCheckpointError
@@ -228,34 +229,49 @@ class Opened:
     metadata: Metadata
     absent: frozenset[str] = frozenset()  # the optional keys the checkpoint holds nothing under
     row_states: dict[str, tuple[int, ...]] = field(default_factory=dict)  # combined on load (see above)
+    chain: Chain | None = None  # an incremental checkpoint's links, newest first (locked below the head)
+
+    def release(self) -> None:
+        """Release the locks of the generation and of its chain's links."""
+        if self.chain is not None:
+            self.chain.release()
+        self.lock.release()
 
 
 def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool, verify: bool, rank: int,
              optional: tuple[str, ...], hints: Mapping[str, Hint] | None, convert_dtypes: bool = False,
              split_row_states: bool = False,
              ) -> tuple[DirLock | None, dict[str, Any] | None, Metadata | None, list[Problem], str | None,
-                        dict[str, tuple[int, ...]]]:
+                        dict[str, tuple[int, ...]], Chain | None]:
     """One rank's look at generation ``name``: lock it, read and check everything short of the data."""
     try:
         lock = lock_generation(path, name)
     except Exception as e:  # every rank must reach the agreement
-        return None, None, None, [problem_from(e, f"cannot open {name or path}")], None, {}
+        return None, None, None, [problem_from(e, f"cannot open {name or path}")], None, {}, None
     if lock is None:
-        return None, None, None, [], None, {}
+        return None, None, None, [], None, {}, None
     root = path.parent / name if name else path
     problems: list[Problem] = []
     manifest = md = None
     ident = None
     combined: dict[str, tuple[int, ...]] = {}
+    chain: Chain | None = None
     try:
         manifest = read_manifest(root)
         if name and manifest is not None and manifest["format"] >= 3 and not name.endswith(manifest["save_id"]):
             raise CorruptCheckpointError(f"manifest {root / 'tdb_manifest.json'} is from save {manifest['save_id']}, "
                                          f"not from the generation {name}")
         md = read_metadata(root, manifest)
-        key_problems, flat, combined = _check_keys(state_dict, md, strict, hints, _absent(md, optional),
+        checked = md
+        if is_incremental(manifest):
+            assert manifest is not None
+            chain = open_chain(root, manifest, md, path.name)
+            checked = metadata_for_checks(chain)
+        key_problems, flat, combined = _check_keys(state_dict, checked, strict, hints, _absent(checked, optional),
                                                    convert_dtypes=convert_dtypes, manifest=manifest,
                                                    split_row_states=split_row_states)
+        if chain is not None:  # the data: the chain's reads check it (chainread); the head's objects here
+            flat = [(fqn, v) for fqn, v in flat if not isinstance(v, torch.Tensor)]
         problems += key_problems
         if verify and not key_problems:
             if manifest is None:
@@ -269,7 +285,7 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
         ident = (manifest or {}).get("save_id") or (md.storage_meta.save_id if md.storage_meta is not None else "")
     except Exception as e:  # every rank must reach the agreement
         problems.append(problem_from(e))
-    return lock, manifest, md, problems, ident, combined
+    return lock, manifest, md, problems, ident, combined, chain
 
 
 def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify: bool,
@@ -312,10 +328,13 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
         if first is not None:
             raise first.error(f"{what} refused, nothing was modified:\n  {first.message} (rank {g.members[0]})")
         assert name is not None
-        lock, manifest, md, problems, ident, combined = _examine(path, name, state_dict, strict, verify, rank,
-                                                                 optional, hints, convert_dtypes, split_row_states)
+        lock, manifest, md, problems, ident, combined, chain = _examine(path, name, state_dict, strict, verify, rank,
+                                                                        optional, hints, convert_dtypes,
+                                                                        split_row_states)
         everyone = gather_objects((lock is None and not problems, problems + extra, ident), g)
         if any(moved for moved, _, _ in everyone):
+            if chain is not None:
+                chain.release()
             if lock is not None:
                 lock.release()
             time.sleep(0.005)
@@ -324,11 +343,15 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
         mixed = [] if len(set(idents)) == 1 or None in idents else [
             Problem(Kind.CORRUPT, f"ranks read different saves of {path}: {idents} (rank order)")]
         if mixed or any(p for _, p, _ in everyone):
+            if chain is not None:
+                chain.release()
             if lock is not None:
                 lock.release()
             raise_gathered(what + " refused, nothing was modified", [p for _, p, _ in everyone], g, mixed)
         assert lock is not None and md is not None
-        return Opened(path.parent / name if name else path, lock, manifest, md, _absent(md, optional), combined)
+        checked = metadata_for_checks(chain) if chain is not None else md
+        return Opened(path.parent / name if name else path, lock, manifest, checked, _absent(checked, optional),
+                      combined, chain)
     raise CheckpointError(f"{what}: {path} changed under the load {_RESOLVE_ATTEMPTS} times in a row")
 
 

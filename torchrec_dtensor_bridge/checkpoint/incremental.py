@@ -1,0 +1,369 @@
+"""The save side of incremental checkpoints: row digests, the rows that changed since a base, their files.
+
+Every save (full or incremental) records one digest per row of every block it
+saves (:mod:`.digests`), in a file per rank beside DCP's (``digests_<rank>.tdb``), listed in
+the manifest (``row_digests``). A save given ``base=`` (an earlier checkpoint
+of the same keys, full or incremental) writes, per block, only the rows whose
+digest differs from the base's, before the digests in ``rows_<rank>.tdb`` (the manifest's
+``link``: the base's name, generation and save id, and where each block's rows
+lie); DCP then saves the non-tensor values only. Nothing of the base's data is
+read: only its manifest and the digests of the blocks this rank saves.
+
+The steps :func:`~.api.save` runs, on every rank (*collective* around them):
+
+1. :func:`open_base`: the base resolved to its committed generation (a shared
+   lock held for the save: a later save to the base's path cannot rewrite it
+   meanwhile), its manifest verified, every key, shape and dtype compared with
+   the state_dict's (:meth:`Rows.check`); problems are agreed on before anything
+   is written;
+2. :meth:`Rows.own`: of blocks several ranks hold (replicas), the first rank in
+   the group's order digests and writes them;
+3. :meth:`Rows.compute`: the digests of this rank's blocks, compared with the
+   base's; the changed rows copied out (what the save writes: also what an
+   asynchronous save holds);
+4. :meth:`Rows.write`: the files, each block's bytes hashed as written (the
+   manifest's block checksums) and fsynced; the records for the manifest.
+
+File layout: each piece starts at a multiple of 64 bytes; a block's piece in a
+rows file is its changed rows' ids (int64, ascending; left out when every row
+changed), then those rows, row-major.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .._compat import ShardedTensor
+from ..convert import layout_of
+from ..wrapper import LocalShardsWrapper
+from .agree import Kind, Problem, problem_from
+from .commit import DirLock, committed_name, lock_generation
+from .common import leaves
+from .digests import DIGEST_BYTES, digest_width, row_digests
+from .errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
+from .manifest import BlockHasher, Checksums, FileSums, read_manifest
+from .reader import _Bad, _VerifiedFile
+
+__all__ = ["ALIGN", "BaseCheckpoint", "LINK", "ROW_DIGESTS", "Rows", "local_blocks", "open_base"]
+
+ROW_DIGESTS = "row_digests"
+"""The manifest's record of the row digests: ``tensors`` (key -> [shape, dtype]) and ``blocks`` (key ->
+[[offsets, sizes, file, offset, width], ...])."""
+LINK = "link"
+"""An incremental checkpoint's manifest record: ``base`` (``name``, ``generation``, ``save_id``), ``depth``
+(links down to a full checkpoint) and ``pieces`` (key -> [[offsets, sizes, file, offset, count, all], ...])."""
+ALIGN = 64
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def local_blocks(value: Any, rank: int) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """This rank's blocks of ``value`` as (global offsets, the tensor holding them), without communication.
+
+    A plain tensor is one block at offset 0; a DTensor or ShardedTensor its local shards (a rank holding none
+    of it: none). ``rank`` is the global rank.
+    """
+    if isinstance(value, ShardedTensor):
+        return [(tuple(s.metadata.shard_offsets), s.tensor) for s in value.local_shards()]
+    if isinstance(value, DTensor):
+        local: Any = value._local_tensor
+        if isinstance(local, LocalShardsWrapper) or callable(getattr(local, "local_offsets", None)):
+            return [(tuple(o), s) for o, s in zip(local.local_offsets(), local.local_shards())]
+        if value.device_mesh.get_coordinate() is None:
+            return []
+        specs = layout_of(value).shards_on(rank)
+        return [(tuple(specs[0].offsets), local)] if specs else []
+    if isinstance(value, LocalShardsWrapper):
+        return [(tuple(o), s) for o, s in zip(value.local_offsets(), value.local_shards())]
+    return [((0,) * value.dim(), value)]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with rows along dim 0 (a 0-d tensor: one row of one value)."""
+    return t.reshape(1) if t.dim() == 0 else t
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` (made contiguous on the CPU), without another copy."""
+    t = t.detach().cpu().contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy().data) if t.numel() else memoryview(b"")
+
+
+@dataclass
+class BaseCheckpoint:
+    """A base opened for an incremental save: its generation (locked), manifest and recorded row digests."""
+
+    path: Path
+    root: Path
+    lock: DirLock
+    manifest: dict[str, Any]
+    tensors: dict[str, tuple[list[int], str]]
+    digests: dict[str, list[list[Any]]]
+    depth: int
+    _files: dict[str, _VerifiedFile] = field(default_factory=dict)
+
+    @property
+    def save_id(self) -> str:
+        return str(self.manifest["save_id"])
+
+    def record(self) -> dict[str, Any]:
+        """What the new checkpoint's manifest says of its base."""
+        return {"name": self.path.name, "generation": self.root.name, "save_id": self.save_id}
+
+    def digests_of(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], row_bytes: int,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base's digests of rows ``offsets[0] .. + sizes[0]`` of the block (the same columns), and which
+        rows it has one for (a base saved under another column cut has none: those rows count as changed)."""
+        n = sizes[0] if sizes else 1
+        r0 = offsets[0] if offsets else 0
+        known = torch.zeros(n, dtype=torch.bool)
+        raw, width = row_bytes <= DIGEST_BYTES, digest_width(row_bytes)
+        out = torch.zeros((n, width) if raw else n, dtype=torch.uint8 if raw else torch.int64)
+        for e_off, e_sizes, rel, at, w in self.digests.get(fqn, []):
+            if tuple(e_off[1:]) != offsets[1:] or tuple(e_sizes[1:]) != sizes[1:] or w != width:
+                continue
+            e0, en = (e_off[0], e_sizes[0]) if e_off else (0, 1)
+            a, b = max(r0, e0), min(r0 + n, e0 + en)
+            if a >= b:
+                continue
+            vf = self._files.get(rel)
+            if vf is None:
+                vf = self._files[rel] = _VerifiedFile(self.root, rel, Checksums(self.manifest))
+            data = vf.read(at + (a - e0) * w, at + (b - e0) * w, f"row digests of key {fqn!r} in {self.path}")
+            got = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            out[a - r0 : b - r0] = got.view(b - a, w) if raw else got.view(torch.int64)
+            known[a - r0 : b - r0] = True
+        return out, known
+
+    def close(self) -> None:
+        for vf in self._files.values():
+            vf.close()
+        self._files.clear()
+        self.lock.release()
+
+
+def open_base(base: str | Path, path: Path) -> BaseCheckpoint:
+    """The committed generation of ``base``, locked (shared) and its manifest read; this rank alone.
+
+    Raises:
+        ValueError: ``base`` is ``path`` itself, lies in another directory, is no checkpoint, or records no
+            row digests (written before they were, or by ``migrate``).
+        CorruptCheckpointError: its manifest is damaged.
+    """
+    b = Path(base).absolute()
+    if b == path:
+        raise ValueError(f"base={str(base)!r} is the path being saved: an incremental checkpoint needs its base "
+                         "to stay, save it to a new path")
+    if b.parent != path.parent:
+        raise ValueError(f"base={str(base)!r} is in {b.parent}, not beside {path} in {path.parent}: the links of "
+                         "a chain live in one directory")
+    for _ in range(50):
+        try:
+            name = committed_name(b)
+        except (IncompleteCheckpointError, NotACheckpointError) as e:
+            raise ValueError(f"base={str(base)!r} is not a checkpoint: {e}") from None
+        if not name:
+            raise ValueError(f"base={str(base)!r} is a plain DCP directory, not a checkpoint written by "
+                             "tdb.checkpoint.save (it records no row digests)")
+        lock = lock_generation(b, name)
+        if lock is not None:
+            break
+    else:
+        raise CheckpointError(f"base {b} kept changing while it was opened")
+    try:
+        root = b.parent / name
+        manifest = read_manifest(root)
+        rec = manifest.get(ROW_DIGESTS) if manifest is not None else None
+        if manifest is None or not isinstance(rec, dict):
+            raise ValueError(f"base={str(base)!r} records no row digests (written by migrate or an older "
+                             "version): save a full checkpoint first and use it as the base")
+        link = manifest.get(LINK)
+        depth = int(link.get("depth", 1)) if isinstance(link, dict) else 0
+        tensors = {k: (list(v[0]), str(v[1])) for k, v in rec["tensors"].items()}
+        return BaseCheckpoint(b, root, lock, manifest, tensors, rec["blocks"], depth)
+    except BaseException:
+        lock.release()
+        raise
+
+
+@dataclass
+class _Block:
+    fqn: str
+    offsets: tuple[int, ...]
+    tensor: torch.Tensor
+    digests: torch.Tensor | None = None
+    ids: torch.Tensor | None = None  # changed rows (local), None: every row
+    rows: torch.Tensor | None = None  # their copy
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+
+class Rows:
+    """One rank's row records of a save (the steps of the module docstring)."""
+
+    def __init__(self, state_dict: Mapping[str, Any], rank: int, base: BaseCheckpoint | None) -> None:
+        self.base = base
+        self.blocks: list[_Block] = []
+        for fqn, v in leaves(state_dict):
+            if isinstance(v, torch.Tensor):
+                self.blocks += [_Block(fqn, o, t) for o, t in local_blocks(v, rank) if t.numel() or not t.dim()]
+
+    def check(self, signature: Mapping[str, tuple[str, tuple[int, ...], str]]) -> list[Problem]:
+        """This rank's tensors against the base's: the same keys, shapes and dtypes (``signature``: key ->
+        (type, global shape, dtype))."""
+        if self.base is None:
+            return []
+        b, out = self.base, []
+        mine = {k: (list(s), d) for k, (_, s, d) in signature.items()}
+        for k in sorted(set(mine) - set(b.tensors)):
+            out.append(Problem(Kind.VALUE, f"key {k!r} is not in base {b.path} (an incremental save holds the "
+                                           f"base's keys; its keys are {sorted(b.tensors)[:10]})"))
+        for k in sorted(set(b.tensors) - set(mine)):
+            out.append(Problem(Kind.VALUE, f"key {k!r} of base {b.path} is not in the state_dict being saved"))
+        for k in sorted(set(mine) & set(b.tensors)):
+            if mine[k] != b.tensors[k]:
+                out.append(Problem(Kind.VALUE, f"key {k!r}: shape {mine[k][0]} {mine[k][1]}, base {b.path} holds "
+                                               f"shape {b.tensors[k][0]} {b.tensors[k][1]}"))
+        return out
+
+    def describe(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        return [(b.fqn, b.offsets, b.sizes) for b in self.blocks]
+
+    def own(self, everyone: list[list[tuple[str, tuple[int, ...], tuple[int, ...]]]], me: int) -> None:
+        """Keep the blocks this rank (group rank ``me``) is the first to hold."""
+        first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], int] = {}
+        for r, blocks in enumerate(everyone):
+            for key in blocks:
+                first.setdefault(tuple(key), r)  # type: ignore[arg-type]
+        self.blocks = [b for b in self.blocks if first.get((b.fqn, b.offsets, b.sizes)) == me]
+
+    def compute(self) -> list[Problem]:
+        """Digests of this rank's blocks; with a base, the rows that differ from it, copied out."""
+        problems: list[Problem] = []
+        for blk in self.blocks:
+            t = _rows(blk.tensor.detach())
+            blk.digests = row_digests(t)
+            if self.base is None:
+                continue
+            try:
+                row_bytes = (t[0].numel() if t.shape[0] else 0) * t.element_size()
+                was, known = self.base.digests_of(blk.fqn, blk.offsets, blk.sizes, row_bytes)
+            except (_Bad, CheckpointError, OSError) as e:
+                problems.append(problem_from(e, f"base {self.base.path}"))
+                continue
+            differ = blk.digests != was
+            changed = ~known | (differ.any(1) if differ.dim() > 1 else differ)
+            if bool(changed.all()):
+                blk.ids, blk.rows = None, t.detach().cpu().clone() if t.device.type == "cpu" else t.detach().cpu()
+            else:
+                blk.ids = changed.nonzero().flatten()
+                blk.rows = t.detach().index_select(0, blk.ids.to(t.device)).cpu()
+        return problems
+
+    def write(self, gen: Path, rank: int) -> tuple[dict[str, FileSums], dict[str, list[list[Any]]],
+                                                   dict[str, list[list[Any]]]]:
+        """Write this rank's file into ``gen`` (a full save's digests; an incremental save's changed rows, then
+        its digests: one file, one fsync): its block checksums, and the digest and piece records."""
+        digests: dict[str, list[list[Any]]] = {}
+        pieces: dict[str, list[list[Any]]] = {}
+        rel = f"rows_{rank}.tdb" if self.base is not None else f"digests_{rank}.tdb"
+        with _File(gen / rel) as f:
+            for blk in self.blocks if self.base is not None else []:
+                assert blk.rows is not None
+                count = blk.rows.shape[0]
+                if count == 0:
+                    continue
+                at = f.put(blk.ids) if blk.ids is not None else f.put(blk.rows)
+                if blk.ids is not None:
+                    f.put(blk.rows)
+                pieces.setdefault(blk.fqn, []).append([list(blk.offsets), list(blk.sizes), rel, at, count,
+                                                       blk.ids is None])
+            for blk in self.blocks:
+                assert blk.digests is not None
+                width = blk.digests.shape[1] if blk.digests.dim() > 1 else 8
+                digests.setdefault(blk.fqn, []).append([list(blk.offsets), list(blk.sizes), rel, f.put(blk.digests),
+                                                        width])
+        return {rel: f.sums}, digests, pieces
+
+    def written_bytes(self) -> int:
+        """Bytes of rows (and their ids) this rank writes."""
+        return sum((b.rows.numel() * b.rows.element_size() if b.rows is not None else 0)
+                   + (b.ids.numel() * 8 if b.ids is not None else 0) for b in self.blocks)
+
+    def close(self) -> None:
+        if self.base is not None:
+            self.base.close()
+
+
+class _File:
+    """A file written from its start, each piece at a multiple of :data:`ALIGN`, hashed as written, fsynced."""
+
+    def __init__(self, p: Path) -> None:
+        self._f = open(p, "wb")
+        self._h = BlockHasher()
+        self.sums = FileSums(0, 0, "")
+
+    def put(self, t: torch.Tensor) -> int:
+        pad = -self._h.size % ALIGN
+        if pad:
+            self._write(memoryview(bytes(pad)))
+        at = self._h.size
+        self._write(_raw(t))
+        return at
+
+    def _write(self, data: memoryview) -> None:
+        self._f.write(data)
+        self._h.update(data)
+
+    def __enter__(self) -> _File:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if exc[0] is None:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+        finally:
+            self._f.close()
+        self.sums = self._h.finish()
+
+
+def manifest_records(base: BaseCheckpoint | None, signatures: list[Mapping[str, tuple[str, tuple[int, ...], str]]],
+                     parts: list[tuple[dict[str, list[list[Any]]], dict[str, list[list[Any]]]]]) -> dict[str, Any]:
+    """The manifest's ``row_digests`` (and, with a base, ``link``) records from every rank's parts."""
+    tensors = {k: [list(s), d] for sig in signatures for k, (_, s, d) in sig.items()}
+    digests: dict[str, list[list[Any]]] = {}
+    pieces: dict[str, list[list[Any]]] = {}
+    for dg, pc in parts:
+        for k, v in dg.items():
+            digests.setdefault(k, []).extend(v)
+        for k, v in pc.items():
+            pieces.setdefault(k, []).extend(v)
+    out: dict[str, Any] = {ROW_DIGESTS: {"tensors": dict(sorted(tensors.items())), "blocks": digests}}
+    if base is not None:
+        out[LINK] = {"base": base.record(), "depth": base.depth + 1, "pieces": pieces}
+    return out
+
+
+def without_tensors(sd: Any) -> Any:
+    """``sd`` (nested) without its tensors: what DCP saves of an incremental checkpoint (a tensor inside a list
+    becomes ``None``, keeping the other entries' keys)."""
+    if isinstance(sd, Mapping):
+        return {k: without_tensors(v) for k, v in sd.items() if not isinstance(v, torch.Tensor)}
+    if isinstance(sd, (list, tuple)) and any(isinstance(v, (torch.Tensor, Mapping, list, tuple)) for v in sd):
+        return type(sd)(None if isinstance(v, torch.Tensor) else without_tensors(v) for v in sd)
+    return sd
+
+
+def current_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
