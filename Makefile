@@ -35,6 +35,7 @@ bench: setup
 	$(PY) scripts/bench_sparse_update.py --reps 7 --out $(BENCH_OUT)
 	$(PY) scripts/bench_kernel_calls.py --out $(BENCH_OUT)
 	$(PY) scripts/bench_train.py --reps 5 --out $(BENCH_OUT)
+	$(PY) scripts/bench_train.py --dtype fp16 --reps 5 --out $(BENCH_OUT)
 	$(PY) scripts/bench_torch_optim.py --reps 7 --out $(BENCH_OUT)
 	$(PY) scripts/plot_bench.py --results $(BENCH_OUT) --out bench
 

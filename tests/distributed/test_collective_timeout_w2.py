@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -84,6 +85,7 @@ def backward_on_rank_0_only(rank: int, world: int) -> str:
     return _error_of(lambda: out.sum().backward())
 
 
+@pytest.mark.slow  # the forward's naming runs by default; the backward's takes the same path
 def test_a_backward_on_one_rank_is_named(pool):
     msg, other = pool.run(backward_on_rank_0_only)
     assert other == "skipped backward"

@@ -196,6 +196,7 @@ def test_wrong_world_size_is_a_clear_error():
     assert "===" not in res.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_help_lists_every_example():
     res = run_cli(["--help"], nproc=None)

@@ -102,7 +102,7 @@ def check_step(rank: int, world: int, kind: str, plan: str, stochastic: bool) ->
 
 
 @pytest.mark.parametrize("plan", ["table_wise", "row_wise"])
-@pytest.mark.parametrize("kind", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("kind", [pytest.param("sgd", marks=pytest.mark.slow), "rowwise_adagrad"])
 def test_round_to_nearest_step_equals_torchrecs(pool, kind, plan):
     for got in pool.run(check_step, kind, plan, False):
         assert got["forward"], "fp32 outputs equal to TorchRec's"
@@ -133,7 +133,7 @@ def check_output_dtypes(rank: int, world: int, plan: str) -> list[str]:
     return sorted({str(o.dtype) for o in plain} | {"asked:" + str(o.dtype) for o in asked})
 
 
-@pytest.mark.parametrize("plan", ["table_wise", "row_wise"])
+@pytest.mark.parametrize("plan", ["table_wise", pytest.param("row_wise", marks=pytest.mark.slow)])
 def test_half_table_output_dtype_follows_the_weight_unless_asked(pool, plan):
     for got in pool.run(check_output_dtypes, plan):
         assert got == ["asked:torch.float32", "torch.float16"], got

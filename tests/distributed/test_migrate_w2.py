@@ -81,7 +81,7 @@ def _main(*args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["dcp", "rank_files"])
+@pytest.mark.parametrize("kind", ["dcp", pytest.param("rank_files", marks=pytest.mark.slow)])
 def test_migrate_then_load_into_another_plan(pool, tmp_path, kind):
     src, dst = str(tmp_path / "old"), str(tmp_path / "new")
     pool.run(_write_old, src, kind)

@@ -149,7 +149,7 @@ def test_untrusted_library_file_is_rebuilt_not_loaded(tmp_path, caplog, spoil, s
     assert sorted(p.name for p in cache.iterdir()) == [target.name]
 
 
-@pytest.mark.parametrize("changed", [0, 1], ids=["fp32_source", "half_source"])
+@pytest.mark.parametrize("changed", [pytest.param(0, marks=pytest.mark.slow), 1], ids=["fp32_source", "half_source"])
 def test_source_change_builds_new_library(tmp_path, changed):
     """A change to either of the library's sources is a new library."""
     sources, cache = tuple(tmp_path / p.name for p in build.SOURCES), tmp_path / "c"
