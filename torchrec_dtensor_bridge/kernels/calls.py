@@ -58,12 +58,10 @@ def accepts(shard: torch.Tensor) -> bool:
     only where fbgemm's CUDA kernels can take it whatever the batch (:func:`.limits.fits`: 16-byte aligned
     rows of 1 to :data:`.limits.MAX_D` columns); fp32, fp16 or bf16 (on CPU, what runs is
     :func:`.choose.for_weights`'s: bf16 only on ours)."""
-    if shard.dim() != 2 or not shard.is_contiguous():
+    if shard.dim() != 2 or not shard.is_contiguous() or shard.dtype not in native.DTYPES:
         return False
-    if shard.device.type == "cpu":
-        return shard.dtype in native.DTYPES
-    return (shard.device.type == "cuda" and shard.dtype in native.DTYPES
-            and fbgemm.cuda_available() and limits.fits(shard, [0], [shard.shape[1]]))
+    return shard.device.type == "cpu" or (shard.device.type == "cuda" and fbgemm.cuda_available()
+                                          and limits.fits(shard, [0], [shard.shape[1]]))
 
 
 def _int64(ids: torch.Tensor, offsets: torch.Tensor) -> bool:
@@ -252,8 +250,8 @@ def update_supported(shard: torch.Tensor, hyper: Hyper, weights: torch.Tensor | 
         return False
     if ids is not None and offsets is not None and not _int64(ids, offsets):
         return False
-    which = choose.for_weights(choose.update_impl(shard.device, hyper.kind, hyper.weight_decay), shard.device,
-                               shard.dtype, stochastic=hyper.stochastic_rounding)
+    which = choose.update_impl(shard.device, hyper.kind, hyper.weight_decay, shard.dtype,
+                               stochastic=hyper.stochastic_rounding)
     if which is choose.Impl.TORCH:
         return False
     n = 0 if ids is None else ids.numel()

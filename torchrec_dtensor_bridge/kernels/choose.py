@@ -151,7 +151,8 @@ def pool_impl(device: torch.device, dtype: torch.dtype = torch.float32) -> Impl:
     """The implementation of ``tdb::pool_sum`` on ``device`` for tables of ``dtype`` (fp16 tables calibrated on
     their own: the two C kernels read half-precision rows differently)."""
     what = "pool_fp16" if dtype == torch.float16 else "pool"
-    return _remembered((what,), device, lambda: _pick([Impl.NATIVE, Impl.FBGEMM], what, device))
+    return _remembered((what, dtype), device,
+                       lambda: for_weights(_pick([Impl.NATIVE, Impl.FBGEMM], what, device), device, dtype))
 
 
 def dense_impl(device: torch.device) -> Impl:
@@ -159,9 +160,11 @@ def dense_impl(device: torch.device) -> Impl:
     return _remembered(("dense",), device, lambda: _pick([Impl.FBGEMM], "dense", device))
 
 
-def update_impl(device: torch.device, kind: OptimKind | str, weight_decay: float) -> Impl:
-    """The implementation of ``tdb::sparse_update`` for optimizer ``kind`` on ``device``; :attr:`Impl.TORCH`
-    means no one-pass kernel (the caller runs the optimizer's torch-op math on the touched rows).
+def update_impl(device: torch.device, kind: OptimKind | str, weight_decay: float,
+                dtype: torch.dtype = torch.float32, *, stochastic: bool = False) -> Impl:
+    """The implementation of ``tdb::sparse_update`` for optimizer ``kind`` on ``device`` over tables of
+    ``dtype`` (``stochastic``: half-precision rows rounded stochastically); :attr:`Impl.TORCH` means no
+    one-pass kernel (the caller runs the optimizer's torch-op math on the touched rows).
 
     Raises:
         ValueError: for a kind the registry does not know.
@@ -169,8 +172,10 @@ def update_impl(device: torch.device, kind: OptimKind | str, weight_decay: float
     found = REGISTERED.get(kind if isinstance(kind, str) else kind.name)
     if found is None or not (isinstance(kind, str) or found is kind):
         found = lookup(kind)  # raises, naming the kinds there are
-    return _remembered(("update", found, bool(weight_decay)), device,
-                       lambda: _update_impl(device, found, bool(weight_decay)))
+    stochastic = stochastic and dtype in (torch.float16, torch.bfloat16)  # fp32 rows are not rounded
+    return _remembered(("update", found, bool(weight_decay), dtype, stochastic), device,
+                       lambda: for_weights(_update_impl(device, found, bool(weight_decay)), device, dtype,
+                                           stochastic=stochastic))
 
 
 def _update_impl(device: torch.device, kind: OptimKind, decayed: bool) -> Impl:
@@ -185,8 +190,8 @@ def _update_impl(device: torch.device, kind: OptimKind, decayed: bool) -> Impl:
 
 
 def for_weights(which: Impl, device: torch.device, dtype: torch.dtype, *, stochastic: bool = False) -> Impl:
-    """``which`` (a choice for fp32 tables) for tables of ``dtype``; ``stochastic``: an update that rounds
-    half-precision rows stochastically.
+    """``which`` (a choice for fp32 tables) for tables of ``dtype`` (what :func:`pool_impl` and
+    :func:`update_impl` apply); ``stochastic``: an update that rounds half-precision rows stochastically.
 
     fbgemm's CPU kernels take fp16 tables, not bf16, and round an update to nearest whatever they are asked
     (fbgemm_gpu-cpu 1.8 ignores ``stochastic_rounding``): work they cannot do as asked goes to ours where

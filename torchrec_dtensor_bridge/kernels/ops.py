@@ -215,7 +215,7 @@ def _pool_sum(tables: Tables, batch: Batch) -> Tensor:
     device = tables.storage.device
     b = _check_batch("pool_sum", len(tables.dims), batch, device)
     on_cpu, width = device.type == "cpu", sum(tables.dims)
-    which = choose.for_weights(choose.pool_impl(device, tables.storage.dtype), device, tables.storage.dtype)
+    which = choose.pool_impl(device, tables.storage.dtype)
     if (which is Impl.NATIVE and not native.fits(tables, batch)) or (
             which is Impl.FBGEMM and not on_cpu and _cuda_misfit(tables, batch, b) is not None):
         which = Impl.TORCH
@@ -285,8 +285,8 @@ def _sparse_update(tables: Tables, batch: Batch, grad: Tensor, state: State, hyp
     """A fused optimizer's update of every table of one storage, in place (see the module docstring)."""
     b = _check_update(tables, batch, grad, state, hyper)
     device = tables.storage.device
-    which = choose.for_weights(choose.update_impl(device, hyper.kind, hyper.weight_decay), device,
-                               tables.storage.dtype, stochastic=hyper.stochastic_rounding)
+    which = choose.update_impl(device, hyper.kind, hyper.weight_decay, tables.storage.dtype,
+                               stochastic=hyper.stochastic_rounding)
     if which is Impl.TORCH:
         raise ValueError(f"tdb::sparse_update: no one-pass kernel for kind {hyper.kind.name!r} with "
                          f"weight_decay={hyper.weight_decay} on {device} for {tables.storage.dtype} tables "
