@@ -21,7 +21,7 @@ import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.convert import local_shards_of
 
 from .harness import make_pool_fixture
-from .torchrec_models import random_kjt
+from .torchrec_models import random_kjt, seeded_tables, shard_fused
 
 pool = make_pool_fixture(2)
 
@@ -31,16 +31,10 @@ LR, EPS = 0.05, 1e-8
 
 def _module(kind: str, world: int, plan: str):
     """A TorchRec EBC of fp16 tables with a fused optimizer, sharded by ``plan`` (table-wise or row-wise)."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.shard import shard
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingEnv
+    from torchrec.distributed.sharding_plan import row_wise, table_wise
     from torchrec.modules.embedding_configs import DataType
 
-    opt = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[kind]
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": opt, "learning_rate": LR, "eps": EPS})
     torch.manual_seed(1)
     configs = [EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"],
                                   data_type=DataType.FP16) for n, (r, d, _) in TABLES.items()]
@@ -48,19 +42,8 @@ def _module(kind: str, world: int, plan: str):
     per_param = {n: (table_wise(rank=i % world, compute_kernel="fused") if plan == "table_wise"
                      else row_wise(compute_kernel="fused"))
                  for i, n in enumerate(TABLES)}
-    sharding = construct_module_sharding_plan(ebc, per_param_sharding=per_param, sharder=sharder, local_size=world,
-                                              world_size=world, device_type="cpu")
-    module = shard(ebc, plan=sharding, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                   device=torch.device("cpu"), sharder=sharder)
-    weights = tdb.state_dict_to_dtensor(module.state_dict())
-    with torch.no_grad():  # the same values in every copy
-        for i, n in enumerate(TABLES):
-            w = weights[f"embedding_bags.{n}.weight"]
-            full = (torch.randn(tuple(w.shape), generator=torch.Generator().manual_seed(10 + i)) * 0.1).half()
-            for spec, shard_t in zip(tdb.layout_of(w).shards_on(dist.get_rank()), local_shards_of(w)):
-                r0, c0 = spec.offsets
-                shard_t.copy_(full[r0 : r0 + spec.sizes[0], c0 : c0 + spec.sizes[1]])
-    return module, {n: weights[f"embedding_bags.{n}.weight"] for n in TABLES}
+    module = shard_fused(ebc, per_param, kind, lr=LR, eps=EPS)
+    return module, seeded_tables(module, TABLES, scale=0.1)
 
 
 def _scale(rank: int, key: str, shape) -> torch.Tensor:

@@ -21,7 +21,7 @@ from torchrec_dtensor_bridge.convert.placements import world_mesh
 
 from .checks import expect_raises
 from .harness import make_pool_fixture
-from .torchrec_models import build_ebc, random_kjt
+from .torchrec_models import build_ebc, random_kjt, seeded_tables, shard_fused
 
 pool = make_pool_fixture(2)
 
@@ -31,29 +31,11 @@ FORWARD = "fbgemm::split_embedding_codegen_forward_cpu"
 
 
 def _fused_module(kind: str, world: int):
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.shard import shard
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-    from torchrec.distributed.types import ShardingEnv
+    from torchrec.distributed.sharding_plan import table_wise
 
-    opt = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[kind]
-    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": opt, "learning_rate": LR, "eps": 1e-8})
     per_param = {n: table_wise(rank=i % world, compute_kernel="fused") for i, n in enumerate(TABLES)}
-    ebc = build_ebc(TABLES, seed=1)
-    plan = construct_module_sharding_plan(ebc, per_param_sharding=per_param, sharder=sharder, local_size=world,
-                                          world_size=world, device_type="cpu")
-    module = shard(ebc, plan=plan, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                   device=torch.device("cpu"), sharder=sharder)
-    weights = tdb.state_dict_to_dtensor(module.state_dict())
-    with torch.no_grad():  # the same values in every copy
-        for i, n in enumerate(TABLES):
-            w = weights[f"embedding_bags.{n}.weight"]
-            full = torch.randn(tuple(w.shape), generator=torch.Generator().manual_seed(10 + i))
-            for spec, shard_t in zip(tdb.layout_of(w).shards_on(dist.get_rank()), local_shards_of(w)):
-                r0, c0 = spec.offsets
-                shard_t.copy_(full[r0 : r0 + spec.sizes[0], c0 : c0 + spec.sizes[1]])
-    return module, {n: weights[f"embedding_bags.{n}.weight"].requires_grad_() for n in TABLES}
+    module = shard_fused(build_ebc(TABLES, seed=1), per_param, kind, lr=LR, eps=1e-8)
+    return module, {n: w.requires_grad_() for n, w in seeded_tables(module, TABLES).items()}
 
 
 def _counts(prof) -> dict[str, int]:

@@ -206,3 +206,35 @@ def check_module(tables_cfg, module, tables: dict[str, torch.Tensor], rank: int,
     assert want.keys() == got.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], msg=lambda m: f"{what}: forward {k} on rank {rank}: {m}")
+
+
+def shard_fused(ebc: EmbeddingBagCollection, per_param: dict, kind: str, *, lr: float, eps: float):
+    """``ebc`` sharded by ``per_param`` over every rank, its tables trained by TorchRec's fused kernel with
+    ``kind`` (``"sgd"`` or ``"rowwise_adagrad"``)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    opt = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[kind]
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": opt, "learning_rate": lr, "eps": eps})
+    world = dist.get_world_size()
+    plan = construct_module_sharding_plan(ebc, per_param_sharding=per_param, sharder=sharder, local_size=world,
+                                          world_size=world, device_type="cpu")
+    return shard(ebc, plan=plan, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+                 sharder=sharder)
+
+
+def seeded_tables(module, names, *, scale: float = 1.0) -> dict:
+    """``module``'s tables as DTensors (zero-copy), every copy of table ``i`` filled with the same seeded values
+    (``randn * scale`` in the table's dtype); name -> DTensor."""
+    import torchrec_dtensor_bridge as tdb
+    from torchrec_dtensor_bridge.convert import local_shards_of
+
+    weights = tdb.state_dict_to_dtensor(module.state_dict())
+    with torch.no_grad():
+        for i, n in enumerate(names):
+            w = weights[f"embedding_bags.{n}.weight"]
+            full = (torch.randn(tuple(w.shape), generator=torch.Generator().manual_seed(10 + i)) * scale).to(w.dtype)
+            for spec, shard_t in zip(tdb.layout_of(w).shards_on(dist.get_rank()), local_shards_of(w)):
+                r0, c0 = spec.offsets
+                shard_t.copy_(full[r0 : r0 + spec.sizes[0], c0 : c0 + spec.sizes[1]])
+    return {n: weights[f"embedding_bags.{n}.weight"] for n in names}
