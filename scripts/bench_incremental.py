@@ -13,6 +13,12 @@ incremental save (``base=``) and a full save of the same state, alternating thei
   also run asynchronously and the time until it returns is reported as its blocking time);
 * the row digest overhead: the bytes of the digest files of a full save, against the tables' bytes.
 
+With ``--tracked`` the tables are trained by ``FusedOptimizer(..., "sgd", track_changed_rows=True)`` (each
+rank looks up its half of each step's ids, one id a bag): an incremental save then digests only the rows its
+steps wrote (``torchrec_dtensor_bridge/tracking.py``). The full saves it is compared with save the same
+memory through detached views, which the tracker does not follow (it counts from the last save of its
+tensors, which must stay the incremental save's base).
+
 Then a chain of 10 incremental links at 1 % is built and loading its 1st, 5th and 10th link is timed against
 loading a full checkpoint of the same state (page cache warm for both), and each chain load is checked to
 give exactly the saved tables. One untimed save of each kind, and one load of each, come first.
@@ -90,13 +96,25 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
         state = {f"t{i}": tdb.convert.dtensor_from_local_shards(lay.with_name(f"t{i}"), [local[i]])
                  for i in range(cfg["tables"])}
         streams = [_ids_per_step(cfg, i) for i in range(cfg["tables"])]
+        if cfg["tracked"]:  # trained by a FusedOptimizer that reports the rows it writes
+            weights = [state[f"t{i}"].requires_grad_() for i in range(cfg["tables"])]
+            opt = tdb.FusedOptimizer(weights, "sgd", lr=0.001, track_changed_rows=True)
 
         def train(steps: int) -> None:
             for _ in range(steps):
+                if cfg["tracked"]:  # each rank looks up its half of the step's ids, one id a bag
+                    ids = [next(s)[rank::world].view(-1, 1) for s in streams]
+                    outs = tdb.sharded_embedding_bags(ids, weights, mode="sum", optimizer=opt)
+                    sum(o.sum() for o in outs).backward()
+                    continue
                 for t, ids in zip(local, streams):
                     mine = next(ids)
                     mine = mine[(mine >= lo) & (mine < lo + n)] - lo
                     t[mine] += 0.001
+
+        # the full saves compared with incremental ones: the same memory and work, not marked for the tracker
+        # (it counts the rows written since the LAST save of its tensors; a full save in between would reset it)
+        aside = {k: v.detach() for k, v in state.items()} if cfg["tracked"] else state
 
         def timed(fn) -> float:
             dist.barrier()
@@ -110,7 +128,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
         tdb.checkpoint.save(state, root / "base")  # warm-up, not timed: the digest kernel's build, first files
         train(1)
         tdb.checkpoint.save(state, root / "inc", base=root / "base")
-        tdb.checkpoint.save(state, root / "full")
+        tdb.checkpoint.save(aside, root / "full")
         for target, steps in cfg["steps"].items():
             rec: dict[str, list] = {"incremental_ms": [], "full_ms": [], "incremental_bytes": [], "full_bytes": [],
                                     "changed_rows": [], "blocking_ms": []}
@@ -123,8 +141,11 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                         rec["incremental_ms"].append(timed(lambda: tdb.checkpoint.save(state, root / "inc",
                                                                                        base=root / "base")))
                     else:
-                        rec["full_ms"].append(timed(lambda: tdb.checkpoint.save(state, root / "full")))
+                        rec["full_ms"].append(timed(lambda: tdb.checkpoint.save(aside, root / "full")))
                 if cfg["asynchronous"]:
+                    if cfg["tracked"]:  # the tracker counts from the last save (inc): a base and steps again
+                        tdb.checkpoint.save(state, root / "base")
+                        train(steps)
                     t0 = time.perf_counter()
                     handle = tdb.checkpoint.save(state, root / "inc-async", base=root / "base", asynchronous=True)
                     rec["blocking_ms"].append((time.perf_counter() - t0) * 1e3)
@@ -146,7 +167,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
             train(cfg["steps"]["0.01"])
             tdb.checkpoint.save(state, root / f"l{link}", base=root / f"l{link - 1}")
             if link in CHAIN:
-                tdb.checkpoint.save(state, root / f"f{link}")
+                tdb.checkpoint.save(aside, root / f"f{link}")
                 want[link] = [t.clone() for t in local]
         for link in CHAIN:
             dest_local = [torch.empty(n, dim) for _ in range(cfg["tables"])]
@@ -208,13 +229,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="4 tables x 50k x 128: a quick check")
     parser.add_argument("--asynchronous", action="store_true", help="also time asynchronous incremental saves")
+    parser.add_argument("--tracked", action="store_true",
+                        help="train with FusedOptimizer(..., track_changed_rows=True): saves digest only the rows "
+                             "its steps wrote (default: rows written directly, found by the full digest scan)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=Path("bench/results.json"))
     args = parser.parse_args(argv)
     if args.small:
         args.tables, args.rows = 4, 50_000
     cfg = {"tables": args.tables, "rows": args.rows, "dim": args.dim, "zipf": args.zipf, "reps": args.reps,
-           "batch": args.batch or max(16, args.rows // 2048), "asynchronous": args.asynchronous}
+           "batch": args.batch or max(16, args.rows // 2048), "asynchronous": args.asynchronous,
+           "tracked": args.tracked}
     cfg["steps"] = _steps_for(cfg)
     work = Path(tempfile.mkdtemp(prefix="bench_incremental-", dir=args.dir))
     cfg["dir"] = str(work)
@@ -222,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         result = summarize(spawn_ranks(_worker, 2, (cfg,), name="bench_incremental"), cfg)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    record(args.out, "incremental", result)
+    record(args.out, "incremental_tracked" if args.tracked else "incremental", result)
     brief = {t: {k: s[k] for k in ("changed_share", "incremental_bytes", "changed_rows_bytes", "bytes_vs_bound",
                                   "incremental_ms", "full_ms", "speedup", "blocking_ms")}
              for t, s in result["saves"].items()}

@@ -249,7 +249,7 @@ def save(
             raise_gathered(what + " refused, nothing was written", [e[1] for e in everyone], g, disagree)
         rows.own([e[5] for e in everyone], rank or 0)
         try:
-            mine = rows.compute()
+            mine = rows.compute(save_id)
         except Exception as e:  # reported to every rank
             mine = [problem_from(e, "row digests")]
         found = gather_objects(mine, g)  # the base's digests of this rank's blocks: readable?

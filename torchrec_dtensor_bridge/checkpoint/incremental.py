@@ -20,7 +20,10 @@ The steps :func:`~.api.save` runs, on every rank (*collective* around them):
    the group's order digests and writes them;
 3. :meth:`Rows.compute`: the digests of this rank's blocks, compared with the
    base's; the changed rows copied out (what the save writes: also what an
-   asynchronous save holds);
+   asynchronous save holds). Where the rows written since the base are known
+   (:mod:`..tracking`: a ``FusedOptimizer(..., track_changed_rows=True)``'s
+   steps, nothing else having written), only those are digested, the others
+   keep the base's digests as this process kept them;
 4. :meth:`Rows.write`: the files, each block's bytes hashed as written (the
    manifest's block checksums) and fsynced; the records for the manifest.
 
@@ -41,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import tracking
 from .._compat import ShardedTensor
 from ..convert import layout_of
 from ..wrapper import LocalShardsWrapper
@@ -247,28 +251,61 @@ class Rows:
                 first.setdefault(tuple(key), r)  # type: ignore[arg-type]
         self.blocks = [b for b in self.blocks if first.get((b.fqn, b.offsets, b.sizes)) == me]
 
-    def compute(self) -> list[Problem]:
-        """Digests of this rank's blocks; with a base, the rows that differ from it, copied out."""
+    def compute(self, save_id: str) -> list[Problem]:
+        """Digests of this rank's blocks; with a base, the rows that differ from it, copied out. A block whose
+        writes were reported since its base was saved (:mod:`..tracking`) digests only the rows written; every
+        tracked block is marked as saved by ``save_id``."""
         problems: list[Problem] = []
         for blk in self.blocks:
             t = _rows(blk.tensor.detach())
-            blk.digests = row_digests(t)
-            if self.base is None:
-                continue
-            try:
-                row_bytes = (t[0].numel() if t.shape[0] else 0) * t.element_size()
-                was, known = self.base.digests_of(blk.fqn, blk.offsets, blk.sizes, row_bytes)
-            except (_Bad, CheckpointError, OSError) as e:
-                problems.append(problem_from(e, f"base {self.base.path}"))
-                continue
-            differ = blk.digests != was
-            changed = ~known | (differ.any(1) if differ.dim() > 1 else differ)
-            if bool(changed.all()):
-                blk.ids, blk.rows = None, t.detach().cpu().clone() if t.device.type == "cpu" else t.detach().cpu()
+            key = (blk.fqn, blk.offsets, blk.sizes)
+            known = tracking.written_since(blk.tensor, self.base.save_id, key) if self.base is not None else None
+            if known is not None:
+                self._from_written(blk, t, known)
             else:
-                blk.ids = changed.nonzero().flatten()
-                blk.rows = t.detach().index_select(0, blk.ids.to(t.device)).cpu()
+                try:
+                    self._from_scan(blk, t)
+                except (_Bad, CheckpointError, OSError) as e:
+                    assert self.base is not None
+                    problems.append(problem_from(e, f"base {self.base.path}"))
+                    continue
+            if tracking.is_tracked(blk.tensor):
+                assert blk.digests is not None
+                tracking.mark(blk.tensor, save_id, key, blk.digests)
         return problems
+
+    def _from_scan(self, blk: _Block, t: torch.Tensor) -> None:
+        """Every row digested; with a base, compared with its digests (read from its files)."""
+        blk.digests = row_digests(t)
+        if self.base is None:
+            return
+        row_bytes = (t[0].numel() if t.shape[0] else 0) * t.element_size()
+        was, known = self.base.digests_of(blk.fqn, blk.offsets, blk.sizes, row_bytes)
+        differ = blk.digests != was
+        changed = ~known | (differ.any(1) if differ.dim() > 1 else differ)
+        if bool(changed.all()):
+            blk.ids, blk.rows = None, t.detach().cpu().clone() if t.device.type == "cpu" else t.detach().cpu()
+        else:
+            blk.ids = changed.nonzero().flatten()
+            blk.rows = t.detach().index_select(0, blk.ids.to(t.device)).cpu()
+
+    @staticmethod
+    def _from_written(blk: _Block, t: torch.Tensor, known: tracking.Known) -> None:
+        """Only the rows written since the base digested; every other row keeps the base's digest."""
+        rows = known.rows
+        picked = t.index_select(0, rows.to(t.device))
+        fresh = row_digests(picked)
+        was = known.digests[rows]
+        digests = known.digests.clone()
+        digests[rows] = fresh
+        blk.digests = digests
+        differ = fresh != was
+        changed = differ.any(1) if differ.dim() > 1 else differ
+        if rows.numel() == t.shape[0] and bool(changed.all()):
+            blk.ids, blk.rows = None, picked.cpu()
+        else:
+            blk.ids = rows[changed]
+            blk.rows = picked[changed.to(picked.device)].cpu()
 
     def write(self, gen: Path, rank: int) -> tuple[dict[str, FileSums], dict[str, list[list[Any]]],
                                                    dict[str, list[list[Any]]]]:

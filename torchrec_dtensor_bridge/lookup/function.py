@@ -36,7 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..agreement import timeouts_named
-from .. import kernels
+from .. import kernels, tracking
 from ..kernels import Pooling, pool
 from ..optim_kinds import StateKind
 from .gradients import grad_dtensor, table_grads
@@ -171,11 +171,13 @@ def fused_update(plans: list[LookupPlan], blocks: list[list[Block]], pieces: lis
 
     1. Kinds that count steps (Adam) count this one, before any update (the one-pass kernel reads it).
     2. Every block whose update needs nothing from other ranks (:data:`.optimizer_step.Sharing`) and that a
-       kernel can update goes into ONE ``tdb::sparse_update`` per storage (:func:`..kernels.update`).
+       kernel can update goes into ONE ``tdb::sparse_update`` per storage (:func:`..kernels.update`); for an
+       optimizer that tracks changed rows, the rows it writes are reported (:mod:`..tracking`).
     3. The others - replicas, row-wise kinds on column cuts, the torch math - are updated by
        :func:`.optimizer_step.apply_optimizers`, with one exchange for every table that needs one.
     """
     one_pass: list[kernels.Update] = []
+    written: list[tuple[torch.Tensor, torch.Tensor]] = []  # tracked tensors and the rows the kernels write
     rest: dict[int, Sharing] = {}
     done: dict[int, set[int]] = {}
     exchange = False
@@ -197,9 +199,14 @@ def fused_update(plans: list[LookupPlan], blocks: list[list[Block]], pieces: lis
             if not everyone and not column_cut and copies[plan.mine[b.index].box] == 1 and _one_pass(plan, b):
                 one_pass.append(_request(plan, b, pieces[t][k]))
                 done.setdefault(t, set()).add(b.index)
+                if bind.table.track_changed_rows:
+                    written += [(x, b.ids) for x in (one_pass[-1].shard, *one_pass[-1].state)]
             else:
                 rest[t] = share
+    before = tracking.before_writes(x for x, _ in written) if written else {}
     kernels.update(one_pass)  # one kernel call per storage
+    if written:  # (the other paths' writes void the records: tracking's version check)
+        tracking.after_writes(before, written)
     if rest:
         apply_optimizers(plans, blocks, pieces, wins, rest, done, exchange=exchange)
 

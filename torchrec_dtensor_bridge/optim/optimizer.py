@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .. import tracking
 from .._compat import ShardedTensor
 from ..agreement import Rejected
 from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards_of
@@ -100,6 +101,13 @@ class FusedOptimizer:
         stochastic_rounding: for fp16 / bf16 tables, write the updated rows back rounded stochastically
             (unbiased; fbgemm's and TorchRec's default) or, with ``False``, to nearest even. The update itself
             and the optimizer state are fp32. No effect on fp32 tables.
+        track_changed_rows: report the rows each step writes, weights and state (:mod:`..tracking`), so that an
+            incremental save (``tdb.checkpoint.save(..., base=)``) digests only those instead of scanning every
+            row: its cost follows the rows that changed. A save scans as before when the tables were written
+            otherwise since its base (any in-place op through torch: ``copy_``, ``nn.init``, a load; the tracker
+            sees torch's version counter). Writes torch cannot see (through ``.data``, NumPy, a raw pointer)
+            are not seen: do not ask for tracking where something writes the tables that way. Costs a
+            boolean per row and marking each step's rows.
 
     Example::
 
@@ -121,6 +129,7 @@ class FusedOptimizer:
         beta1: float | None = None,
         beta2: float | None = None,
         stochastic_rounding: bool = True,
+        track_changed_rows: bool = False,
     ) -> None:
         okind = _kind(kind)
         check_math(okind)
@@ -137,8 +146,10 @@ class FusedOptimizer:
                 raise ValueError(f"FusedOptimizer: {what} must be in [0, 1), got {v!r}")
         if not isinstance(stochastic_rounding, bool):
             raise ValueError(f"FusedOptimizer: stochastic_rounding must be True or False, got {stochastic_rounding!r}")
+        if not isinstance(track_changed_rows, bool):
+            raise ValueError(f"FusedOptimizer: track_changed_rows must be True or False, got {track_changed_rows!r}")
         self._build(named, okind, Hyper(okind, float(lr), float(eps), float(weight_decay), mode, float(beta1),
-                                        float(beta2), stochastic_rounding))
+                                        float(beta2), stochastic_rounding), track_changed_rows)
 
     @classmethod
     def for_conversion(cls, weights: Mapping[str, DTensor] | Sequence[DTensor], kind: str) -> FusedOptimizer:
@@ -173,7 +184,7 @@ class FusedOptimizer:
         opt._build(_named(weights, training=False), okind, None)
         return opt
 
-    def _build(self, named: dict[str, DTensor], kind: OptimKind, hyper: Hyper | None) -> None:
+    def _build(self, named: dict[str, DTensor], kind: OptimKind, hyper: Hyper | None, track: bool = False) -> None:
         self._kind = kind
         self._hyper = hyper
         self._tables: dict[str, TableState] = {}
@@ -182,9 +193,13 @@ class FusedOptimizer:
             layout = layout_of(w, name=name)
             if layout.dtype is None:
                 layout = dataclasses.replace(layout, dtype=w.dtype)
-            self._tables[name] = TableState(name, w, layout, dist.get_rank(), local_shards_of(w), kind)
+            self._tables[name] = TableState(name, w, layout, dist.get_rank(), local_shards_of(w), kind,
+                                            track_changed_rows=track)
             self._by_id[id(w)] = name
         share_storage(list(self._tables.values()))
+        if track:
+            tracking.watch([x for t in self._tables.values()
+                            for x in (*t.shards, *t.row_states, *(v for e in t.elements for v in e.values()))])
 
     @property
     def hyper(self) -> Hyper:

@@ -64,6 +64,7 @@ class TableState:
         row_states: this rank's row blocks of per-row state (row layout order).
         elements: per local shard, its element-wise states by name.
         step: steps applied (Adam's bias correction).
+        track_changed_rows: report the rows each fused update writes (:mod:`...tracking`).
     """
 
     name: str
@@ -76,6 +77,7 @@ class TableState:
     row_states: list[torch.Tensor] = field(default_factory=list)
     elements: list[dict[str, torch.Tensor]] = field(default_factory=list)
     step: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
+    track_changed_rows: bool = False
 
     def __post_init__(self) -> None:
         per_row = [s.name for s in self.kind.states if s.shape is StateKind.ROW]
