@@ -8,8 +8,10 @@ ONE ``tdb.checkpoint.save({"model": dmp, "fused": dmp.fused_optimizer,
 On all 3 ranks a fresh DMP under plan ``AFTER`` (every table moves) resumes with
 ONE ``tdb.checkpoint.load`` of the same dict (its dense optimizer a TorchRec
 ``KeyedOptimizerWrapper`` over Adam, before its first step): every tensor equals
-the saved one exactly and the losses continue the uninterrupted run's. (Ranks 0-1
-form their own group for the first run, so one pool of 3 processes serves both.) A target
+the saved one exactly and the losses continue the uninterrupted run's; so they do with a
+plain ``torch.optim.Adam`` before its first step, which takes the saved hyper-parameters
+too. (Ranks 0-1 form their own group for the first run, so one pool of 3 processes
+serves both.) A target
 whose row-wise Adagrad table is column-wise is refused on every rank, nothing
 modified. Every step sees the same global batch of 6 samples, split over the
 ranks, so the runs differ only in summation order.
@@ -213,6 +215,42 @@ def _resume(rank: int, world: int, path: str, saved: dict[str, torch.Tensor], lo
     assert [_step(dmp, dense, step, group) for step in range(SAVE_AT, STEPS)] == resumed
 
 
+def _resume_plain_adam(rank: int, world: int, path: str, saved: dict[str, torch.Tensor], losses: list[float]) -> None:
+    """The dense part resumed by a plain ``torch.optim.Adam`` before its first step (its state empty), built
+    with other hyper-parameters: it takes the saved state and the saved optimizer's hyper-parameters exactly."""
+    group = dist.group.WORLD
+    dmp = _dmp(AFTER, group)
+    params = _dense_params(dmp)
+    adam = torch.optim.Adam(params.values(), lr=0.5, betas=(0.5, 0.6), eps=1e-3, weight_decay=0.1)
+    assert not adam.state
+    state = {"model": dmp, "fused": dmp.fused_optimizer, "dense": adam, "step": 0}
+    tdb.checkpoint.load(state, path)
+    assert state["step"] == SAVE_AT
+    saved_adam = torch.optim.Adam([torch.zeros(1)], lr=DENSE_LR)  # as _train_and_save built it
+    want = {k: v for k, v in saved_adam.param_groups[0].items() if k != "params"}
+    assert [{k: v for k, v in g.items() if k != "params"} for g in adam.param_groups] == [want], adam.param_groups
+    assert set(adam.state) == set(params.values())
+    for name, p in params.items():
+        for what in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(adam.state[p][what], saved[f"dense.state.{name}.{what}"]), (name, what)
+    resumed = [_step(dmp, adam, step, group) for step in range(SAVE_AT, STEPS)]
+    torch.testing.assert_close(resumed, losses, rtol=1e-6, atol=1e-7)  # the plans sum in different orders
+
+
+def _values_without_tensors(rank: int, world: int, path: str) -> None:
+    """Values that hold no tensor - a plain Adam saved before its first step (only its hyper-parameters), a
+    dict of plain values - load on 3 ranks, where a rank holds no shard of some tables (DCP then tries the
+    flattening of checkpoints older than torch 2.4, which keeps each such value whole)."""
+    dmp = _dmp(AFTER, dist.group.WORLD)
+    adam = torch.optim.Adam(_dense_params(dmp).values(), lr=DENSE_LR)
+    tdb.checkpoint.save({"model": dmp, "dense": adam, "meta": {"step": SAVE_AT, "tag": "a"}}, path)
+    fresh = torch.optim.Adam(_dense_params(dmp).values(), lr=0.5)
+    state = {"model": dmp, "dense": fresh, "meta": {"step": 0, "tag": ""}}
+    tdb.checkpoint.load(state, path)
+    assert state["meta"] == {"step": SAVE_AT, "tag": "a"}, state["meta"]
+    assert fresh.param_groups[0]["lr"] == DENSE_LR and not fresh.state
+
+
 def _column_wise_target(rank: int, world: int, path: str) -> list[str]:
     group = dist.group.WORLD
     dmp = _dmp(COLUMN_WISE, group)
@@ -244,6 +282,15 @@ def saved(pool, tmp_path_factory):
 def test_dlrm_resumes_on_three_ranks_under_another_plan_in_one_call(pool, saved):
     path, tensors, losses = saved
     pool.run(_resume, path, tensors, losses)
+
+
+def test_a_plain_torch_adam_before_its_first_step_resumes_on_three_ranks_under_another_plan(pool, saved):
+    path, tensors, losses = saved
+    pool.run(_resume_plain_adam, path, tensors, losses)
+
+
+def test_values_holding_no_tensor_resume_on_ranks_that_hold_no_shard_of_some_tables(pool, tmp_path):
+    pool.run(_values_without_tensors, str(tmp_path / "plain"))
 
 
 def test_a_column_wise_rowwise_adagrad_target_is_refused_on_every_rank_with_nothing_modified(pool, saved):

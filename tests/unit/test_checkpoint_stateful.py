@@ -95,6 +95,37 @@ def test_a_refused_load_modifies_nothing(tmp_path):
     assert all(p.grad is None for p in wider.parameters())
 
 
+def _two_groups(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.Adam([{"params": model[0].parameters()}, {"params": model[2].parameters(), "lr": 2 * lr}],
+                            lr=lr)
+
+
+def test_parameter_groups_load_by_index_and_another_number_of_them_is_refused_naming_the_key(tmp_path):
+    model = _model(0)
+    opt = _two_groups(model, 0.1)
+    _train(model, opt, range(1))
+    tdb.checkpoint.save({"model": model, "optim": opt}, tmp_path / "two")
+    fresh = _model(1)
+    fresh_opt = _two_groups(fresh, 0.3)
+    tdb.checkpoint.load({"model": fresh, "optim": fresh_opt}, tmp_path / "two")
+    assert [g["lr"] for g in fresh_opt.param_groups] == [0.1, 0.2]  # each group its own saved values
+    assert _train(fresh, fresh_opt, range(1, 3)) == _train(model, opt, range(1, 3))
+
+    one = _model(1)
+    one_opt = torch.optim.Adam(one.parameters(), lr=0.3)
+    before = _params(one)
+    with pytest.raises(ValueError, match=r"key 'optim.param_groups.1.\w+' is only in the checkpoint: the checkpoint "
+                                         r"holds 2 parameter groups under 'optim.param_groups', the optimizer has 1"):
+        tdb.checkpoint.load({"model": one, "optim": one_opt}, tmp_path / "two")
+    assert not one_opt.state and one_opt.param_groups[0]["lr"] == 0.3, "a refused load modified the optimizer"
+    assert all(torch.equal(one.state_dict()[k], v) for k, v in before.items())
+
+    tdb.checkpoint.save({"model": one, "optim": torch.optim.Adam(one.parameters())}, tmp_path / "one")
+    with pytest.raises(ValueError, match=r"key 'optim.param_groups.1' is only in the destination") as refused:
+        tdb.checkpoint.load({"model": fresh, "optim": _two_groups(fresh, 0.3)}, tmp_path / "one")
+    assert "key 'optim.param_groups.1.lr' is not in the checkpoint" in str(refused.value), refused.value
+
+
 class _NotAMapping:
     def state_dict(self) -> list[int]:
         return [1, 2]

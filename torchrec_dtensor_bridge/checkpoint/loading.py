@@ -17,8 +17,10 @@ checks everything short of the data (*collective*):
    every rank raises the same error — nothing was written.
 
 :class:`SafeObjectPlanner` is the ``dcp.load`` planner: non-tensor items are
-unpickled with ``weights_only=True`` unless trusted, and a bare
-``LocalShardsWrapper`` is planned by its global shape.
+unpickled with ``weights_only=True`` unless trusted, a bare
+``LocalShardsWrapper`` is planned by its global shape, and the keys planned are
+the keys step 2 checked (never DCP's second guess for checkpoints written before
+torch 2.4).
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.tensor import DTensor
 
 from .._compat import ShardedTensor
@@ -121,13 +123,35 @@ def row_state_conversions(flat: list[tuple[str, Any]], md: Metadata, manifest: d
     return out
 
 
+def _group_count_problems(md: Metadata, param_groups: Mapping[str, int]) -> list[Problem]:
+    """A checkpoint holding another number of parameter groups under a ``torch.optim`` optimizer's
+    ``param_groups`` key than the optimizer has (``param_groups``: that key -> its number of groups);
+    a checkpoint holding none there is left to the missing keys' problems."""
+    problems = []
+    for prefix, n in param_groups.items():
+        held: dict[int, str] = {}
+        for key in sorted(md.state_dict_metadata):
+            index = key[len(prefix) + 1:].split(".", 1)[0] if key.startswith(prefix + ".") else ""
+            if index.isdigit():
+                held.setdefault(int(index), key)
+        if held and sorted(held) != list(range(n)):
+            only = [k for i, k in held.items() if i >= n] or [f"{prefix}.{i}" for i in range(n) if i not in held]
+            side = "the checkpoint" if any(i >= n for i in held) else "the destination"
+            problems.append(Problem(Kind.VALUE, f"key {only[0]!r} is only in {side}: the checkpoint holds "
+                                                f"{len(held)} parameter groups under {prefix!r}, the optimizer has "
+                                                f"{n} (a resumed optimizer needs its groups as saved)"))
+    return problems
+
+
 def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mapping[str, Hint] | None = None,
                 absent: frozenset[str] = frozenset(), *, convert_dtypes: bool = False,
                 manifest: dict[str, Any] | None = None, split_row_states: bool = False,
+                param_groups: Mapping[str, int] | None = None,
                 ) -> tuple[list[Problem], list[tuple[str, Any]], dict[str, tuple[int, ...]]]:
     """This rank's problems with ``sd`` against the checkpoint, its leaves, and the per-row states it converts
-    (:func:`row_state_conversions`)."""
-    problems: list[Problem] = []
+    (:func:`row_state_conversions`); ``param_groups``: per ``torch.optim`` optimizer's ``param_groups`` key, its
+    number of groups (:func:`_group_count_problems`)."""
+    problems: list[Problem] = _group_count_problems(md, param_groups or {})
     flat = [(fqn, v) for fqn, v in leaves(sd) if not (absent and _under(fqn, absent))]
     combined = row_state_conversions(flat, md, manifest, hints, split=split_row_states)
     saved = md.state_dict_metadata
@@ -240,7 +264,7 @@ class Opened:
 
 def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool, verify: bool, rank: int,
              optional: tuple[str, ...], hints: Mapping[str, Hint] | None, convert_dtypes: bool = False,
-             split_row_states: bool = False,
+             split_row_states: bool = False, param_groups: Mapping[str, int] | None = None,
              ) -> tuple[DirLock | None, dict[str, Any] | None, Metadata | None, list[Problem], str | None,
                         dict[str, tuple[int, ...]], Chain | None]:
     """One rank's look at generation ``name``: lock it, read and check everything short of the data."""
@@ -269,7 +293,7 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
             checked = metadata_for_checks(chain)
         key_problems, flat, combined = _check_keys(state_dict, checked, strict, hints, _absent(checked, optional),
                                                    convert_dtypes=convert_dtypes, manifest=manifest,
-                                                   split_row_states=split_row_states)
+                                                   split_row_states=split_row_states, param_groups=param_groups)
         if chain is not None:  # the data: the chain's reads check it (chainread); the head's objects here
             flat = [(fqn, v) for fqn, v in flat if not isinstance(v, torch.Tensor)]
         problems += key_problems
@@ -291,7 +315,7 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
 def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify: bool,
                 g: CommGroup, what: str, extra: list[Problem], *, optional: tuple[str, ...] = (),
                 hints: Mapping[str, Hint] | None = None, convert_dtypes: bool = False,
-                split_row_states: bool = False) -> Opened:
+                split_row_states: bool = False, param_groups: Mapping[str, int] | None = None) -> Opened:
     """Resolve ``path`` once (rank 0), lock and examine that generation on every rank, agree; *collective*.
 
     Steps 1-3 of the module docstring. On success every rank holds a shared lock on the same generation
@@ -310,6 +334,8 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
         hints: per key, why a shape mismatch cannot convert (appended to its refusal).
         convert_dtypes: accept a floating-point destination of another floating-point dtype than the saved one.
         split_row_states: give a column-cut table's per-block row states each its row's saved value.
+        param_groups: per key of a ``torch.optim`` optimizer's ``param_groups``, its number of groups: a
+            checkpoint holding another number there is refused.
 
     Returns:
         The generation every rank agreed to read, its lock, manifest and metadata, and the absent optional keys.
@@ -330,7 +356,7 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
         assert name is not None
         lock, manifest, md, problems, ident, combined, chain = _examine(path, name, state_dict, strict, verify, rank,
                                                                         optional, hints, convert_dtypes,
-                                                                        split_row_states)
+                                                                        split_row_states, param_groups)
         everyone = gather_objects((lock is None and not problems, problems + extra, ident), g)
         if any(moved for moved, _, _ in everyone):
             if chain is not None:
@@ -370,7 +396,8 @@ class _GlobalView:
 
 class SafeObjectPlanner(DefaultLoadPlanner):
     """``DefaultLoadPlanner`` whose non-tensor items are unpickled with ``weights_only=True`` unless trusted,
-    and which plans a bare ``LocalShardsWrapper`` by its global shape (DCP's planner compares local sizes)."""
+    which plans a bare ``LocalShardsWrapper`` by its global shape (DCP's planner compares local sizes), and
+    which plans the state_dict's keys as :func:`open_agreed` checked them (:meth:`create_local_plan`)."""
 
     def __init__(self, trusted: bool) -> None:
         super().__init__()
@@ -383,6 +410,21 @@ class SafeObjectPlanner(DefaultLoadPlanner):
             if isinstance(v, LocalShardsWrapper):
                 self._bare[fqn] = v
                 self.state_dict[fqn] = _GlobalView(v)
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's plan of the state_dict flattened as torch >= 2.4 flattens it, without DCP's retry for
+        checkpoints written before torch 2.4.
+
+        DCP retries whenever the checkpoint holds a key that this rank's state_dict lacks and that the old
+        flattening produces - as on a rank that holds no shard of a table - and then plans the old flattening,
+        in which a container holding no tensor (a ``torch.optim`` optimizer's ``param_groups``, a dict of plain
+        values, an optimizer that has no state yet) is one key that the checkpoint does not hold: the
+        load fails with "Missing key in checkpoint state_dict". Here every key of the state_dict, flattened the
+        new way, was checked against the checkpoint before the load (:func:`_check_keys`; a checkpoint whose
+        keys are flattened otherwise was refused there), so the retry could only misfire.
+        """
+        assert self.metadata is not None, "set_up_planner sets it"
+        return create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         bare = self._bare.get(index.fqn)

@@ -140,6 +140,8 @@ class Expanded:
         column_widths: per such key of a table cut by columns into several blocks, the blocks' widths (a save
             records them, so that a load can combine the per-block states into one per row).
         hints: per flattened key, why a shape mismatch cannot convert (appended to the refusal).
+        param_groups: per flattened key of a ``torch.optim`` optimizer's ``param_groups``, its number of groups
+            (a load refuses a checkpoint holding another number, as ``Optimizer.load_state_dict`` does).
         loads: each Stateful's ``load_state_dict()`` with its view, in the state_dict's order.
         writeback: (the caller's mapping, its copy in the view, the keys of plain values in it).
     """
@@ -152,6 +154,7 @@ class Expanded:
     row_states: dict[str, tuple[MutableMapping[str, Any], str]] = field(default_factory=dict)
     column_widths: dict[str, tuple[int, ...]] = field(default_factory=dict)
     hints: dict[str, Hint] = field(default_factory=dict)
+    param_groups: dict[str, int] = field(default_factory=dict)
     loads: list[Callable[[], None]] = field(default_factory=list)
     writeback: list[tuple[Mapping[str, Any], dict[str, Any], list[str]]] = field(default_factory=list)
 
@@ -289,7 +292,8 @@ class _Expander:
     def torch_optimizer(self, key: str, opt: torch.optim.Optimizer) -> dict[str, Any]:
         """A ``torch.optim`` optimizer's state, keyed by its parameters' names (``Optimizer.state_dict()``
         numbers them); its ``load_state_dict()`` gets them numbered again, with its own parameter groups'
-        parameters and the loaded hyper-parameters."""
+        parameters and the loaded hyper-parameters (group by group: a load refuses a checkpoint holding
+        another number of groups, see :attr:`Expanded.param_groups`)."""
         created = self.create(opt) if self.for_load else []
         names = self.param_names(opt)
         own = opt.state_dict()
@@ -297,6 +301,7 @@ class _Expander:
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
                   for g in own["param_groups"]]
         view: dict[str, Any] = {"state": states, "param_groups": groups}
+        self.out.param_groups[f"{key}.param_groups"] = len(groups)
         position = {id(p): i for i, p in enumerate(_params(opt))}
         for part, p in created:
             name = names[position[id(p)]]
