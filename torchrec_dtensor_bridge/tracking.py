@@ -131,12 +131,15 @@ class Known:
     the base."""
 
     rows: torch.Tensor  # int64, ascending
-    digests: torch.Tensor
+    digests: torch.Tensor  # the tracker's own: the caller may update it in place
 
 
 def written_since(t: torch.Tensor, save_id: str, key: Any) -> Known | None:
     """The rows of ``t`` written since the save ``save_id`` (which saved it as ``key``), or ``None`` when that
-    is not known: not tracked, marked at another save or as another key, or written by anything unreported."""
+    is not known: not tracked, marked at another save or as another key, or written by anything unreported.
+
+    Taking them voids the record until the next :func:`mark` (the caller may update ``digests`` in place: a
+    save that fails before marking leaves the next save to scan)."""
     b = _base(t)
     st = _bases.get(b)
     if st is None:
@@ -145,6 +148,7 @@ def written_since(t: torch.Tensor, save_id: str, key: Any) -> Known | None:
     view = st.views.get(_geometry(t))
     if view is None or not view.valid or view.mark != save_id or view.key != key or view.digests is None:
         return None
+    view.valid = False
     return Known(view.written.nonzero().flatten().cpu(), view.digests)
 
 

@@ -296,9 +296,8 @@ class Rows:
         picked = t.index_select(0, rows.to(t.device))
         fresh = row_digests(picked)
         was = known.digests[rows]
-        digests = known.digests.clone()
-        digests[rows] = fresh
-        blk.digests = digests
+        known.digests[rows] = fresh  # the tracker's copy, updated in place (it is marked again below)
+        blk.digests = known.digests
         differ = fresh != was
         changed = differ.any(1) if differ.dim() > 1 else differ
         if rows.numel() == t.shape[0] and bool(changed.all()):
