@@ -39,7 +39,7 @@ from .errors import CheckpointError
 from .incremental import ALIGN, local_blocks
 from .manifest import BLOCK, Checksums
 from .loading import SafeObjectPlanner
-from .reader import ReadStats, VerifiedReader, _Bad, _buffer, _ItemView, _VerifiedFile
+from .reader import BadData, ItemView, ReadStats, VerifiedFile, VerifiedReader, read_buffer
 from .savedtensor import Unreadable, parse_layout
 
 __all__ = ["GAP_BYTES", "SPAN_BYTES", "ChainReader", "load_chain"]
@@ -129,22 +129,22 @@ class ChainReader:
         self._verify = verify
         self._staging = staging_bytes
         self.stats = stats
-        self._files: dict[tuple[str, str], _VerifiedFile] = {}
+        self._files: dict[tuple[str, str], VerifiedFile] = {}
         self._takes: list[_Take] = []
         self._staged: list[tuple[_Take, int, memoryview]] | None = None
         self._scratch: memoryview | None = None
         self._tensors = [(fqn, v) for fqn, v in leaves(view) if isinstance(v, torch.Tensor) and fqn in chain.tensors]
 
     # -- files
-    def _file(self, link: Link, rel: str) -> _VerifiedFile:
+    def _file(self, link: Link, rel: str) -> VerifiedFile:
         key = (str(link.root), rel)
         vf = self._files.get(key)
         if vf is None:
             checksums = Checksums(link.manifest) if self._verify else None
             try:
-                vf = self._files[key] = _VerifiedFile(link.root, rel, checksums, self.stats)
-            except _Bad as e:
-                raise _Bad(f"{link.label}: {e}") from None
+                vf = self._files[key] = VerifiedFile(link.root, rel, checksums, self.stats)
+            except BadData as e:
+                raise BadData(f"{link.label}: {e}") from None
         return vf
 
     def close(self) -> None:
@@ -162,7 +162,7 @@ class ChainReader:
         ids = torch.frombuffer(bytearray(raw), dtype=torch.int64) if p.count else torch.empty(0, dtype=torch.int64)
         rows = p.sizes[0] if p.sizes else 1
         if ids.numel() and (int(ids[0]) < 0 or int(ids[-1]) >= rows or bool((ids[1:] <= ids[:-1]).any())):
-            raise _Bad(f"{link.label}: key {fqn!r}: the row ids of the piece at offsets {list(p.offsets)} are not "
+            raise BadData(f"{link.label}: key {fqn!r}: the row ids of the piece at offsets {list(p.offsets)} are not "
                        f"ascending rows of its {rows}-row block")
         end = p.at + 8 * p.count
         return _Source(link, p.file, end + (-end % ALIGN), p.offsets, p.sizes, first + ids)
@@ -179,9 +179,9 @@ class ChainReader:
             vf = self._file(link, info.relative_path)
             who = f"{link.label}: key {fqn!r} (chunk at offsets {list(o)})"
             try:
-                lay = parse_layout(_ItemView(vf, info.offset, info.length, who), m.properties.dtype, s)
+                lay = parse_layout(ItemView(vf, info.offset, info.length, who), m.properties.dtype, s)
             except Unreadable as e:
-                raise _Bad(f"{who} is not a contiguous tensor ({e}); compact the chain from a full checkpoint "
+                raise BadData(f"{who} is not a contiguous tensor ({e}); compact the chain from a full checkpoint "
                            "written by tdb.checkpoint.save") from None
             first = o[0] if o else 0
             out.append(_Source(link, info.relative_path, info.offset + lay.data_start, o, s, None, first,
@@ -253,7 +253,7 @@ class ChainReader:
                 takes.append(take)
         if not bool(filled.all()):
             missing = (~filled.all(1)).nonzero().flatten()
-            raise _Bad(f"key {fqn!r}: rows {[d0 + int(r) for r in missing[:5]]} of this rank's block at offsets "
+            raise BadData(f"key {fqn!r}: rows {[d0 + int(r) for r in missing[:5]]} of this rank's block at offsets "
                        f"{list(d_off)} are in no link of the chain")
         return takes
 
@@ -267,7 +267,7 @@ class ChainReader:
                 sources = self._sources(fqn, [(o, tuple(t.shape)) for o, t in blocks])
                 for o, t in blocks:
                     self._takes += self._plan_block(fqn, o, t, sources, dtype)
-            except _Bad as e:
+            except BadData as e:
                 problems.append(Problem(Kind.CORRUPT, str(e)))
             except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
                 problems.append(Problem(Kind.CORRUPT, f"key {fqn!r}: {type(e).__name__}: {e}"))
@@ -300,14 +300,14 @@ class ChainReader:
         spans = [(t, a, b, (b - a) * self._row_bytes(t)) for t in self._takes for a, b in t.spans(self._row_bytes(t))]
         stage = self._staging is None or sum(n for *_, n in spans) <= self._staging
         self._staged = [] if stage else None
-        room = _buffer(sum(n + 2 * BLOCK for *_, n in spans)) if stage else None  # one staging area, mapped once
+        room = read_buffer(sum(n + 2 * BLOCK for *_, n in spans)) if stage else None  # one staging area, mapped once
         at = 0
         for take, a, b, n in spans:
             into = room[at : at + n + 2 * BLOCK] if room is not None else self._scratch_for(n)
             at += n + 2 * BLOCK
             try:
                 raw = self._read(take, a, b, into)
-            except _Bad as e:
+            except BadData as e:
                 problems.append(Problem(Kind.CORRUPT, str(e)))
                 continue
             if self._staged is not None:
@@ -325,7 +325,7 @@ class ChainReader:
                 for a, b in take.spans(self._row_bytes(take)):
                     try:
                         raw = self._read(take, a, b, self._scratch_for((b - a) * self._row_bytes(take)))
-                    except _Bad as e:
+                    except BadData as e:
                         raise CheckpointError(f"the data changed between verification and copy; destinations may "
                                               f"be partly written: {e}") from None
                     _copy(take, a, b, raw)

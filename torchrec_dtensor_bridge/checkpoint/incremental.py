@@ -54,7 +54,7 @@ from .common import leaves
 from .digests import DIGEST_BYTES, digest_width, row_digests
 from .errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
 from .manifest import BlockHasher, Checksums, FileSums, read_manifest
-from .reader import _Bad, _VerifiedFile
+from .reader import BadData, VerifiedFile
 
 __all__ = ["ALIGN", "BaseCheckpoint", "LINK", "ROW_DIGESTS", "Rows", "local_blocks", "open_base"]
 
@@ -112,7 +112,7 @@ class BaseCheckpoint:
     tensors: dict[str, tuple[list[int], str]]
     digests: dict[str, list[list[Any]]]
     depth: int
-    _files: dict[str, _VerifiedFile] = field(default_factory=dict)
+    _files: dict[str, VerifiedFile] = field(default_factory=dict)
 
     @property
     def save_id(self) -> str:
@@ -140,7 +140,7 @@ class BaseCheckpoint:
                 continue
             vf = self._files.get(rel)
             if vf is None:
-                vf = self._files[rel] = _VerifiedFile(self.root, rel, Checksums(self.manifest))
+                vf = self._files[rel] = VerifiedFile(self.root, rel, Checksums(self.manifest))
             data = vf.read(at + (a - e0) * w, at + (b - e0) * w, f"row digests of key {fqn!r} in {self.path}")
             got = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             out[a - r0 : b - r0] = got.view(b - a, w) if raw else got.view(torch.int64)
@@ -265,7 +265,7 @@ class Rows:
             else:
                 try:
                     self._from_scan(blk, t)
-                except (_Bad, CheckpointError, OSError) as e:
+                except (BadData, CheckpointError, OSError) as e:
                     assert self.base is not None
                     problems.append(problem_from(e, f"base {self.base.path}"))
                     continue

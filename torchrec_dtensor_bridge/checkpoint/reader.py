@@ -57,12 +57,12 @@ from .plan import ItemPlace, request_span, staged_bytes, zip_spans
 from .savedtensor import Unreadable, parse_layout
 from .validate import read_metadata as read_checked_metadata
 
-__all__ = ["ReadStats", "VerifiedReader"]
+__all__ = ["BadData", "ItemView", "ReadStats", "VerifiedFile", "VerifiedReader", "read_buffer"]
 
 _SCRATCH = 8 << 20  # bytes of rows per piece when streaming (verify-first loads)
 
 
-class _Bad(Exception):
+class BadData(Exception):
     """A problem with the checkpoint's bytes (corrupt, truncated, missing); the message names file and key."""
 
 
@@ -70,7 +70,7 @@ class _Bad(Exception):
 _POPULATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 
 
-def _buffer(n: int) -> memoryview:
+def read_buffer(n: int) -> memoryview:
     """``n`` writable bytes for a read to fill.
 
     Anonymous memory mapped with its pages populated in one call: faster to
@@ -105,7 +105,7 @@ class ReadStats:
         return f"ReadStats(read {format_bytes(self.bytes_read)} from {files} on this rank, {checked})"
 
 
-class _VerifiedFile:
+class VerifiedFile:
     """Byte ranges of one data file, each read once and checked block by block against the manifest."""
 
     def __init__(self, root: Path, rel: str, checksums: Checksums | None, stats: ReadStats | None = None) -> None:
@@ -116,9 +116,9 @@ class _VerifiedFile:
         try:
             self._fd = os.open(root / rel, os.O_RDONLY)
         except FileNotFoundError:
-            raise _Bad(f"data file {rel} is missing") from None
+            raise BadData(f"data file {rel} is missing") from None
         except OSError as e:
-            raise _Bad(f"data file {rel} cannot be opened: {e}") from None
+            raise BadData(f"data file {rel} cannot be opened: {e}") from None
         self.size = os.fstat(self._fd).st_size
         self._stats.files_opened += 1
 
@@ -134,7 +134,7 @@ class _VerifiedFile:
             n = os.preadv(self._fd, [buf[done:]], offset + done)
             self._stats.bytes_read += n
             if n == 0:
-                raise _Bad(f"data file {self.rel} is truncated: {self.size} bytes, {who} needs bytes up to "
+                raise BadData(f"data file {self.rel} is truncated: {self.size} bytes, {who} needs bytes up to "
                            f"{offset + len(buf)}")
             done += n
 
@@ -146,20 +146,20 @@ class _VerifiedFile:
         :data:`_SCRATCH` bytes): then only the last block is kept, as a copy.
         """
         if end <= start:
-            return _buffer(0)
+            return read_buffer(0)
         if self._checksums is None:
-            buf = _buffer(end - start) if into is None else into[: end - start]
+            buf = read_buffer(end - start) if into is None else into[: end - start]
             self._pread(buf, start, who)
             return buf
         try:
             blocks = self._checksums.blocks(self.rel, start, end)
         except KeyError as e:
-            raise _Bad(f"{who}: {e.args[0]}") from None
+            raise BadData(f"{who}: {e.args[0]}") from None
         first = blocks[0]
         if len(blocks) == 1 and first.start in self._cache:
             return self._cache[first.start][start - first.start : end - first.start]
         base = first.start
-        buf = _buffer(blocks[-1].end - base) if into is None else into[: blocks[-1].end - base]
+        buf = read_buffer(blocks[-1].end - base) if into is None else into[: blocks[-1].end - base]
         i = 0
         while i < len(blocks):
             b = blocks[i]
@@ -175,7 +175,7 @@ class _VerifiedFile:
             for r in run:
                 got = xxhash.xxh3_64(buf[r.start - base : r.end - base]).intdigest()
                 if got != r.digest:
-                    raise _Bad(f"data file {self.rel} is corrupt or from another save: {who} reads bytes "
+                    raise BadData(f"data file {self.rel} is corrupt or from another save: {who} reads bytes "
                                f"{r.start}-{r.end}, whose checksum is {got:016x}, the manifest says {r.digest:016x}")
                 if into is None:
                     self._cache[r.start] = buf[r.start - base : r.end - base]
@@ -186,10 +186,10 @@ class _VerifiedFile:
         return buf[start - base : end - base]
 
 
-class _ItemView(io.RawIOBase):
-    """A seekable read-only view of bytes ``[offset, offset + length)`` of a :class:`_VerifiedFile`."""
+class ItemView(io.RawIOBase):
+    """A seekable read-only view of bytes ``[offset, offset + length)`` of a :class:`VerifiedFile`."""
 
-    def __init__(self, vf: _VerifiedFile, offset: int, length: int, who: str) -> None:
+    def __init__(self, vf: VerifiedFile, offset: int, length: int, who: str) -> None:
         super().__init__()
         self._vf, self._offset, self._length, self._who = vf, offset, length, who
         self._pos = 0
@@ -285,7 +285,7 @@ class VerifiedReader(dcp.FileSystemReader):
         for c in m.chunks:
             if tuple(c.offsets) == tuple(idx.offset or ()):
                 return m.properties.dtype, tuple(c.sizes)
-        raise _Bad(f"key {idx.fqn!r}: no saved chunk at offsets {list(idx.offset or [])}")
+        raise BadData(f"key {idx.fqn!r}: no saved chunk at offsets {list(idx.offset or [])}")
 
     def _estimate(self, items: dict[MetadataIndex, list[ReadItem]]) -> int:
         """Bytes this rank will read (full rows of every request), to choose staging or not."""
@@ -299,7 +299,7 @@ class VerifiedReader(dcp.FileSystemReader):
             total += staged_bytes(dtype.itemsize, size, (r.lengths[0] if size else 1 for r in reqs))
         return total
 
-    def _pieces(self, vf: _VerifiedFile, idx: MetadataIndex, reqs: list[ReadItem],
+    def _pieces(self, vf: VerifiedFile, idx: MetadataIndex, reqs: list[ReadItem],
                 scratch: memoryview | None) -> Iterator[tuple[ReadItem, int, Any]]:
         """Read and verify what ``reqs`` need of one item, as ``(request, first row, value)``.
 
@@ -310,20 +310,20 @@ class VerifiedReader(dcp.FileSystemReader):
         info = self.storage_data[idx]
         who = f"key {idx.fqn!r}" + (f" (chunk at offsets {list(idx.offset)})" if idx.offset is not None else "")
         if info.offset + info.length > vf.size:
-            raise _Bad(f"data file {vf.rel} is truncated: {vf.size} bytes, {who} needs bytes up to "
+            raise BadData(f"data file {vf.rel} is truncated: {vf.size} bytes, {who} needs bytes up to "
                        f"{info.offset + info.length}")
         if reqs[0].type == LoadItemType.BYTE_IO:
             data = vf.read(info.offset, info.offset + info.length, who)
             try:  # refused here, before the agreement, rather than half-way through the copy
                 torch.load(io.BytesIO(data), weights_only=not self._trusted)
             except Exception as e:  # noqa: BLE001 - hostile or damaged object
-                raise _Bad(f"data file {vf.rel}, {who}: the object cannot be loaded with weights_only="
+                raise BadData(f"data file {vf.rel}, {who}: the object cannot be loaded with weights_only="
                            f"{not self._trusted} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
                            "load(..., trusted_pickles=True) unpickles trusted objects") from None
             yield from ((r, 0, data) for r in reqs)
             return
         dtype, size = self._chunk(idx)
-        view = _ItemView(vf, info.offset, info.length, who)
+        view = ItemView(vf, info.offset, info.length, who)
         try:
             lay = parse_layout(view, dtype, size)
         except Unreadable:
@@ -366,8 +366,8 @@ class VerifiedReader(dcp.FileSystemReader):
         scratch = None if stage else memoryview(bytearray(_SCRATCH + 3 * BLOCK))
         for rel, items in per_file.items():
             try:
-                vf = _VerifiedFile(self._root, rel, self._checksums, self.stats)
-            except _Bad as e:
+                vf = VerifiedFile(self._root, rel, self._checksums, self.stats)
+            except BadData as e:
                 keys = sorted({idx.fqn for idx in items})
                 problems.append(Problem(Kind.CORRUPT, f"{e} (needed for {keys})"))
                 continue
@@ -379,7 +379,7 @@ class VerifiedReader(dcp.FileSystemReader):
                                 _copy([piece], planner)
                             elif stage:
                                 staged.append(piece)
-                    except _Bad as e:
+                    except BadData as e:
                         problems.append(Problem(Kind.CORRUPT, str(e)))
                     except Exception as e:  # noqa: BLE001 - every rank must reach the agreement
                         problems.append(Problem(Kind.CORRUPT, f"data file {rel}, key {idx.fqn!r}: {type(e).__name__}: {e}"))
