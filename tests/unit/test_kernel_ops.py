@@ -207,6 +207,16 @@ def test_ranks_settle_on_what_every_rank_has_and_the_first_ranks_calibration():
         kernels.settle(cpu, [3 | 1 << 3, mine])  # rank 0 measured ours faster at pooling fp16 rows only
         assert kernels.pool_impl(cpu, torch.float16) is kernels.Impl.NATIVE
         assert kernels.pool_impl(cpu) is kernels.Impl.FBGEMM
+        # fp16 updates follow their own measurement, not the fp32 one (the kernels' speeds differ there)
+        fp16_bit = 1 << (2 + kernels.choose._calibrated().index("update_rowwise_adagrad_fp16"))
+        kernels.settle(cpu, [3 | fp16_bit, mine])
+        assert kernels.update_impl(cpu, "rowwise_adagrad", 0.0, torch.float16) is kernels.Impl.NATIVE
+        assert kernels.update_impl(cpu, "rowwise_adagrad", 0.0) is kernels.Impl.FBGEMM
+        fp32_bit = 1 << (2 + kernels.choose._calibrated().index("update_rowwise_adagrad"))
+        kernels.settle(cpu, [3 | fp32_bit, mine])
+        assert kernels.update_impl(cpu, "rowwise_adagrad", 0.0, torch.float16) is kernels.Impl.FBGEMM
+        assert kernels.update_impl(cpu, "rowwise_adagrad", 0.0, torch.float16, stochastic=True) is kernels.Impl.NATIVE
+        assert kernels.update_impl(cpu, "rowwise_adagrad", 0.0) is kernels.Impl.NATIVE
     finally:
         kernels.choose._agreed.clear()
     assert kernels.pool_impl(cpu) is kernels.calibrated("pool")

@@ -72,8 +72,8 @@ def _warn_once(message: str) -> None:
 def _calibrated() -> list[str]:
     """The work both C implementations can do: the pooled sum, and the update of each kind both list (in the
     registry's order); a machine's calibration chooses between them for each."""
-    return ["pool", "pool_fp16",
-            *(f"update_{k.name}" for k in REGISTERED.values() if k.native is not None and k.fbgemm_cpu)]
+    both = [k.name for k in REGISTERED.values() if k.native is not None and k.fbgemm_cpu]
+    return ["pool", "pool_fp16", *(f"update_{k}" for k in both), *(f"update_{k}_fp16" for k in both)]
 
 
 _agreed: dict[str, int] = {}
@@ -174,11 +174,13 @@ def update_impl(device: torch.device, kind: OptimKind | str, weight_decay: float
         found = lookup(kind)  # raises, naming the kinds there are
     stochastic = stochastic and dtype in (torch.float16, torch.bfloat16)  # fp32 rows are not rounded
     return _remembered(("update", found, bool(weight_decay), dtype, stochastic), device,
-                       lambda: for_weights(_update_impl(device, found, bool(weight_decay)), device, dtype,
+                       lambda: for_weights(_update_impl(device, found, bool(weight_decay), dtype), device, dtype,
                                            stochastic=stochastic))
 
 
-def _update_impl(device: torch.device, kind: OptimKind, decayed: bool) -> Impl:
+def _update_impl(device: torch.device, kind: OptimKind, decayed: bool, dtype: torch.dtype = torch.float32) -> Impl:
+    """fp16 tables calibrated on their own (``update_<kind>_fp16``): the two C kernels' fp16 updates differ in
+    speed otherwise than their fp32 ones (fbgemm's converts every element on its own)."""
     if device.type != "cpu":  # weight decay: fbgemm's SGD and Adagrad have none; the torch-op math applies it
         return _on_device(device, kind.fbgemm_cuda and not decayed)
     candidates = [Impl.NATIVE] if kind.native is not None else []
@@ -186,7 +188,7 @@ def _update_impl(device: torch.device, kind: OptimKind, decayed: bool) -> Impl:
         candidates.append(Impl.FBGEMM)
     if not candidates:  # no kernel lists the kind
         return Impl.TORCH
-    return _pick(candidates, f"update_{kind.name}", device)
+    return _pick(candidates, f"update_{kind.name}" + ("_fp16" if dtype == torch.float16 else ""), device)
 
 
 def for_weights(which: Impl, device: torch.device, dtype: torch.dtype, *, stochastic: bool = False) -> Impl:
@@ -285,9 +287,8 @@ def _measure(what: str) -> tuple[float, float]:
     """Seconds of ours and fbgemm's on one synthetic table (128 MiB: out of cache), interleaved: the fastest of
     each (other work on the machine only ever adds time)."""
     gen = torch.Generator().manual_seed(0)
-    weights = torch.rand(_ROWS * _DIM, generator=gen)
-    if what == "pool_fp16":
-        weights = weights.half()
+    half = what.endswith("_fp16")
+    weights = torch.rand(_ROWS * _DIM, generator=gen, dtype=torch.float16 if half else torch.float32)
     ids = torch.randint(0, _ROWS, (_BAGS * _PER_BAG,), generator=gen)
     offsets = torch.arange(0, ids.numel() + 1, _PER_BAG)
     grad = torch.rand(_BAGS, _DIM, generator=gen) * 1e-3
@@ -298,11 +299,11 @@ def _measure(what: str) -> tuple[float, float]:
         jobs: dict[Impl, Callable[[], object]] = {Impl.NATIVE: lambda: kernel.pool_tables(tables, batch),
                                                   Impl.FBGEMM: lambda: fbgemm.pool_sum(tables, batch)}
     else:
-        kind = lookup(what.removeprefix("update_"))
+        kind = lookup(what.removeprefix("update_").removesuffix("_fp16"))
         m1, m2 = [torch.zeros(_ROWS if s.shape is StateKind.ROW else _ROWS * _DIM) for s in kind.tensor_states
                   ] + [None] * (2 - len(kind.tensor_states))
         state = State(m1, [0] if m1 is not None else [], m2, [0] if m2 is not None else [], step=1)
-        hyper = Hyper(kind, 0.01, 1e-8, 0.0, WeightDecayMode.NONE, 0.9, 0.999)
+        hyper = Hyper(kind, 0.01, 1e-8, 0.0, WeightDecayMode.NONE, 0.9, 0.999, False)  # fbgemm's rounding
         jobs = {Impl.NATIVE: lambda: kernel.update_tables(tables, batch, grad, state, hyper),
                 Impl.FBGEMM: lambda: fbgemm.update(tables, batch, grad, state, hyper)}
     times: dict[Impl, list[float]] = {k: [] for k in jobs}
