@@ -355,3 +355,40 @@ def test_an_update_bumps_the_version_of_what_it_writes(impl):
     assert args[0]._version > versions[0] and args[9]._version > versions[1]
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         saved.backward()
+
+
+def test_pooling_over_a_large_storage_times_both_kernels_on_its_first_calls_and_keeps_the_faster(monkeypatch):
+    """A storage past the caches: the first pooled sums alternate ours and fbgemm's (the same sums), then the
+    faster by median is the process's choice; a small storage or a forced kernel starts no trial."""
+    choose = kernels.choose
+    monkeypatch.delenv("TDB_KERNELS", raising=False)
+    if not (native.kernel() is not None and fbgemm.available()):
+        pytest.skip("needs both C kernels")
+    ran: list[kernels.Impl] = []
+    real = choose.pool_timed
+    monkeypatch.setattr(choose, "pool_timed", lambda which, dtype, s: (ran.append(which), real(which, dtype, s)))
+    choose._trials.clear(), choose._tried.clear(), choose._settled.clear()
+    try:
+        storage = torch.zeros(choose._TRIAL_BYTES // 4 // 128 + 1, 128)  # just past the threshold (pages unread)
+        g = torch.Generator().manual_seed(3)
+        storage[:1000] = torch.rand(1000, 128, generator=g)
+        ids = torch.randint(0, 1000, (60,), generator=g)
+        offsets = torch.arange(0, 61, 6)
+        want = F.embedding_bag(ids, storage[:1000], offsets[:-1], mode="sum")
+        small = storage[:1000].clone()
+        (out,) = kernels.pool([kernels.Pooling(small, ids, offsets, None, False, None)])
+        assert torch.equal(out[0] if isinstance(out, tuple) else out, want) and ran == []  # small: no trial
+        for _ in range(2 * choose._TRIAL_CALLS + 2):
+            (out,) = kernels.pool([kernels.Pooling(storage, ids, offsets, None, False, None)])
+            assert torch.equal(out[0] if isinstance(out, tuple) else out, want)
+        assert ran == [kernels.Impl.NATIVE, kernels.Impl.FBGEMM] * choose._TRIAL_CALLS, ran
+        assert choose._tried["pool"] in (kernels.Impl.NATIVE, kernels.Impl.FBGEMM)
+        assert kernels.calibrated("pool") is choose._tried["pool"]
+        assert kernels.pool_impl(torch.device("cpu")) is choose._tried["pool"]
+        choose._trials.clear(), choose._tried.clear()
+        monkeypatch.setenv("TDB_KERNELS", "native")
+        ran.clear()
+        kernels.pool([kernels.Pooling(storage, ids, offsets, None, False, None)])
+        assert ran == [] and "pool" not in choose._trials  # forced: no trial
+    finally:
+        choose._trials.clear(), choose._tried.clear(), choose._settled.clear()

@@ -10,7 +10,9 @@ Steps of a choice (:func:`pool_impl`, :func:`update_impl`, :func:`dense_impl`):
 3. Where both C kernels can do the work, the one measured faster on THIS machine: a one-time calibration
    per kernel kind (:func:`calibrated`), both run side by side on the same synthetic work, interleaved,
    the fastest runs compared; the result is kept in the kernel cache, keyed by the library, fbgemm's version,
-   the CPU model and the thread count, so other processes of the machine reuse it.
+   the CPU model and the thread count, so other processes of the machine reuse it. Pooling over a storage of
+   256 MiB or more is timed again on the process's own first calls there (:func:`pool_trial`), whose verdict
+   then stands for the process: which kernel pools faster depends on the table's size.
 
 A lookup's ranks agree on the choices (:func:`choice_code` travels in the lookup's agreement, :func:`settle`):
 an implementation runs only where every rank has it (a rank that forces one offers that one alone: forcing
@@ -32,6 +34,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 
@@ -41,7 +44,8 @@ from ..optim_kinds import REGISTERED, Hyper, OptimKind, StateKind, WeightDecayMo
 from . import build, fbgemm, native
 from .args import Batch, State, Tables
 
-__all__ = ["Impl", "calibrated", "choice_code", "dense_impl", "for_weights", "pool_impl", "settle", "update_impl"]
+__all__ = ["Impl", "calibrated", "choice_code", "dense_impl", "for_weights", "pool_impl", "pool_timed", "pool_trial",
+           "settle", "update_impl"]
 
 log = logging.getLogger(__name__)
 
@@ -251,9 +255,60 @@ def _record_path() -> str:
     return str(home / f"calibration-{ident}.json")
 
 
-@functools.lru_cache(maxsize=None)
+# --- pooling timed on the work itself ---------------------------------------------------------------------------
+# The two C kernels pool with the same bits, and which is faster depends on the table: the synthetic calibration
+# (128 MiB) can disagree with tables of GiBs (BENCHMARKS.md: row-wise training step). A process's first pooled
+# sums over a storage of at least _TRIAL_BYTES alternate the two kernels, timed; the faster by median replaces the
+# calibration's verdict for this process (its lookups' next agreement settles on the first rank's, as always).
+_TRIAL_BYTES = 256 << 20
+_TRIAL_CALLS = 5  # per kernel; the first of each is not counted (warm-up)
+_trials: dict[str, dict[Impl, list[float]]] = {}
+_tried: dict[str, Impl] = {}
+
+
+def _pool_what(dtype: torch.dtype) -> str:
+    return "pool_fp16" if dtype == torch.float16 else "pool"
+
+
+def pool_trial(device: torch.device, dtype: torch.dtype, storage_bytes: int, chosen: Impl) -> Impl | None:
+    """The kernel to time on this pooled sum (``None``: no trial; run ``chosen``): while this process's trial of
+    ``dtype``'s pooling is running, on the CPU, over a storage of at least 256 MiB, with both C kernels chosen
+    between by calibration (not forced)."""
+    what = _pool_what(dtype)
+    if (what in _tried or device.type != "cpu" or storage_bytes < _TRIAL_BYTES or chosen not in (Impl.NATIVE, Impl.FBGEMM)
+            or _forced() is not None or not (_available(Impl.NATIVE, device) and _available(Impl.FBGEMM, device))
+            or for_weights(Impl.FBGEMM, device, dtype) is not Impl.FBGEMM):
+        return None
+    times = _trials.setdefault(what, {Impl.NATIVE: [], Impl.FBGEMM: []})
+    return Impl.NATIVE if len(times[Impl.NATIVE]) <= len(times[Impl.FBGEMM]) else Impl.FBGEMM
+
+
+def pool_timed(which: Impl, dtype: torch.dtype, seconds: float) -> None:
+    """Record a trial's time (:func:`pool_trial`); once both kernels ran :data:`_TRIAL_CALLS` times, the faster by
+    median is this process's choice for ``dtype``'s pooling."""
+    what = _pool_what(dtype)
+    times = _trials.get(what)
+    if times is None or what in _tried:
+        return
+    times[which].append(seconds)
+    if all(len(t) >= _TRIAL_CALLS for t in times.values()):
+        ours, theirs = (statistics.median(times[k][1:]) for k in (Impl.NATIVE, Impl.FBGEMM))
+        _tried[what] = Impl.NATIVE if ours <= theirs else Impl.FBGEMM
+        log.info("torchrec_dtensor_bridge: %s on this job's tables: ours %.2f ms, fbgemm %.2f ms: %s", what,
+                 ours * 1e3, theirs * 1e3, _tried[what].name.lower())
+        _settled.clear()
+
+
 def calibrated(what: str) -> Impl:
-    """:attr:`Impl.NATIVE` or :attr:`Impl.FBGEMM`, whichever ran ``what`` faster on this machine (step 3)."""
+    """:attr:`Impl.NATIVE` or :attr:`Impl.FBGEMM`, whichever ran ``what`` faster on this machine (step 3); for
+    pooling, on this process's own tables once it timed both there (:func:`pool_trial`)."""
+    tried = _tried.get(what)
+    return tried if tried is not None else _calibrated_here(what)
+
+
+@functools.lru_cache(maxsize=None)
+def _calibrated_here(what: str) -> Impl:
+    """:attr:`Impl.NATIVE` or :attr:`Impl.FBGEMM`, whichever ran ``what`` faster on this machine's synthetic work."""
     path, model = _record_path(), build.cpu_model() or platform.machine()
     try:
         with open(path, encoding="utf-8") as f:

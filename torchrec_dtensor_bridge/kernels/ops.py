@@ -46,6 +46,7 @@ bumps the version counters of the tensors it wrote, as in-place ops do.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -223,6 +224,13 @@ def _pool_sum(tables: Tables, batch: Batch) -> Tensor:
         (_check_ids if on_cpu else check_ids_on_device)("pool_sum", batch.ids, batch.offsets, tables.rows, b)
     if width == 0 or (not on_cpu and (b == 0 or batch.ids.numel() == 0)):  # nothing to add up
         return tables.storage.new_zeros(b, width)
+    trial = choose.pool_trial(device, tables.storage.dtype,
+                              tables.storage.numel() * tables.storage.element_size(), which)
+    if trial is not None and (trial is not Impl.NATIVE or native.fits(tables, batch)):
+        start = time.perf_counter()
+        out = run_pool_sum(trial, tables, batch)
+        choose.pool_timed(trial, tables.storage.dtype, time.perf_counter() - start)
+        return out
     return run_pool_sum(which, tables, batch)
 
 
