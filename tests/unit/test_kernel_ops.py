@@ -378,12 +378,25 @@ def test_pooling_over_a_large_storage_times_both_kernels_on_its_first_calls_and_
         small = storage[:1000].clone()
         (out,) = kernels.pool([kernels.Pooling(small, ids, offsets, None, False, None)])
         assert torch.equal(out[0] if isinstance(out, tuple) else out, want) and ran == []  # small: no trial
+        # the ids of a direct op call are checked for the kernel the trial runs, not the one chosen (ours checks
+        # its own: with ours chosen and fbgemm's turn, an id past the table must still be refused)
+        choose.settle(torch.device("cpu"), [3 | 1 << 2] * 2)  # ours chosen for pooling
+        op_args = (storage.view(-1), [0], [128], [storage.shape[0]], ids, offsets, None)
+        torch.ops.tdb.pool_sum(*op_args)  # ours' turn
+        assert ran == [kernels.Impl.NATIVE]
+        with pytest.raises(ValueError, match="ids"):  # fbgemm's turn
+            torch.ops.tdb.pool_sum(*op_args[:4], torch.cat([ids[:-1], torch.tensor([storage.shape[0]])]),
+                                   offsets, None)
+        assert ran == [kernels.Impl.NATIVE]
         for _ in range(2 * choose._TRIAL_CALLS + 2):
             (out,) = kernels.pool([kernels.Pooling(storage, ids, offsets, None, False, None)])
             assert torch.equal(out[0] if isinstance(out, tuple) else out, want)
         assert ran == [kernels.Impl.NATIVE, kernels.Impl.FBGEMM] * choose._TRIAL_CALLS, ran
         assert choose._tried["pool"] in (kernels.Impl.NATIVE, kernels.Impl.FBGEMM)
         assert kernels.calibrated("pool") is choose._tried["pool"]
+        code = kernels.choice_code(torch.device("cpu"))  # the verdict travels in the next agreement
+        assert bool(code >> 2 & 1) == (choose._tried["pool"] is kernels.Impl.NATIVE)
+        choose.settle(torch.device("cpu"), [code] * 2)
         assert kernels.pool_impl(torch.device("cpu")) is choose._tried["pool"]
         choose._trials.clear(), choose._tried.clear()
         monkeypatch.setenv("TDB_KERNELS", "native")
@@ -391,4 +404,4 @@ def test_pooling_over_a_large_storage_times_both_kernels_on_its_first_calls_and_
         kernels.pool([kernels.Pooling(storage, ids, offsets, None, False, None)])
         assert ran == [] and "pool" not in choose._trials  # forced: no trial
     finally:
-        choose._trials.clear(), choose._tried.clear(), choose._settled.clear()
+        choose._trials.clear(), choose._tried.clear(), choose._settled.clear(), choose._agreed.clear()

@@ -220,18 +220,21 @@ def _pool_sum(tables: Tables, batch: Batch) -> Tensor:
     if (which is Impl.NATIVE and not native.fits(tables, batch)) or (
             which is Impl.FBGEMM and not on_cpu and _cuda_misfit(tables, batch, b) is not None):
         which = Impl.TORCH
-    if not batch.ids_checked and not (which is Impl.NATIVE and width):  # ours checks the ids in its own pass
+    trial = choose.pool_trial(device, tables.storage.dtype,
+                              tables.storage.numel() * tables.storage.element_size(), which)
+    if trial is Impl.NATIVE and not native.fits(tables, batch):
+        trial = None
+    runs = which if trial is None else trial
+    if not batch.ids_checked and not (runs is Impl.NATIVE and width):  # ours checks the ids in its own pass
         (_check_ids if on_cpu else check_ids_on_device)("pool_sum", batch.ids, batch.offsets, tables.rows, b)
     if width == 0 or (not on_cpu and (b == 0 or batch.ids.numel() == 0)):  # nothing to add up
         return tables.storage.new_zeros(b, width)
-    trial = choose.pool_trial(device, tables.storage.dtype,
-                              tables.storage.numel() * tables.storage.element_size(), which)
-    if trial is not None and (trial is not Impl.NATIVE or native.fits(tables, batch)):
-        start = time.perf_counter()
-        out = run_pool_sum(trial, tables, batch)
-        choose.pool_timed(trial, tables.storage.dtype, time.perf_counter() - start)
-        return out
-    return run_pool_sum(which, tables, batch)
+    if trial is None:
+        return run_pool_sum(which, tables, batch)
+    start = time.perf_counter()
+    out = run_pool_sum(trial, tables, batch)
+    choose.pool_timed(trial, tables.storage.dtype, time.perf_counter() - start)
+    return out
 
 
 def _cuda_misfit(tables: Tables, batch: Batch, b: int) -> str | None:
