@@ -57,12 +57,21 @@ class _Base:
     version: int
     views: dict[Geometry, _View] = field(default_factory=dict)
 
-    def sync(self, base: torch.Tensor) -> None:
+    def sync(self, version: int) -> None:
         """Any write since the last one reported (another counter value) voids every view's record."""
-        if base._version != self.version:
+        if version != self.version:
             for v in self.views.values():
                 v.valid = False
-            self.version = base._version
+            self.version = version
+
+    def view(self, t: torch.Tensor) -> _View:
+        """``t``'s record (a new one, void, the first time)."""
+        geometry = _geometry(t)
+        found = self.views.get(geometry)
+        if found is None:
+            found = self.views[geometry] = _View(torch.zeros(t.shape[0] if t.dim() else 1, dtype=torch.bool,
+                                                             device=t.device))
+        return found
 
 
 _bases: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -106,16 +115,10 @@ def after_writes(before: dict[int, tuple[torch.Tensor, int]], written: Sequence[
         st = _bases.get(b)
         if st is None:
             st = _bases[b] = _Base(version)
-        elif st.version != version:
-            for v in st.views.values():
-                v.valid = False
+        st.sync(version)
         st.version = b._version
     for t, rows in written:
-        st = _bases[_base(t)]
-        view = st.views.get(_geometry(t))
-        if view is None:
-            n = t.shape[0] if t.dim() else 1
-            view = st.views[_geometry(t)] = _View(torch.zeros(n, dtype=torch.bool, device=t.device))
+        view = _bases[_base(t)].view(t)
         if view.valid and rows.numel():
             view.written.index_fill_(0, rows.detach().to(view.written.device, torch.int64), True)
 
@@ -144,7 +147,7 @@ def written_since(t: torch.Tensor, save_id: str, key: Any) -> Known | None:
     st = _bases.get(b)
     if st is None:
         return None
-    st.sync(b)
+    st.sync(b._version)
     view = st.views.get(_geometry(t))
     if view is None or not view.valid or view.mark != save_id or view.key != key or view.digests is None:
         return None
@@ -159,12 +162,7 @@ def mark(t: torch.Tensor, save_id: str, key: Any, digests: torch.Tensor) -> None
     st = _bases.get(b)
     if st is None:
         return
-    st.sync(b)
-    geometry = _geometry(t)
-    view = st.views.get(geometry)
-    if view is None:
-        n = t.shape[0] if t.dim() else 1
-        view = st.views[geometry] = _View(torch.zeros(n, dtype=torch.bool, device=t.device))
-    else:
-        view.written.zero_()
+    st.sync(b._version)
+    view = st.view(t)
+    view.written.zero_()
     view.mark, view.key, view.digests, view.valid = save_id, key, digests, True
