@@ -95,6 +95,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1) if t.dim() == 0 else t
 
 
+def _differ(now: torch.Tensor, was: torch.Tensor) -> torch.Tensor:
+    """Per row, whether its digests differ (a digest per row, or rows of at most 8 bytes that are their own)."""
+    differ = now != was
+    return differ.any(1) if differ.dim() > 1 else differ
+
+
 def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of ``t`` (made contiguous on the CPU), without another copy."""
     t = t.detach().cpu().contiguous()
@@ -281,13 +287,12 @@ class Rows:
             return
         row_bytes = (t[0].numel() if t.shape[0] else 0) * t.element_size()
         was, known = self.base.digests_of(blk.fqn, blk.offsets, blk.sizes, row_bytes)
-        differ = blk.digests != was
-        changed = ~known | (differ.any(1) if differ.dim() > 1 else differ)
+        changed = ~known | _differ(blk.digests, was)
         if bool(changed.all()):
-            blk.ids, blk.rows = None, t.detach().cpu().clone() if t.device.type == "cpu" else t.detach().cpu()
+            blk.ids, blk.rows = None, t.cpu().clone() if t.device.type == "cpu" else t.cpu()
         else:
             blk.ids = changed.nonzero().flatten()
-            blk.rows = t.detach().index_select(0, blk.ids.to(t.device)).cpu()
+            blk.rows = t.index_select(0, blk.ids.to(t.device)).cpu()
 
     @staticmethod
     def _from_written(blk: _Block, t: torch.Tensor, known: tracking.Known) -> None:
@@ -298,8 +303,7 @@ class Rows:
         was = known.digests[rows]
         known.digests[rows] = fresh  # the tracker's copy, updated in place (it is marked again below)
         blk.digests = known.digests
-        differ = fresh != was
-        changed = differ.any(1) if differ.dim() > 1 else differ
+        changed = _differ(fresh, was)
         if rows.numel() == t.shape[0] and bool(changed.all()):
             blk.ids, blk.rows = None, picked.cpu()
         else:
