@@ -313,7 +313,8 @@ TRACKED = {"rw": ShardLayout.row_wise((50, 8), [30, 20]),
 def _tracked_job(rank, kind, track):
     weights = {n: tdb.convert.dtensor_from_local_shards(
         lay.with_name(n), [reference_table(lay.global_shape, seed=i)[s.slices()].clone() * 1e-2
-                           for s in lay.shards_on(rank)]).requires_grad_() for i, (n, lay) in enumerate(TRACKED.items())}
+                           for s in lay.shards_on(rank)]).requires_grad_()
+               for i, (n, lay) in enumerate(TRACKED.items())}
     return weights, tdb.FusedOptimizer(weights, kind, lr=0.05, track_changed_rows=track)
 
 

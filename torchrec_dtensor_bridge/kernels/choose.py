@@ -154,7 +154,7 @@ def _pick(candidates: list[Impl], what: str, device: torch.device) -> Impl:
 def pool_impl(device: torch.device, dtype: torch.dtype = torch.float32) -> Impl:
     """The implementation of ``tdb::pool_sum`` on ``device`` for tables of ``dtype`` (fp16 tables calibrated on
     their own: the two C kernels read half-precision rows differently)."""
-    what = "pool_fp16" if dtype == torch.float16 else "pool"
+    what = _named("pool", dtype)
     return _remembered((what, dtype), device,
                        lambda: for_weights(_pick([Impl.NATIVE, Impl.FBGEMM], what, device), device, dtype))
 
@@ -192,7 +192,12 @@ def _update_impl(device: torch.device, kind: OptimKind, decayed: bool, dtype: to
         candidates.append(Impl.FBGEMM)
     if not candidates:  # no kernel lists the kind
         return Impl.TORCH
-    return _pick(candidates, f"update_{kind.name}" + ("_fp16" if dtype == torch.float16 else ""), device)
+    return _pick(candidates, _named(f"update_{kind.name}", dtype), device)
+
+
+def _named(work: str, dtype: torch.dtype) -> str:
+    """The calibrated work's name for tables of ``dtype`` (:func:`_calibrated`: fp16 measured on its own)."""
+    return f"{work}_fp16" if dtype == torch.float16 else work
 
 
 def for_weights(which: Impl, device: torch.device, dtype: torch.dtype, *, stochastic: bool = False) -> Impl:
@@ -266,17 +271,14 @@ _trials: dict[str, dict[Impl, list[float]]] = {}
 _tried: dict[str, Impl] = {}
 
 
-def _pool_what(dtype: torch.dtype) -> str:
-    return "pool_fp16" if dtype == torch.float16 else "pool"
-
-
 def pool_trial(device: torch.device, dtype: torch.dtype, storage_bytes: int, chosen: Impl) -> Impl | None:
     """The kernel to time on this pooled sum (``None``: no trial; run ``chosen``): while this process's trial of
     ``dtype``'s pooling is running, on the CPU, over a storage of at least 256 MiB, with both C kernels chosen
     between by calibration (not forced)."""
-    what = _pool_what(dtype)
-    if (what in _tried or device.type != "cpu" or storage_bytes < _TRIAL_BYTES or chosen not in (Impl.NATIVE, Impl.FBGEMM)
-            or _forced() is not None or not (_available(Impl.NATIVE, device) and _available(Impl.FBGEMM, device))
+    what = _named("pool", dtype)
+    if (what in _tried or device.type != "cpu" or storage_bytes < _TRIAL_BYTES
+            or chosen not in (Impl.NATIVE, Impl.FBGEMM) or _forced() is not None
+            or not (_available(Impl.NATIVE, device) and _available(Impl.FBGEMM, device))
             or for_weights(Impl.FBGEMM, device, dtype) is not Impl.FBGEMM):
         return None
     times = _trials.setdefault(what, {Impl.NATIVE: [], Impl.FBGEMM: []})
@@ -286,7 +288,7 @@ def pool_trial(device: torch.device, dtype: torch.dtype, storage_bytes: int, cho
 def pool_timed(which: Impl, dtype: torch.dtype, seconds: float) -> None:
     """Record a trial's time (:func:`pool_trial`); once both kernels ran :data:`_TRIAL_CALLS` times, the faster by
     median is this process's choice for ``dtype``'s pooling."""
-    what = _pool_what(dtype)
+    what = _named("pool", dtype)
     times = _trials.get(what)
     if times is None or what in _tried:
         return
