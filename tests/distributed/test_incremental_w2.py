@@ -344,6 +344,9 @@ def _tracked_saves(rank, world_size, root, kind):
     tracker was not told of (through torch, link 2) and a base that is not the last save (link 4) fall back to
     the scan; an asynchronous save (link 3) marks what it copied, before the steps that follow it."""
     jobs = {track: _tracked_job(rank, kind, track) for track in (True, False)}
+    for flag in ("track_changed_rows", "stochastic_rounding"):  # refused before any state is built
+        with pytest.raises(ValueError, match=f"FusedOptimizer: {flag} must be True or False, got 1"):
+            tdb.FusedOptimizer(jobs[True][0], kind, lr=0.05, **{flag: 1})
     save_ids = {(track, 0): tdb.checkpoint.save({"w": w, "opt": opt}, f"{root}/{track}0")
                 for track, (w, opt) in jobs.items()}
     for link in range(1, 6):

@@ -144,10 +144,9 @@ class FusedOptimizer:
         for what, v in (("beta1", beta1), ("beta2", beta2)):
             if not isinstance(v, (int, float)) or not 0 <= v < 1:
                 raise ValueError(f"FusedOptimizer: {what} must be in [0, 1), got {v!r}")
-        if not isinstance(stochastic_rounding, bool):
-            raise ValueError(f"FusedOptimizer: stochastic_rounding must be True or False, got {stochastic_rounding!r}")
-        if not isinstance(track_changed_rows, bool):
-            raise ValueError(f"FusedOptimizer: track_changed_rows must be True or False, got {track_changed_rows!r}")
+        for what, flag in (("stochastic_rounding", stochastic_rounding), ("track_changed_rows", track_changed_rows)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"FusedOptimizer: {what} must be True or False, got {flag!r}")
         self._build(named, okind, Hyper(okind, float(lr), float(eps), float(weight_decay), mode, float(beta1),
                                         float(beta2), stochastic_rounding), track_changed_rows)
 
