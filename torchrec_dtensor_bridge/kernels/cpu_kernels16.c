@@ -55,7 +55,16 @@
 int tdb_offsets_in_order(const int64_t* offsets, int64_t last, int64_t n);
 int tdb_ids_inside(const int64_t* ids, int64_t lo, int64_t hi, int64_t rows);
 
-int tdb_version16(void) { return 1; }
+int tdb_version16(void) { return 2; }
+
+/* Every cache line of the next ``bytes`` at p, into L2 (as cpu_kernels.c's tdb_prefetch_to_l2; always inlined,
+   or GCC may drop a prefetch-only helper's calls). */
+#if defined(__GNUC__)
+__attribute__((always_inline))
+#endif
+static inline void tdb_prefetch16_to_l2(const void* p, int64_t bytes) {
+  for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch((const char*)p + k, 0, 2);
+}
 
 /* --- conversions ------------------------------------------------------------------------------------------ */
 
@@ -199,10 +208,7 @@ TDB_F16C static void tdb_f16_pool_f16c(const uint16_t* weight, int64_t ldw, int6
     for (int64_t c = 0; c < dim; c += 64) {
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
       for (int64_t p = offsets[b]; p < pe; ++p) {
-        if (c == 0 && p + 16 < n) { /* every cache line of the row ahead */
-          const uint16_t* ahead = weight + ids[p + 16] * ldw;
-          for (int64_t k = 0; k < dim; k += 32) __builtin_prefetch(ahead + k, 0, 3);
-        }
+        if (c == 0 && p + 16 < n) tdb_prefetch16_to_l2(weight + ids[p + 16] * ldw, dim * 2);
         const __m128i* w = (const __m128i*)(weight + ids[p] * ldw + c);
 #define TDB_ROW8(k) _mm256_cvtph_ps(_mm_loadu_si128(w + (k)))
         if (psw) {
@@ -317,11 +323,7 @@ static int tdb_pool_sum16(const uint16_t* restrict weight, int wtype, int64_t ld
   for (int64_t b = b0; b < b1; ++b) {
     for (int64_t k = 0; k < dim; ++k) acc[k] = 0.0f;
     for (int64_t p = offsets[b]; p < offsets[b + 1]; ++p) {
-      if (p + 24 < n) {
-        const uint16_t* ahead = weight + ids[p + 24] * ldw;
-        __builtin_prefetch(ahead, 0, 3);
-        __builtin_prefetch(ahead + dim - 1, 0, 3);
-      }
+      if (p + 16 < n) tdb_prefetch16_to_l2(weight + ids[p + 16] * ldw, dim * 2);
       const uint16_t* restrict w = weight + ids[p] * ldw;
       if (wtype == TDB_F16) {
         f16->add(w, acc, dim, psw ? psw + p : NULL);
@@ -402,9 +404,10 @@ static void tdb_walk16(int kind, int decay, uint16_t* weight, int wtype, int sto
   while (i < end) {
     if (i + TDB_PREFETCH < end) {
       int64_t ahead = keys[i + TDB_PREFETCH];
-      __builtin_prefetch(weight + ahead * dim, 1, 3);
-      __builtin_prefetch(weight + ahead * dim + dim - 1, 1, 3);
+      tdb_prefetch16_to_l2(weight + ahead * dim, dim * 2);
       if (kind == TDB_ROWWISE_ADAGRAD) __builtin_prefetch(state + ahead, 1, 3);
+      if (kind == TDB_ADAGRAD || kind == TDB_ADAM) tdb_prefetch16_to_l2(state + ahead * dim, dim * 4);
+      if (kind == TDB_ADAM) tdb_prefetch16_to_l2(state2 + ahead * dim, dim * 4);
     }
     int64_t row = keys[i], j = i + 1;
     while (j < end && keys[j] == row) ++j;

@@ -54,7 +54,7 @@ __all__ = ["DTYPES", "MAX_DIM", "NativeKernel", "fits", "kernel"]
 
 log = logging.getLogger(__name__)
 
-_VERSION = 9
+_VERSION = 10
 MAX_DIM = 8192
 """The widest table the C code takes (``TDB_MAX_DIM``)."""
 _MAX_ROWS = 2**31  # rows and ids are grouped as 32-bit keys
