@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 __all__ = [
     "all_to_all_flat", "all_to_all_jagged", "all_to_all_parts", "all_to_all_rows", "common_dtype", "gather_rows",
-    "reduce_scatter_rows", "row_starts", "share_flat", "share_rows", "side_by_side", "sum_into",
+    "reduce_rows", "reduce_scatter_rows", "row_starts", "share_flat", "share_rows", "side_by_side", "sum_into",
 ]
 
 
@@ -132,6 +132,41 @@ def sum_into(own: torch.Tensor, others: torch.Tensor, sizes: Sequence[int],
     for piece in recv.split(mine) if mine else ():
         flat += piece
     return own
+
+
+def reduce_rows(full: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """A reduce-scatter (sum) of rows through ONE ``all_to_all_single``, sent from where they lie: ``full``
+    (contiguous) holds this rank's partial rows for every rank in rank order (``counts[q]`` rows for ``q``);
+    returns this rank's summed rows, a new tensor: its own rows plus every other rank's for it, added in
+    rank order (as :func:`sum_into`); *collective*.
+
+    ``full`` is only read (it may be a kernel's output, shared): with this rank's rows at either end of it
+    (always, with two ranks) only the other ranks' rows travel; otherwise all of ``full`` is sent, its own
+    rows to itself too (one copy of them).
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    if world == 1:
+        return full
+    per_row = full[0].numel() if full.shape[0] else 0
+    sizes = [c * per_row for c in counts]
+    lo = row_starts(counts)[rank] * per_row
+    hi = lo + sizes[rank]
+    flat = full.view(-1)
+    own = flat[lo:hi]
+    if rank in (0, world - 1):
+        send = flat[hi:] if rank == 0 else flat[:lo]
+        send_splits = [0 if q == rank else sizes[q] for q in range(world)]
+        recv_splits = [0 if p == rank else sizes[rank] for p in range(world)]
+    else:
+        send, send_splits, recv_splits = flat, sizes, [sizes[rank]] * world
+    recv = full.new_empty(sum(recv_splits))
+    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+    senders = [p for p in range(world) if recv_splits[p]]  # none when this rank has no rows
+    pieces = [piece for p, piece in zip(senders, recv.split(sizes[rank]) if senders else ()) if p != rank]
+    out = torch.add(own, pieces[0]) if pieces else own.clone()
+    for piece in pieces[1:]:
+        out += piece
+    return out.view(counts[rank], *full.shape[1:])
 
 
 def gather_rows(t: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> torch.Tensor:

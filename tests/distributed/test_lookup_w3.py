@@ -34,3 +34,35 @@ def test_embedding_parity(pool, name):
 
 def test_bad_inputs_raise_on_every_rank(pool):
     pool.run(check_bad_inputs, LAYOUTS_W3["table_row_wise"].with_name("table_row_wise"))
+
+
+def check_reduce_rows(rank: int, world: int, counts: list[int], width: int) -> None:
+    """:func:`reduce_rows` of every rank's partial rows equals the sum of the pieces (own first, then the other
+    ranks' in rank order), as a new tensor, ``full`` left as it was."""
+    import torch
+
+    from torchrec_dtensor_bridge.collectives import reduce_rows, row_starts
+
+    def partial(r: int) -> torch.Tensor:  # rank r's partial rows for every rank
+        return torch.randn(sum(counts), width, generator=torch.Generator().manual_seed(10 + r))
+
+    full = partial(rank)
+    before = full.clone()
+    got = reduce_rows(full, counts, None)
+    start, n = row_starts(counts)[rank], counts[rank]
+    want = partial(rank)[start : start + n].clone()
+    for r in range(world):
+        if r != rank:
+            want += partial(r)[start : start + n]
+    assert got.shape == (n, width), (rank, tuple(got.shape))
+    assert torch.equal(got, want), f"rank {rank}: rows differ"
+    assert torch.equal(full, before), f"rank {rank}: reduce_rows wrote into its input"
+    if n:
+        assert got.untyped_storage().data_ptr() != full.untyped_storage().data_ptr(), "a new tensor"
+
+
+@pytest.mark.parametrize("counts", [[2, 3, 4], [0, 5, 1], [3, 0, 2], [4, 4, 0], [0, 0, 0]],
+                         ids=["uneven", "first_empty", "middle_empty", "last_empty", "all_empty"])
+def test_reduce_rows_sums_every_rank_s_rows_from_where_they_lie(pool, counts):
+    """Ranks at either end send only the other ranks' rows; the middle rank sends all, its own to itself."""
+    pool.run(check_reduce_rows, counts, 5)

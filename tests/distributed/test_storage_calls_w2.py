@@ -163,6 +163,57 @@ def test_forward_sends_the_kernel_result_in_place(pool):
         assert in_place.count(True) == 1, f"rank {rank}: send buffers in place: {in_place}"
 
 
+def check_row_wise_output_sent_in_place(rank: int, world: int, tables: dict) -> list[bool]:
+    """Per ``all_to_all_single`` of our row-wise forward: is its send buffer the pooled result of this rank's
+    row blocks (the kernel's output, which the message adopts)? Outputs equal TorchRec's, bit for bit (two
+    partial sums per bag: their sum does not depend on the order)."""
+    from torchrec.distributed.sharding_plan import row_wise
+
+    import torchrec_dtensor_bridge.lookup.function as function
+
+    per_param = {n: row_wise(compute_kernel="fused") for n in tables}
+    theirs = shard_fused(build_ebc(tables, seed=1), per_param, "sgd", lr=LR, eps=1e-8)
+    ours = shard_fused(build_ebc(tables, seed=1), per_param, "sgd", lr=LR, eps=1e-8)
+    seeded_tables(theirs, tables)
+    weights = {n: w.requires_grad_() for n, w in seeded_tables(ours, tables).items()}
+    kjt = random_kjt(tables, batch=6, seed=7 + rank)
+    a = theirs(kjt).wait().to_dict()
+    feats = [kjt[f"f_{n}"] for n in tables]
+    sent: list[int] = []
+    pooled: list[int] = []
+    real_a2a, real_pool = dist.all_to_all_single, function.pool
+
+    def spy_a2a(output, input, *args, **kwargs):
+        sent.append(input.untyped_storage().data_ptr())
+        return real_a2a(output, input, *args, **kwargs)
+
+    def spy_pool(requests):
+        got = real_pool(requests)
+        pooled.extend(out.untyped_storage().data_ptr() for out, _ in got)
+        return got
+
+    dist.all_to_all_single, function.pool = spy_a2a, spy_pool
+    try:
+        with torch.no_grad():
+            outs = tdb.sharded_embedding_bags([f.values() for f in feats], list(weights.values()),
+                                              [f.offsets() for f in feats], mode="sum", include_last_offset=True)
+    finally:
+        dist.all_to_all_single, function.pool = real_a2a, real_pool
+    for n, o in zip(tables, outs):
+        torch.testing.assert_close(o, a[f"f_{n}"], rtol=0, atol=0, msg=lambda m, n=n: f"forward {n}: {m}")
+    return [p in set(pooled) for p in sent]
+
+
+@pytest.mark.parametrize("several", [True, False], ids=["eight_tables", "one_table"])
+def test_row_wise_forward_sends_the_kernel_result_in_place(pool, several):
+    """Row-wise tables in one storage (TorchRec's fused buffer, eight tables of three widths): the partial sums
+    of all of them travel straight out of the one pooled result, no copy into a message; one table likewise.
+    Outputs equal TorchRec's."""
+    tables = {n: (r, d, "row_wise") for n, (r, d, _) in TABLES.items()} if several else {"t0": (41, 8, "row_wise")}
+    for rank, in_place in enumerate(pool.run(check_row_wise_output_sent_in_place, tables)):
+        assert in_place.count(True) == 1, f"rank {rank}: send buffers in place: {in_place}"
+
+
 def check_shared_state_round_trip(rank: int, world: int, kind: str, root: str) -> None:
     """The state of tables sharing a storage lives in one buffer per storage (one kernel call updates it),
     yet ``state_dict()`` gives one DTensor per table that checkpoints and loads into another layout."""

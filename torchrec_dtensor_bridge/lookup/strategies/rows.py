@@ -5,8 +5,9 @@
    receiver pools without filtering most of them out; a row partition groups the ids by destination in
    one pass (:func:`_partition`);
 2. forward, sum (:class:`ReduceMessage`): each row-cut table's partial sums of ALL ranks' bags go into one
-   message; ONE reduce-scatter for every such table of the call (an ``all_to_all`` of the partials, then a
-   local sum: :func:`..collectives.sum_into`) leaves each rank its own bags' sums;
+   message (with one batch size, the pooling kernel's own output: nothing copied); ONE reduce-scatter for
+   every such table of the call (an ``all_to_all`` of the partials, then a local sum:
+   :func:`..collectives.reduce_rows`) leaves each rank its own bags' sums;
 3. forward, max (:func:`reduce_max`): one ``all_reduce(MAX)`` per table, and where this rank's blocks win
    (ties to the lowest rank), so backward sends gradient only to the winning rows;
 4. backward (:func:`gather_grads`): ONE all-gather of the output gradients of every such table (an
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial
 from torch.distributed.tensor.placement_types import Placement
 
-from ...collectives import common_dtype, row_starts, share_flat, share_rows, sum_into
+from ...collectives import common_dtype, reduce_rows, row_starts, share_flat, share_rows, side_by_side, sum_into
 from ...layout import ShardLayout
 from ..arguments import Bags
 from ..plan import ALL, NONE, Block, LookupPlan, PendingRoute, Route, Strategy
@@ -57,6 +58,8 @@ class Rows(Strategy):
         wins: list[list[torch.Tensor] | None] = [None] * len(plans)
         summed = [t for t, p in enumerate(plans) if not p.batch.replicated and not p.pooling.max_mode]
         message = ReduceMessage(plans, summed) if summed else None
+        if message is not None:
+            message.adopt(blocks)
         for t, (p, bl) in enumerate(zip(plans, blocks)):
             if p.batch.replicated:  # this rank's un-reduced partial sums
                 outs[t] = partial_output(p, bl, 0.0)
@@ -278,17 +281,22 @@ def partial_output(plan: LookupPlan, blocks: list[Block], fill: float) -> torch.
 class ReduceMessage:
     """The message of :func:`reduce_sum`, filled table by table as each table's blocks are computed.
 
-    One flat buffer holds, per other rank ``q``, the partial rows of ``q``'s
-    bags of every table in ``tables`` (in order), and one more this rank's own
-    (where the sum is accumulated); :meth:`add` copies a
-    table's partial output straight into its slices and hands back its blocks
-    with their outputs released (a ``REDUCE`` sum needs no block output after
-    this: backward works from the gathered output gradients), so at most one
-    table's partial output is alive besides the message; :meth:`reduce` runs
-    the ONE reduce-scatter.
+    When every table has the same bags per rank (one batch size, as a KJT's features) the message is
+    row-major: every rank's bags in rank order, each bag's row holding all the tables side by side,
+    ``(bags, sum of dims)``: the layout of one pooling kernel call's output over those tables. When the
+    tables' outputs ARE that (one kernel call pooled exactly them, one whole block each: :meth:`adopt`),
+    the kernel's output is sent as it is, nothing copied. Otherwise a flat buffer holds, per other rank
+    ``q``, the partial rows of ``q``'s bags of every table in ``tables`` (in order), and one more this
+    rank's own (where the sum is accumulated).
+
+    :meth:`add` places a table's partial output in its slices (or, adopted, leaves it where it is) and
+    hands back its blocks with their outputs released (a ``REDUCE`` sum needs no block output after this:
+    backward works from the gathered output gradients), so at most one table's partial output is alive
+    besides the message; :meth:`reduce` runs the ONE reduce-scatter.
 
     Example:
         >>> msg = ReduceMessage(plans, [0, 2])             # doctest: +SKIP
+        >>> msg.adopt(blocks)                              # doctest: +SKIP
         >>> blocks = [msg.add(t, bl) if t in (0, 2) else bl for t, bl in enumerate(blocks)]  # doctest: +SKIP
         >>> out0, out2 = msg.reduce()                      # doctest: +SKIP
     """
@@ -297,10 +305,19 @@ class ReduceMessage:
         p0 = plans[tables[0]]
         self.plans, self.tables, self.rank, self.group = plans, tables, p0.rank, p0.group
         # the dtype torch.cat of the partials would give (kept: outputs come back in it)
-        dtype = functools.reduce(torch.promote_types, [plans[t].out_dtype for t in tables])
-        dims = {t: plans[t].table.layout.global_shape[1] for t in tables}
+        self.dtype = dtype = functools.reduce(torch.promote_types, [plans[t].out_dtype for t in tables])
+        self.dims = dims = {t: plans[t].table.layout.global_shape[1] for t in tables}
+        self.device = dev = p0.batch.bags.ids.device
+        self.bags = p0.batch.num_bags
+        self.side_by_side = all(plans[t].batch.num_bags == self.bags for t in tables)
+        self.full: torch.Tensor | None = None  # the row-major message
+        self.adopted = False
+        if self.side_by_side:
+            self.cols = dict(zip(tables, row_starts([dims[t] for t in tables])))
+            self.width = sum(dims.values())
+            return
+        rank = self.rank
         self.sizes = [sum(plans[t].batch.num_bags[q] * dims[t] for t in tables) for q in range(p0.world)]
-        dev, rank = p0.batch.bags.ids.device, self.rank
         # the pieces for the other ranks back to back (what travels); this rank's own apart (the sum's start)
         self.flat = torch.empty(sum(self.sizes) - self.sizes[rank], dtype=dtype, device=dev)
         self.own = torch.empty(self.sizes[rank], dtype=dtype, device=dev)
@@ -316,36 +333,69 @@ class ReduceMessage:
                 at[q] += n
             self.slots[t] = views
 
+    def adopt(self, blocks: Sequence[list[Block]]) -> None:
+        """Take the tables' pooled outputs (``blocks``, indexed by table) as the message itself when they are
+        its row-major layout: one whole block per table, adjacent column slices of one kernel output of the
+        message's dtype, in the message's order, spanning all its columns."""
+        if not self.side_by_side:
+            return
+        outs = []
+        for t in self.tables:
+            bl = blocks[t]
+            if len(bl) != 1 or bl[0].cols != (0, self.dims[t]):
+                return
+            outs.append(bl[0].out)
+        whole = side_by_side(outs)
+        if whole is not None and whole.dtype == self.dtype and tuple(whole.shape) == (sum(self.bags), self.width):
+            self.full, self.adopted = whole, True
+
     def add(self, t: int, blocks: list[Block]) -> list[Block]:
         """Place table ``t``'s partial sums (its blocks at their columns, 0 elsewhere) in the message;
         ``blocks`` with their outputs released."""
         plan = self.plans[t]
-        starts = row_starts(plan.batch.num_bags)
-        dim = plan.table.layout.global_shape[1]
+        dim = self.dims[t]
         whole = len(blocks) == 1 and blocks[0].cols == (0, dim)
-        for q, view in enumerate(self.slots[t]):
-            s, n = starts[q], plan.batch.num_bags[q]
-            if whole:
-                view.copy_(blocks[0].out[s : s + n])
-                continue
-            # summed in the table's own dtype (as the unfused sum), then placed
-            acc = view if view.dtype == plan.out_dtype else torch.empty(n, dim, dtype=plan.out_dtype,
-                                                                              device=view.device)
-            acc.zero_()
-            for b in blocks:
-                acc[:, b.cols[0] : b.cols[0] + b.cols[1]] += b.out[s : s + n]
-            if acc is not view:
-                view.copy_(acc)
+        if self.side_by_side:
+            if not self.adopted:
+                if self.full is None:
+                    self.full = torch.empty(sum(self.bags), self.width, dtype=self.dtype, device=self.device)
+                self._place(self.full[:, self.cols[t] : self.cols[t] + dim], blocks, plan.out_dtype, whole, 0)
+        else:
+            starts = row_starts(plan.batch.num_bags)
+            for q, view in enumerate(self.slots[t]):
+                self._place(view, blocks, plan.out_dtype, whole, starts[q])
         return [dataclasses.replace(b, out=b.out.new_empty(0, b.cols[1])) for b in blocks]
 
+    @staticmethod
+    def _place(view: torch.Tensor, blocks: list[Block], dtype: torch.dtype, whole: bool, start: int) -> None:
+        """``view`` = the blocks' partial sums of bags ``start ..`` at their columns (0 elsewhere)."""
+        n = view.shape[0]
+        if whole:
+            view.copy_(blocks[0].out[start : start + n])
+            return
+        # summed in the table's own dtype (as the unfused sum), then placed
+        acc = view if view.dtype == dtype else torch.empty(n, view.shape[1], dtype=dtype, device=view.device)
+        acc.zero_()
+        for b in blocks:
+            acc[:, b.cols[0] : b.cols[0] + b.cols[1]] += b.out[start : start + n]
+        if acc is not view:
+            view.copy_(acc)
+
     def reduce(self) -> list[torch.Tensor]:
-        """*Collective*: ONE reduce-scatter of the message (:func:`.exchange.sum_into`); per table this rank's
-        summed rows."""
-        mine = sum_into(self.own, self.flat, self.sizes, self.group)
+        """*Collective*: ONE reduce-scatter of the message (:func:`..collectives.reduce_rows` for the row-major
+        layout, :func:`..collectives.sum_into` otherwise); per table this rank's summed rows (row-major: column
+        slices of one new ``(bags, sum of dims)`` tensor)."""
+        plans, rank = self.plans, self.rank
+        if self.side_by_side:
+            full = self.full
+            assert full is not None, "every table of the message was added"
+            self.full = None  # sent: released before the caller goes on
+            mine = reduce_rows(full, self.bags, self.group)
+            del full
+            return [mine[:, self.cols[t] : self.cols[t] + self.dims[t]] for t in self.tables]
+        summed = sum_into(self.own, self.flat, self.sizes, self.group)
         del self.flat, self.own, self.send, self.slots  # the message is spent: free it before the caller goes on
-        plans = self.plans
-        return _split_flat(mine, [(plans[t].batch.num_bags[self.rank], plans[t].table.layout.global_shape[1])
-                                  for t in self.tables])
+        return _split_flat(summed, [(plans[t].batch.num_bags[rank], self.dims[t]) for t in self.tables])
 
 
 def reduce_sum(plans: Sequence[LookupPlan], blocks: Sequence[list[Block]], tables: list[int]) -> list[torch.Tensor]:
@@ -353,6 +403,7 @@ def reduce_sum(plans: Sequence[LookupPlan], blocks: Sequence[list[Block]], table
     if not tables:
         return []
     msg = ReduceMessage(plans, tables)
+    msg.adopt(blocks)
     for t in tables:
         msg.add(t, blocks[t])
     return msg.reduce()
