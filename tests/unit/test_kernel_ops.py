@@ -357,9 +357,33 @@ def test_an_update_bumps_the_version_of_what_it_writes(impl):
         saved.backward()
 
 
+@pytest.mark.parametrize("other_faster_by", [0.0, 0.03, 0.08, -0.2])
+def test_the_pooling_trial_overrules_the_calibration_by_a_margin_only(monkeypatch, other_faster_by):
+    """The trial's verdict: the calibration's kernel, unless the other one's median is at least 5 % faster (noise
+    of a few per cent on a busy machine must not flip a choice the calibration made)."""
+    choose = kernels.choose
+    monkeypatch.delenv("TDB_KERNELS", raising=False)
+    if not (native.kernel() is not None and fbgemm.available()):
+        pytest.skip("needs both C kernels")
+    calibrated = choose._calibrated_here("pool")
+    other = kernels.Impl.FBGEMM if calibrated is kernels.Impl.NATIVE else kernels.Impl.NATIVE
+    choose._trials.clear(), choose._tried.clear()
+    try:
+        choose._trials["pool"] = {kernels.Impl.NATIVE: [], kernels.Impl.FBGEMM: []}
+        for k in range(choose._TRIAL_CALLS):
+            warm = 5.0 if k == 0 else 1.0  # the first call of each is not counted
+            choose.pool_timed(calibrated, torch.float32, 0.010 * warm)
+            choose.pool_timed(other, torch.float32, 0.010 * (1 - other_faster_by) * warm)
+        want = other if other_faster_by >= choose._TRIAL_MARGIN else calibrated
+        assert choose._tried["pool"] is want, (calibrated, other_faster_by, choose._tried)
+    finally:
+        choose._trials.clear(), choose._tried.clear(), choose._settled.clear()
+
+
 def test_pooling_over_a_large_storage_times_both_kernels_on_its_first_calls_and_keeps_the_faster(monkeypatch):
     """A storage past the caches: the first pooled sums alternate ours and fbgemm's (the same sums), then the
-    faster by median is the process's choice; a small storage or a forced kernel starts no trial."""
+    process's choice follows the medians (:func:`test_the_pooling_trial_overrules_the_calibration_by_a_margin_only`);
+    a small storage or a forced kernel starts no trial."""
     choose = kernels.choose
     monkeypatch.delenv("TDB_KERNELS", raising=False)
     if not (native.kernel() is not None and fbgemm.available()):

@@ -263,10 +263,12 @@ def _record_path() -> str:
 # --- pooling timed on the work itself ---------------------------------------------------------------------------
 # The two C kernels pool with the same bits, and which is faster depends on the table: the synthetic calibration
 # (128 MiB) can disagree with tables of GiBs (BENCHMARKS.md: row-wise training step). A process's first pooled
-# sums over a storage of at least _TRIAL_BYTES alternate the two kernels, timed; the faster by median replaces the
-# calibration's verdict for this process (its lookups' next agreement settles on the first rank's, as always).
+# sums over a storage of at least _TRIAL_BYTES alternate the two kernels, timed; the other kernel replaces the
+# calibration's verdict for this process when its median is at least _TRIAL_MARGIN faster (a busy machine's
+# noise alone does not flip it; its lookups' next agreement settles on the first rank's, as always).
 _TRIAL_BYTES = 256 << 20
-_TRIAL_CALLS = 5  # per kernel; the first of each is not counted (warm-up)
+_TRIAL_CALLS = 7  # per kernel; the first of each is not counted (warm-up)
+_TRIAL_MARGIN = 0.05
 _trials: dict[str, dict[Impl, list[float]]] = {}
 _tried: dict[str, Impl] = {}
 
@@ -286,8 +288,9 @@ def pool_trial(device: torch.device, dtype: torch.dtype, storage_bytes: int, cho
 
 
 def pool_timed(which: Impl, dtype: torch.dtype, seconds: float) -> None:
-    """Record a trial's time (:func:`pool_trial`); once both kernels ran :data:`_TRIAL_CALLS` times, the faster by
-    median is this process's choice for ``dtype``'s pooling."""
+    """Record a trial's time (:func:`pool_trial`); once both kernels ran :data:`_TRIAL_CALLS` times, this process's
+    choice for ``dtype``'s pooling: the calibration's, unless the other kernel's median is at least
+    :data:`_TRIAL_MARGIN` (5 %) below it."""
     what = _named("pool", dtype)
     times = _trials.get(what)
     if times is None or what in _tried:
@@ -295,7 +298,10 @@ def pool_timed(which: Impl, dtype: torch.dtype, seconds: float) -> None:
     times[which].append(seconds)
     if all(len(t) >= _TRIAL_CALLS for t in times.values()):
         ours, theirs = (statistics.median(times[k][1:]) for k in (Impl.NATIVE, Impl.FBGEMM))
-        _tried[what] = Impl.NATIVE if ours <= theirs else Impl.FBGEMM
+        calibrated = _calibrated_here(what)
+        kept, other = (ours, theirs) if calibrated is Impl.NATIVE else (theirs, ours)
+        _tried[what] = calibrated if other > (1 - _TRIAL_MARGIN) * kept else (
+            Impl.FBGEMM if calibrated is Impl.NATIVE else Impl.NATIVE)
         log.info("torchrec_dtensor_bridge: %s on this job's tables: ours %.2f ms, fbgemm %.2f ms: %s", what,
                  ours * 1e3, theirs * 1e3, _tried[what].name.lower())
         _settled.clear()
