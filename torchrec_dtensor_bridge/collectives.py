@@ -137,8 +137,8 @@ def sum_into(own: torch.Tensor, others: torch.Tensor, sizes: Sequence[int],
 def reduce_rows(full: torch.Tensor, counts: Sequence[int], group: dist.ProcessGroup | None) -> torch.Tensor:
     """A reduce-scatter (sum) of rows through ONE ``all_to_all_single``, sent from where they lie: ``full``
     (contiguous) holds this rank's partial rows for every rank in rank order (``counts[q]`` rows for ``q``);
-    returns this rank's summed rows, a new tensor: its own rows plus every other rank's for it, added in
-    rank order (as :func:`sum_into`); *collective*.
+    returns this rank's summed rows, a new tensor (with one rank, ``full`` itself): its own rows plus every
+    other rank's for it, added in rank order (as :func:`sum_into`); *collective*.
 
     ``full`` is only read (it may be a kernel's output, shared): with this rank's rows at either end of it
     (always, with two ranks) only the other ranks' rows travel; otherwise all of ``full`` is sent, its own

@@ -264,6 +264,48 @@ def test_embedding_bags_tables_of_different_batch_sizes(pool):
     assert pool.run(check_bags_parity, layouts, 1, True) == [len(layouts)] * 2
 
 
+def check_row_cut_tables_of_mixed_dtypes(rank: int, world_size: int) -> None:
+    """Row-cut tables of one batch size in ONE call: the reduce message is row-major, and here it cannot be a
+    kernel's output (three storages, a table with two row blocks on a rank, an fp16 table beside fp32 ones:
+    its blocks are summed in fp16, then placed in the fp32 message). Every output equals ``F.embedding_bag`` on
+    its full table, and every gradient the gradient of all ranks' batches."""
+    import torchrec_dtensor_bridge as tdb
+
+    layouts = [ShardLayout.row_wise((10, 6), 2), ShardLayout.row_wise((13, 4), [3, 4, 3, 3], ranks=[0, 1, 0, 1]),
+               ShardLayout.grid((8, 6), [4, 4], [3, 3], [0, 1, 1, 0])]
+    dtypes = [torch.float32, torch.float16, torch.float32]
+    tables = [_table(lay.global_shape, 40 + t).to(dt) for t, (lay, dt) in enumerate(zip(layouts, dtypes))]
+    weights = [_weight(lay, tab, rank) for lay, tab in zip(layouts, tables)]
+    mine = [_batch(rank, lay.global_shape[0], "offsets", 60 + t) for t, lay in enumerate(layouts)]
+    for kw in mine[1:]:  # one batch size for every table: the bags of table 0, ids drawn for each table
+        g = torch.Generator().manual_seed(70 + rank)
+        kw["offsets"] = mine[0]["offsets"]
+        kw["input"] = torch.randint(0, 8, mine[0]["input"].shape, generator=g)
+    outs = tdb.sharded_embedding_bags([kw["input"] for kw in mine], weights, [kw["offsets"] for kw in mine],
+                                      mode="sum")
+    everyone = _everyone(mine)
+    for t, (tab, w) in enumerate(zip(tables, weights)):
+        full = tab.float().clone().requires_grad_()
+        loss = 0.0
+        for q, theirs in enumerate(everyone):
+            ref = F.embedding_bag(theirs[t]["input"], full, theirs[t]["offsets"], mode="sum")
+            g_out = torch.linspace(-1, 1, ref.numel()).view_as(ref) * (q + 1 + t)
+            loss = loss + (ref * g_out).sum()
+            if q == rank:
+                tol = TOL if dtypes[t] is torch.float32 else dict(rtol=1e-2, atol=1e-2)
+                torch.testing.assert_close(outs[t].float(), ref.detach(), **tol,
+                                           msg=lambda m, t=t: f"table {t} rank {rank}: {m}")
+                outs[t].float().mul(g_out).sum().backward(retain_graph=True)
+        loss.backward()
+        tol = TOL if dtypes[t] is torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        grad = tdb.full_tensor(w.grad).float()
+        torch.testing.assert_close(grad, full.grad, **tol, msg=lambda m, t=t: f"table {t} grad, rank {rank}: {m}")
+
+
+def test_row_cut_tables_of_mixed_dtypes_in_one_call(pool):
+    pool.run(check_row_cut_tables_of_mixed_dtypes)
+
+
 def check_bags_edge_cases(rank: int, world_size: int) -> None:
     """One call with an fp64 and an fp32 table (messages travel in a common dtype), a rank with no bag at all,
     and an output left out of the loss (its gradient is zero)."""

@@ -182,7 +182,9 @@ static inline float tdb_square_sum(const float* restrict x, int64_t d) {
    (row-wise Adagrad), 31 to 25 ms (SGD) and 143 to 131 ms (Adagrad) (BENCHMARKS.md, "This package's own
    CPU kernels"). */
 TDB_PREFETCHES void tdb_prefetch_to_l2(const float* p, int64_t d) {
-  for (int64_t k = 0; k < d; k += 16) __builtin_prefetch(p + k, 0, 2);
+  /* from the line holding p[0] to the one holding p[d - 1], whatever the row's alignment */
+  for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63, end = (uintptr_t)(p + d); a < end; a += 64)
+    __builtin_prefetch((const void*)a, 0, 2);
 }
 
 /* Bags [b0, b1) (disjoint ranges can run on threads at once). Returns 0, or -1 (before reading any

@@ -63,7 +63,9 @@ int tdb_version16(void) { return 2; }
 __attribute__((always_inline))
 #endif
 static inline void tdb_prefetch16_to_l2(const void* p, int64_t bytes) {
-  for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch((const char*)p + k, 0, 2);
+  /* from the line holding the first byte to the one holding the last, whatever the alignment */
+  for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63, end = (uintptr_t)p + (uintptr_t)bytes; a < end; a += 64)
+    __builtin_prefetch((const void*)a, 0, 2);
 }
 
 /* --- conversions ------------------------------------------------------------------------------------------ */

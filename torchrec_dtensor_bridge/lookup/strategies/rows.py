@@ -384,7 +384,8 @@ class ReduceMessage:
     def reduce(self) -> list[torch.Tensor]:
         """*Collective*: ONE reduce-scatter of the message (:func:`..collectives.reduce_rows` for the row-major
         layout, :func:`..collectives.sum_into` otherwise); per table this rank's summed rows (row-major: column
-        slices of one new ``(bags, sum of dims)`` tensor)."""
+        slices of one ``(bags, sum of dims)`` tensor; with one rank, the message itself, which may be the
+        pooling kernel's output: no block keeps it, :meth:`add` released their outputs)."""
         plans, rank = self.plans, self.rank
         if self.side_by_side:
             full = self.full
