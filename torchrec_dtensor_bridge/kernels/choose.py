@@ -297,13 +297,12 @@ def pool_timed(which: Impl, dtype: torch.dtype, seconds: float) -> None:
         return
     times[which].append(seconds)
     if all(len(t) >= _TRIAL_CALLS for t in times.values()):
-        ours, theirs = (statistics.median(times[k][1:]) for k in (Impl.NATIVE, Impl.FBGEMM))
+        median = {k: statistics.median(t[1:]) for k, t in times.items()}
         calibrated = _calibrated_here(what)
-        kept, other = (ours, theirs) if calibrated is Impl.NATIVE else (theirs, ours)
-        _tried[what] = calibrated if other > (1 - _TRIAL_MARGIN) * kept else (
-            Impl.FBGEMM if calibrated is Impl.NATIVE else Impl.NATIVE)
+        other = Impl.FBGEMM if calibrated is Impl.NATIVE else Impl.NATIVE
+        _tried[what] = other if median[other] <= (1 - _TRIAL_MARGIN) * median[calibrated] else calibrated
         log.info("torchrec_dtensor_bridge: %s on this job's tables: ours %.2f ms, fbgemm %.2f ms: %s", what,
-                 ours * 1e3, theirs * 1e3, _tried[what].name.lower())
+                 median[Impl.NATIVE] * 1e3, median[Impl.FBGEMM] * 1e3, _tried[what].name.lower())
         _settled.clear()
 
 

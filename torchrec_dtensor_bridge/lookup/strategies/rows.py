@@ -57,9 +57,7 @@ class Rows(Strategy):
         kept = list(blocks)
         wins: list[list[torch.Tensor] | None] = [None] * len(plans)
         summed = [t for t, p in enumerate(plans) if not p.batch.replicated and not p.pooling.max_mode]
-        message = ReduceMessage(plans, summed) if summed else None
-        if message is not None:
-            message.adopt(blocks)
+        message = ReduceMessage(plans, summed, blocks) if summed else None
         for t, (p, bl) in enumerate(zip(plans, blocks)):
             if p.batch.replicated:  # this rank's un-reduced partial sums
                 outs[t] = partial_output(p, bl, 0.0)
@@ -284,8 +282,8 @@ class ReduceMessage:
     When every table has the same bags per rank (one batch size, as a KJT's features) the message is
     row-major: every rank's bags in rank order, each bag's row holding all the tables side by side,
     ``(bags, sum of dims)``: the layout of one pooling kernel call's output over those tables. When the
-    tables' outputs ARE that (one kernel call pooled exactly them, one whole block each: :meth:`adopt`),
-    the kernel's output is sent as it is, nothing copied. Otherwise a flat buffer holds, per other rank
+    tables' outputs in ``blocks`` (indexed by table) ARE that (one kernel call pooled exactly them, one
+    whole block each: :func:`_pooled_message`), the kernel's output is sent as it is, nothing copied. Otherwise a flat buffer holds, per other rank
     ``q``, the partial rows of ``q``'s bags of every table in ``tables`` (in order), and one more this
     rank's own (where the sum is accumulated).
 
@@ -295,26 +293,28 @@ class ReduceMessage:
     besides the message; :meth:`reduce` runs the ONE reduce-scatter.
 
     Example:
-        >>> msg = ReduceMessage(plans, [0, 2])             # doctest: +SKIP
-        >>> msg.adopt(blocks)                              # doctest: +SKIP
+        >>> msg = ReduceMessage(plans, [0, 2], blocks)     # doctest: +SKIP
         >>> blocks = [msg.add(t, bl) if t in (0, 2) else bl for t, bl in enumerate(blocks)]  # doctest: +SKIP
         >>> out0, out2 = msg.reduce()                      # doctest: +SKIP
     """
 
-    def __init__(self, plans: Sequence[LookupPlan], tables: list[int]) -> None:
+    def __init__(self, plans: Sequence[LookupPlan], tables: list[int], blocks: Sequence[list[Block]]) -> None:
         p0 = plans[tables[0]]
         self.plans, self.tables, self.rank, self.group = plans, tables, p0.rank, p0.group
         # the dtype torch.cat of the partials would give (kept: outputs come back in it)
         self.dtype = dtype = functools.reduce(torch.promote_types, [plans[t].out_dtype for t in tables])
         self.dims = dims = {t: plans[t].table.layout.global_shape[1] for t in tables}
-        self.device = dev = p0.batch.bags.ids.device
+        dev = p0.batch.bags.ids.device
         self.bags = p0.batch.num_bags
         self.side_by_side = all(plans[t].batch.num_bags == self.bags for t in tables)
-        self.full: torch.Tensor | None = None  # the row-major message
-        self.adopted = False
         if self.side_by_side:
             self.cols = dict(zip(tables, row_starts([dims[t] for t in tables])))
-            self.width = sum(dims.values())
+            width = sum(dims.values())
+            pooled = _pooled_message([blocks[t] for t in tables], [dims[t] for t in tables], dtype,
+                                     (sum(self.bags), width))
+            self.adopted = pooled is not None  # then add() has nothing to place
+            self.full: torch.Tensor | None = pooled if pooled is not None else torch.empty(
+                sum(self.bags), width, dtype=dtype, device=dev)
             return
         rank = self.rank
         self.sizes = [sum(plans[t].batch.num_bags[q] * dims[t] for t in tables) for q in range(p0.world)]
@@ -333,22 +333,6 @@ class ReduceMessage:
                 at[q] += n
             self.slots[t] = views
 
-    def adopt(self, blocks: Sequence[list[Block]]) -> None:
-        """Take the tables' pooled outputs (``blocks``, indexed by table) as the message itself when they are
-        its row-major layout: one whole block per table, adjacent column slices of one kernel output of the
-        message's dtype, in the message's order, spanning all its columns."""
-        if not self.side_by_side:
-            return
-        outs = []
-        for t in self.tables:
-            bl = blocks[t]
-            if len(bl) != 1 or bl[0].cols != (0, self.dims[t]):
-                return
-            outs.append(bl[0].out)
-        whole = side_by_side(outs)
-        if whole is not None and whole.dtype == self.dtype and tuple(whole.shape) == (sum(self.bags), self.width):
-            self.full, self.adopted = whole, True
-
     def add(self, t: int, blocks: list[Block]) -> list[Block]:
         """Place table ``t``'s partial sums (its blocks at their columns, 0 elsewhere) in the message;
         ``blocks`` with their outputs released."""
@@ -357,8 +341,7 @@ class ReduceMessage:
         whole = len(blocks) == 1 and blocks[0].cols == (0, dim)
         if self.side_by_side:
             if not self.adopted:
-                if self.full is None:
-                    self.full = torch.empty(sum(self.bags), self.width, dtype=self.dtype, device=self.device)
+                assert self.full is not None, "added before reduce()"
                 self._place(self.full[:, self.cols[t] : self.cols[t] + dim], blocks, plan.out_dtype, whole, 0)
         else:
             starts = row_starts(plan.batch.num_bags)
@@ -389,7 +372,7 @@ class ReduceMessage:
         plans, rank = self.plans, self.rank
         if self.side_by_side:
             full = self.full
-            assert full is not None, "every table of the message was added"
+            assert full is not None, "reduce() runs once"
             self.full = None  # sent: released before the caller goes on
             mine = reduce_rows(full, self.bags, self.group)
             del full
@@ -403,11 +386,24 @@ def reduce_sum(plans: Sequence[LookupPlan], blocks: Sequence[list[Block]], table
     """REDUCE with sum, for ``tables`` together: ONE reduce-scatter of all their partial outputs."""
     if not tables:
         return []
-    msg = ReduceMessage(plans, tables)
-    msg.adopt(blocks)
+    msg = ReduceMessage(plans, tables, blocks)
     for t in tables:
         msg.add(t, blocks[t])
     return msg.reduce()
+
+
+def _pooled_message(blocks: Sequence[list[Block]], dims: list[int], dtype: torch.dtype, shape: tuple[int, int]
+                    ) -> torch.Tensor | None:
+    """The row-major message ``shape`` of ``dtype`` that the tables' pooled outputs (``blocks``, ``dims``: the
+    message's tables in order) already are, or ``None``: one whole block per table, adjacent column slices of
+    one kernel output spanning all its columns."""
+    outs = []
+    for bl, dim in zip(blocks, dims):
+        if len(bl) != 1 or bl[0].cols != (0, dim):
+            return None
+        outs.append(bl[0].out)
+    whole = side_by_side(outs)
+    return whole if whole is not None and whole.dtype == dtype and tuple(whole.shape) == shape else None
 
 
 def _split_flat(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
