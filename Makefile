@@ -3,7 +3,7 @@ PY := .venv/bin/python
 STAMP := .venv/.setup-stamp
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test test-all demo bench typecheck clean
+.PHONY: setup test test-all demo bench typecheck docs clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,10 @@ typecheck: setup
 
 demo: setup
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=4 examples/demo.py
+
+# The documentation site (mkdocs.yml, docs/) into site/; any warning is an error.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 BENCH_OUT := bench/results.json
 
@@ -40,4 +44,4 @@ bench: setup
 	$(PY) scripts/plot_bench.py --results $(BENCH_OUT) --out bench
 
 clean:
-	rm -rf .venv bench/*.json .pytest_cache
+	rm -rf .venv bench/*.json .pytest_cache site

@@ -5,7 +5,7 @@ Run it with::
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node=2 examples/ordinary_torch.py
 
-The README's section "Your tables in ordinary torch code" quotes the region between ``# [readme:ordinary]``
+The page "Tables in ordinary torch code" (``docs/ordinary-torch.md``) quotes the region between ``# [readme:ordinary]``
 and ``# [/readme:ordinary]``. The program checks itself: the table trained with a resume in the middle
 equals the same training of the unsharded ``nn.EmbeddingBag`` on one process, and the exit status is 1 on any
 mismatch, on every rank (2 when not launched on 2 ranks).

@@ -4,9 +4,9 @@ Run it with::
 
     .venv/bin/python -m torch.distributed.run --standalone --nproc_per_node=2 examples/quickstart.py
 
-The README's code blocks are the regions of this file between ``# [readme:NAME]``
-and ``# [/readme:NAME]``, dedented (``tests/distributed/test_readme.py`` keeps the
-two equal). In file order the regions make a complete program; ``main`` runs them
+The documentation's code blocks (``docs/*.md``) are the regions of this file between
+``# [readme:NAME]`` and ``# [/readme:NAME]``, dedented (``tests/distributed/test_readme.py``
+keeps the two equal). In file order the regions make a complete program; ``main`` runs them
 one after another and, between them, checks each step against unsharded torch
 (``F.embedding_bag`` on the whole table, ``torch.optim.Adagrad``). The ranks
 gather their failures: the exit status is 1 on any mismatch, on every rank (2, with
@@ -22,7 +22,10 @@ the command to use, when not launched on 2 ranks).
 4. training: a ``FusedOptimizer`` over the module's tables, TorchRec's optimizer
    state in and out, a checkpoint of weights and state loaded into another plan;
 5. interop: our DTensors into TorchRec's ``load_state_dict``, TorchRec's own
-   DTensors through our API.
+   DTensors through our API;
+6. checkpoints: a DMP's state_dict saved and loaded into another plan, a whole job
+   (the DMP, its fused optimizer, a step count) in one call, and one sub-module's
+   state out of a whole model's checkpoint.
 """
 
 from __future__ import annotations
@@ -360,6 +363,18 @@ def main() -> int:
         check.equal(resumed_state[n], final_state[n], f"{n}: TorchRec's fused state resumed in one call")
     say("checkpoints: a DMP's state_dict as DTensors saved and loaded into another plan; the DMP and its "
         "fused optimizer saved and resumed in one call")
+
+    # [readme:submodule]
+    # One sub-module's state out of a whole model's checkpoint (a new model's tables warm-started from
+    # a trained job's): the sub-module goes under the key its state was saved under, "model" + "." +
+    # its path in the model; nothing else of the checkpoint is read.
+    fresh = shard_model(plan_b)                  # another model: any plan, any world size
+    tdb.checkpoint.load({"model.ebc": fresh.module.ebc}, f"{root}/latest")
+    # [/readme:submodule]
+    warm = full_tables(tdb.state_dict_to_dtensor(fresh.state_dict()), tables)
+    for n in tables:
+        check.equal(warm[n], final[n], f"{n}: the sub-module loaded from the whole model's checkpoint")
+    say("submodule: a sub-module's tables loaded from a whole model's checkpoint")
 
     failures = check.verdict()
     if rank == 0:
