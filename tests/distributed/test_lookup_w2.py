@@ -264,25 +264,59 @@ def test_embedding_bags_tables_of_different_batch_sizes(pool):
     assert pool.run(check_bags_parity, layouts, 1, True) == [len(layouts)] * 2
 
 
+def _half_bags_reference(table: torch.Tensor, layout: ShardLayout, ids: torch.Tensor, offsets: torch.Tensor,
+                         world_size: int) -> torch.Tensor:
+    """The sum bags of an fp16 row-cut table as the lookup defines them, from plain torch ops on the whole
+    table: each row block pooled in fp32 and rounded to fp16 (the kernels' output), a rank's blocks added in
+    fp16 (the table's dtype), the ranks' sums added and rounded to fp16 once (exact in fp32 for the tables
+    here, whose every sum is a multiple of 2**-9 below 2**5)."""
+    full = table.float()
+    per_rank = []
+    for r in range(world_size):
+        acc = torch.zeros(offsets.numel(), layout.global_shape[1], dtype=torch.float16)
+        for spec in layout.shards_on(r):
+            block = torch.zeros_like(full)
+            block[spec.slices()] = full[spec.slices()]
+            acc = acc + F.embedding_bag(ids, block, offsets, mode="sum").half()
+        per_rank.append(acc)
+    return sum(p.float() for p in per_rank).half()
+
+
 def check_row_cut_tables_of_mixed_dtypes(rank: int, world_size: int) -> None:
     """Row-cut tables of one batch size in ONE call: the reduce message is row-major, and here it cannot be a
     kernel's output (three storages, a table with two row blocks on a rank, an fp16 table beside fp32 ones:
-    its blocks are summed in fp16, then placed in the fp32 message). Every output equals ``F.embedding_bag`` on
-    its full table, and every gradient the gradient of all ranks' batches."""
+    its blocks are summed in fp16, then placed in the fp32 message). Every output has its weight's dtype and
+    equals ``F.embedding_bag`` on its full table (the fp16 table's bit for bit, pooled in the order the lookup
+    defines, alone or beside the fp32 tables), and every gradient the gradient of all ranks' batches."""
     import torchrec_dtensor_bridge as tdb
 
     layouts = [ShardLayout.row_wise((10, 6), 2), ShardLayout.row_wise((13, 4), [3, 4, 3, 3], ranks=[0, 1, 0, 1]),
                ShardLayout.grid((8, 6), [4, 4], [3, 3], [0, 1, 1, 0])]
     dtypes = [torch.float32, torch.float16, torch.float32]
     tables = [_table(lay.global_shape, 40 + t).to(dt) for t, (lay, dt) in enumerate(zip(layouts, dtypes))]
+    # fp16 values k / 512 (|k| < 2048): a block's fp32 sum of a bag is exact in any order, its fp16 rounding
+    # is not, and a rank's two blocks added in fp16 round again
+    g = torch.Generator().manual_seed(41)
+    tables[1] = (torch.randint(-2047, 2048, layouts[1].global_shape, generator=g) / 512).half()
     weights = [_weight(lay, tab, rank) for lay, tab in zip(layouts, tables)]
     mine = [_batch(rank, lay.global_shape[0], "offsets", 60 + t) for t, lay in enumerate(layouts)]
     for kw in mine[1:]:  # one batch size for every table: the bags of table 0, ids drawn for each table
         g = torch.Generator().manual_seed(70 + rank)
         kw["offsets"] = mine[0]["offsets"]
         kw["input"] = torch.randint(0, 8, mine[0]["input"].shape, generator=g)
+    lengths = torch.full((len(mine[0]["offsets"]),), 6)  # table 1: as many bags, longer, in all 4 row blocks
+    lengths[1] = 0
+    mine[1]["offsets"] = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+    mine[1]["input"] = torch.randint(0, 13, (int(lengths.sum()),), generator=torch.Generator().manual_seed(80 + rank))
     outs = tdb.sharded_embedding_bags([kw["input"] for kw in mine], weights, [kw["offsets"] for kw in mine],
                                       mode="sum")
+    assert [o.dtype for o in outs] == dtypes, [o.dtype for o in outs]
+    alone = tdb.sharded_embedding_bag(mine[1]["input"], weights[1], mine[1]["offsets"], mode="sum")
+    want = _half_bags_reference(tables[1], layouts[1], mine[1]["input"], mine[1]["offsets"], world_size)
+    assert torch.equal(outs[1], want), (rank, outs[1], want)
+    assert torch.equal(alone, want), (rank, alone, want)
+    rounded_once = F.embedding_bag(mine[1]["input"], tables[1].float(), mine[1]["offsets"], mode="sum").half()
+    telling = not torch.equal(want, rounded_once)
     everyone = _everyone(mine)
     for t, (tab, w) in enumerate(zip(tables, weights)):
         full = tab.float().clone().requires_grad_()
@@ -292,14 +326,15 @@ def check_row_cut_tables_of_mixed_dtypes(rank: int, world_size: int) -> None:
             g_out = torch.linspace(-1, 1, ref.numel()).view_as(ref) * (q + 1 + t)
             loss = loss + (ref * g_out).sum()
             if q == rank:
-                tol = TOL if dtypes[t] is torch.float32 else dict(rtol=1e-2, atol=1e-2)
-                torch.testing.assert_close(outs[t].float(), ref.detach(), **tol,
-                                           msg=lambda m, t=t: f"table {t} rank {rank}: {m}")
+                if dtypes[t] is torch.float32:
+                    torch.testing.assert_close(outs[t], ref.detach(), **TOL,
+                                               msg=lambda m, t=t: f"table {t} rank {rank}: {m}")
                 outs[t].float().mul(g_out).sum().backward(retain_graph=True)
         loss.backward()
         tol = TOL if dtypes[t] is torch.float32 else dict(rtol=1e-2, atol=1e-2)
         grad = tdb.full_tensor(w.grad).float()
         torch.testing.assert_close(grad, full.grad, **tol, msg=lambda m, t=t: f"table {t} grad, rank {rank}: {m}")
+    assert any(_everyone(telling)), "no rank's batch tells the defined order from one rounding of the whole sum"
 
 
 def test_row_cut_tables_of_mixed_dtypes_in_one_call(pool):

@@ -301,7 +301,7 @@ class ReduceMessage:
     def __init__(self, plans: Sequence[LookupPlan], tables: list[int], blocks: Sequence[list[Block]]) -> None:
         p0 = plans[tables[0]]
         self.plans, self.tables, self.rank, self.group = plans, tables, p0.rank, p0.group
-        # the dtype torch.cat of the partials would give (kept: outputs come back in it)
+        # the dtype torch.cat of the partials would give: the message's (each output comes back in its table's)
         self.dtype = dtype = functools.reduce(torch.promote_types, [plans[t].out_dtype for t in tables])
         self.dims = dims = {t: plans[t].table.layout.global_shape[1] for t in tables}
         dev = p0.batch.bags.ids.device
@@ -366,9 +366,10 @@ class ReduceMessage:
 
     def reduce(self) -> list[torch.Tensor]:
         """*Collective*: ONE reduce-scatter of the message (:func:`..collectives.reduce_rows` for the row-major
-        layout, :func:`..collectives.sum_into` otherwise); per table this rank's summed rows (row-major: column
-        slices of one ``(bags, sum of dims)`` tensor; with one rank, the message itself, which may be the
-        pooling kernel's output: no block keeps it, :meth:`add` released their outputs)."""
+        layout, :func:`..collectives.sum_into` otherwise); per table this rank's summed rows in the table's
+        ``out_dtype``, rounded once from the message's dtype (row-major: column slices of one ``(bags, sum of
+        dims)`` tensor; with one rank, the message itself, which may be the pooling kernel's output: no block
+        keeps it, :meth:`add` released their outputs)."""
         plans, rank = self.plans, self.rank
         if self.side_by_side:
             full = self.full
@@ -376,10 +377,11 @@ class ReduceMessage:
             self.full = None  # sent: released before the caller goes on
             mine = reduce_rows(full, self.bags, self.group)
             del full
-            return [mine[:, self.cols[t] : self.cols[t] + self.dims[t]] for t in self.tables]
+            return [mine[:, self.cols[t] : self.cols[t] + self.dims[t]].to(plans[t].out_dtype) for t in self.tables]
         summed = sum_into(self.own, self.flat, self.sizes, self.group)
         del self.flat, self.own, self.send, self.slots  # the message is spent: free it before the caller goes on
-        return _split_flat(summed, [(plans[t].batch.num_bags[rank], self.dims[t]) for t in self.tables])
+        pieces = _split_flat(summed, [(plans[t].batch.num_bags[rank], self.dims[t]) for t in self.tables])
+        return [piece.to(plans[t].out_dtype) for piece, t in zip(pieces, self.tables)]
 
 
 def reduce_sum(plans: Sequence[LookupPlan], blocks: Sequence[list[Block]], tables: list[int]) -> list[torch.Tensor]:
