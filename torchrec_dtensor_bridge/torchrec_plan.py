@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .layout import ShardLayout, ShardSpec
 
-__all__ = ["embedding_bag_collection_type", "jagged_types", "layout_from_parameter_sharding", "layouts_from_module_plan"]
+__all__ = [
+    "check_plan_ranks",
+    "embedding_bag_collection_type",
+    "jagged_types",
+    "layout_from_parameter_sharding",
+    "layouts_from_module_plan",
+]
+
+_NAMED = 5  # the tables a refusal names before it counts the rest
 
 
 def embedding_bag_collection_type() -> type | None:
@@ -30,6 +39,81 @@ def jagged_types() -> tuple[type, type]:
     return KeyedJaggedTensor, KeyedTensor
 
 
+def _parameter_shardings(plan: object, name: str) -> Iterator[tuple[str, object]]:
+    """(table name, ``ParameterSharding``) of a ``ShardingPlan`` (tables named ``"module.table"``), a module's
+    plan (table -> ``ParameterSharding``), or one ``ParameterSharding`` (named ``name``)."""
+    from torchrec.distributed.types import ParameterSharding, ShardingPlan
+
+    if isinstance(plan, ParameterSharding):
+        yield name, plan
+    elif isinstance(plan, ShardingPlan):
+        for path, module_plan in plan.plan.items():
+            for table, ps in _parameter_shardings(module_plan, name):
+                yield (f"{path}.{table}" if path else table), ps
+    elif hasattr(plan, "items"):
+        for table, ps in plan.items():
+            if not isinstance(ps, ParameterSharding):
+                raise TypeError(f"table {table!r}: expected a torchrec ParameterSharding, got {type(ps).__name__}")
+            yield table, ps
+    else:
+        raise TypeError(f"expected a torchrec ShardingPlan, a module's plan or a ParameterSharding, got "
+                        f"{type(plan).__name__}")
+
+
+def _plan_ranks(ps: object) -> list[int]:
+    """Every rank ``ps`` places a block of its table on: its ``ranks`` and its shards' placements."""
+    ranks = set(getattr(ps, "ranks", None) or ())
+    for sm in getattr(getattr(ps, "sharding_spec", None), "shards", None) or ():
+        if sm.placement is not None:
+            ranks.add(sm.placement.rank())
+    return sorted(ranks)
+
+
+def check_plan_ranks(plan: object, world_size: int | None = None, *, name: str = "table") -> None:
+    """Refuse a TorchRec plan that puts a table on a rank its group does not have; no communication.
+
+    TorchRec itself takes such a plan (one made for 2 ranks, used on 1) as far as building the sharded module,
+    and fails there with a bare ``IndexError: list index out of range`` (its table-wise sharding indexes a
+    list of the group's ranks by the plan's). Call this before ``DistributedModelParallel(..., plan=plan)``;
+    :func:`layout_from_parameter_sharding` and :func:`layouts_from_module_plan` call it. Every rank given the
+    same plan raises the same error.
+
+    Args:
+        plan: a ``ShardingPlan``, a module's plan (table name -> ``ParameterSharding``) or one
+            ``ParameterSharding``.
+        world_size: the number of ranks of the group the plan runs on (its ranks are ``0 .. world_size - 1``);
+            ``None``: the default group's, when there is one (else nothing is checked).
+        name: the table's name, for a lone ``ParameterSharding``.
+
+    Raises:
+        ValueError: a table placed on a rank outside ``0 .. world_size - 1``, naming the tables, their ranks
+            and the group's size.
+        TypeError: ``plan`` is none of the above.
+
+    Example::
+
+        >>> check_plan_ranks(plan, world_size=dist.get_world_size())
+    """
+    if world_size is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        world_size = dist.get_world_size()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    placed = [(table, _plan_ranks(ps)) for table, ps in _parameter_shardings(plan, name)]
+    outside = [(table, ranks) for table, ranks in placed if any(not 0 <= r < world_size for r in ranks)]
+    if not outside:
+        return
+    needs = max(r for _, ranks in outside for r in ranks) + 1
+    tables = "; ".join(f"table {table!r} on ranks {ranks}" for table, ranks in outside[:_NAMED])
+    more = f"; and {len(outside) - _NAMED} more tables" if len(outside) > _NAMED else ""
+    group = "1 rank (rank 0)" if world_size == 1 else f"{world_size} ranks (ranks 0..{world_size - 1})"
+    raise ValueError(f"the sharding plan puts {tables}{more}, but the group has {group}: the plan was "
+                     f"made for at least {needs} ranks; make it for this group's size (e.g. "
+                     f"construct_module_sharding_plan(..., world_size={world_size}), or a planner whose Topology has "
+                     f"world_size={world_size})")
+
+
 def layout_from_parameter_sharding(
     ps: object,
     global_shape: Sequence[int] | None = None,
@@ -43,12 +127,15 @@ def layout_from_parameter_sharding(
     Sharded types read the shard metadata of ``ps.sharding_spec``
     (``EnumerableShardingSpec``); ``data_parallel`` has none and becomes a
     replica on each of ``ps.ranks`` (or every rank of ``world_size``).
-    ``global_shape`` is required for data parallel, checked otherwise.
+    ``global_shape`` is required for data parallel, checked otherwise. A table placed on a rank outside
+    ``0 .. world_size - 1`` (``world_size``: the default group's when not given and there is one) is refused
+    (:func:`check_plan_ranks`).
     """
     from torchrec.distributed.types import ParameterSharding, ShardingType
 
     if not isinstance(ps, ParameterSharding):
         raise TypeError(f"table {name!r}: expected a torchrec ParameterSharding, got {type(ps).__name__}")
+    check_plan_ranks(ps, world_size, name=name)
     if ps.sharding_type == ShardingType.DATA_PARALLEL.value:
         if global_shape is None:
             raise ValueError(f"table {name!r}: a data_parallel table needs global_shape")
@@ -87,7 +174,9 @@ def layouts_from_module_plan(
     world_size: int | None = None,
     dtype: torch.dtype | None = None,
 ) -> dict[str, ShardLayout]:
-    """Layouts of every table of a TorchRec ``EmbeddingModuleShardingPlan`` (name -> layout)."""
+    """Layouts of every table of a TorchRec ``EmbeddingModuleShardingPlan`` (name -> layout); every table placed
+    on a rank outside ``0 .. world_size - 1`` is named in one refusal first (:func:`check_plan_ranks`)."""
+    check_plan_ranks(plan, world_size)
     shapes = shapes or {}
     return {
         name: layout_from_parameter_sharding(

@@ -126,7 +126,7 @@ def _check_refusal(rank, world_size, path, case):
         ("shape", "saved shape [97, 36], destination shape [98, 36]"),
         ("dtype", "saved dtype torch.int64, destination dtype torch.float32"),
         ("missing", "key 'emb.new_table.weight' is not in the checkpoint"),
-        ("unexpected", "unexpected keys in the checkpoint ['emb.tw.weight']"),
+        ("unexpected", "key 'emb.tw.weight' is in the checkpoint, not in the state_dict (load(..., strict=False)"),
         ("corrupt", "is corrupt or from another save"),
         ("truncated", "is truncated"),
         ("foreign", "is corrupt or from another save"),

@@ -310,3 +310,102 @@ def test_a_dtype_change_loads_only_when_asked(tmp_path):
     err = _raised(lambda: tdb.checkpoint.load(floats, tmp_path / "ck", convert_dtypes=True))
     assert isinstance(err, ValueError) and "key 'n': saved dtype torch.int64, destination dtype torch.float32" \
         in str(err) and "convert_dtypes" not in str(err), err
+
+
+# ------------------------------------------------------------------ many keys that do not match: counted, a few named
+def _tables(prefix, n=8, rows=6):
+    return {f"{prefix}.t{i}.weight": reference_table((rows + i, 4), seed=i) for i in range(n)}
+
+
+def _lines(err):
+    return str(err).splitlines()[1:]  # the heading names the call
+
+
+def test_another_models_keys_are_counted_a_few_named_and_all_kept_on_the_exception(tmp_path):
+    """Loading into a model of other names: one line counts the missing keys and names the first five, one
+    names a few of the checkpoint's own, one says where every key is; not a line per key."""
+    tdb.checkpoint.save(_tables("model"), tmp_path / "ck")
+    dest = {k: torch.zeros_like(v) for k, v in _tables("net").items()}
+    err = _raised(lambda: tdb.checkpoint.load(dest, tmp_path / "ck"))
+    assert type(err) is ValueError, (type(err), err)
+    lines = _lines(err)
+    assert len(lines) == 3, err
+    assert lines[0] == ("  8 keys of the state_dict are not in the checkpoint: 'net.t0.weight', 'net.t1.weight', "
+                        "'net.t2.weight', 'net.t3.weight', 'net.t4.weight' and 3 more (rank 0)"), lines[0]
+    assert lines[1].startswith("  the checkpoint holds 8 keys the state_dict does not name: 'model.t0.weight', "), lines
+    assert "missing_keys, unexpected_keys and mismatched_keys" in lines[2], lines[2]
+    assert f"tdb.checkpoint.inspect({str(tmp_path / 'ck')!r})" in lines[2], lines[2]
+    assert err.missing_keys == sorted(dest) and err.unexpected_keys == [] and err.mismatched_keys == []
+    assert all(torch.equal(v, torch.zeros_like(v)) for v in dest.values()), "a refused load modified the destination"
+
+
+def test_many_unexpected_and_mismatched_keys_are_counted_too(tmp_path):
+    tdb.checkpoint.save({**_tables("model"), **_tables("extra")}, tmp_path / "ck")
+    dest = {k: torch.zeros(v.shape[0] + 1, 4) for k, v in _tables("model").items()}  # every table one row more
+    err = _raised(lambda: tdb.checkpoint.load(dest, tmp_path / "ck", strict=True))
+    assert type(err) is ValueError, (type(err), err)
+    lines = _lines(err)
+    assert len(lines) == 8, err  # 5 shapes, the rest of them counted, the unexpected counted, where all are
+    assert lines[0] == "  key 'model.t0.weight': saved shape [6, 4], destination shape [7, 4] (rank 0)", lines[0]
+    assert lines[5] == ("  and 3 more keys have another shape or dtype in the checkpoint: 'model.t5.weight', "
+                        "'model.t6.weight', 'model.t7.weight' (rank 0)"), lines[5]
+    assert lines[6].startswith("  8 keys of the checkpoint are not in the state_dict (load(..., strict=False) ignores "
+                               "them): 'extra.t0.weight', "), lines[6]
+    assert lines[6].endswith(" and 3 more (rank 0)"), lines[6]
+    assert err.mismatched_keys == sorted(dest) and err.unexpected_keys == sorted(_tables("extra"))
+    assert err.missing_keys == []
+
+
+def test_a_few_keys_keep_a_line_each_and_the_lists_on_the_exception(tmp_path):
+    tdb.checkpoint.save(_tables("model", n=3), tmp_path / "ck")
+    dest = {**_tables("model", n=2), "model.new.weight": torch.zeros(2, 2)}
+    err = _raised(lambda: tdb.checkpoint.load(dest, tmp_path / "ck", strict=True))
+    assert _lines(err) == [
+        "  key 'model.new.weight' is not in the checkpoint (rank 0)",
+        "  key 'model.t2.weight' is in the checkpoint, not in the state_dict (load(..., strict=False) ignores it) "
+        "(rank 0)"], err
+    assert (err.missing_keys, err.unexpected_keys, err.mismatched_keys) == (["model.new.weight"],
+                                                                            ["model.t2.weight"], [])
+
+
+def test_an_incremental_save_against_a_base_of_other_keys_counts_them(tmp_path):
+    tdb.checkpoint.save(_tables("model"), tmp_path / "base")
+    err = _raised(lambda: tdb.checkpoint.save(_tables("net"), tmp_path / "next", base=tmp_path / "base"))
+    assert type(err) is ValueError, (type(err), err)
+    lines = _lines(err)
+    assert len(lines) == 3, err
+    base = tmp_path / "base"
+    assert lines[0].startswith(f"  8 keys of the state_dict are not in base {base} (an incremental save holds the "
+                               "base's keys): 'net.t0.weight', "), lines[0]
+    assert lines[1].startswith(f"  8 keys of base {base} are not in the state_dict being saved: 'model.t0.weight', "), \
+        lines[1]
+    assert f"the base's own keys: tdb.checkpoint.inspect({str(base)!r})" in lines[2], lines[2]
+    assert err.missing_keys == sorted(_tables("net")) and err.unexpected_keys == sorted(_tables("model"))
+    assert not (tmp_path / "next").exists()
+
+
+# ------------------------------------------------------------------ why a row-wise optimizer state does not convert
+def test_the_row_state_refusal_says_what_the_checkpoint_records_and_never_more():
+    """The column blocks' widths, when recorded, tell the saved rows: a table of another number of rows is
+    named as such; without them, the reason given is the one that holds for that checkpoint."""
+    from torchrec_dtensor_bridge.checkpoint.keyed import ROW_STATE_COLUMNS, recorded_widths, row_state_hint
+
+    key = "optim.state.t.weight.t.momentum1"
+    why = row_state_hint("t.weight", (10, 16))
+    grown = why((18,), (10,), recorded_widths({ROW_STATE_COLUMNS: {key: [8, 8]}}, key))
+    assert "table 't.weight', [10, 16] in the destination" in grown, grown
+    assert "2 column blocks (widths [8, 8]) of a 9-row table" in grown, grown
+    assert "the table had 9 rows when saved and has 10 now" in grown and "recorded" not in grown, grown
+
+    old = why((20,), (10,), recorded_widths({"format": 3}, key))  # a manifest from before the widths
+    assert "written before tdb.checkpoint.save recorded them" in old, old
+    migrated = why((20,), (10,), recorded_widths({"format": 3, "migrated_from": "/old/ck"}, key))
+    assert "it was migrated from /old/ck, which does not record them" in migrated and "before" not in migrated
+    plain = why((20,), (10,), recorded_widths(None, key))
+    assert "no manifest of tdb.checkpoint.save" in plain and "before" not in plain, plain
+    other = why((20,), (10,), recorded_widths({ROW_STATE_COLUMNS: {}}, key))
+    assert "before" not in other and "state_dict()" in other, other
+
+    odd = why((18,), (10,), recorded_widths({ROW_STATE_COLUMNS: {}}, key))  # 18 values: no whole number per row
+    assert "neither one value per row of this 10-row table nor one per row and column block" in odd, odd
+    assert "recorded" not in odd, odd

@@ -13,7 +13,9 @@ module adds is checkpoint-specific only:
   ``Problem(Kind.CORRUPT, message)`` builds the agreement Problem;
 - :func:`problem_from`: the Problem of an exception caught on this rank;
 - :func:`raise_if_any` / :func:`raise_gathered`: the agreement's, raising
-  :class:`.CheckpointError` when the ranks' problems are of different kinds;
+  :class:`.CheckpointError` when the ranks' problems are of different kinds,
+  and listing on the exception the keys of the problems about keys
+  (:class:`KeysProblem`, built by :mod:`.keylists`);
 - :func:`member_group`: the :class:`~..groups.CommGroup` a step runs
   on, refused (ValueError) on a rank that is not one of its members;
 - :func:`from_rank0`: a decision rank 0 of the group took, on every rank.
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import enum
 import errno
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -44,6 +46,8 @@ from .errors import (
 )
 
 __all__ = [
+    "ATTRIBUTES",
+    "KeysProblem",
     "Kind",
     "Problem",
     "from_rank0",
@@ -90,6 +94,36 @@ class Problem(agreement.Problem):
         super().__init__(kind.problem_kind, message, kind.exception)
 
 
+ATTRIBUTES = ("missing_keys", "unexpected_keys", "mismatched_keys")
+"""The attributes of a refusal's exception that list every key of its problems about keys
+(:class:`KeysProblem`), by kind (as ``torch.nn.Module.load_state_dict`` names them)."""
+
+
+class KeysProblem(Problem):
+    """A :class:`Problem` about keys (``Kind.VALUE``) with the keys it is about, by kind: ``missing`` (the
+    state_dict names them, the checkpoint lacks them), ``unexpected`` (only the checkpoint holds them),
+    ``mismatched`` (another shape or dtype). Built by :func:`.keylists.key_problems`."""
+
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    mismatched: tuple[str, ...]
+
+    def __init__(self, message: str, missing: Iterable[str] = (), unexpected: Iterable[str] = (),
+                 mismatched: Iterable[str] = ()) -> None:
+        super().__init__(Kind.VALUE, message)
+        for name, keys in zip(("missing", "unexpected", "mismatched"), (missing, unexpected, mismatched)):
+            object.__setattr__(self, name, tuple(keys))
+
+
+def _attach_keys(error: BaseException, problems: Iterable[agreement.Problem]) -> None:
+    """Set :data:`ATTRIBUTES` on ``error``: the keys of every :class:`KeysProblem` of ``problems``, sorted;
+    nothing when none is one."""
+    found = [p for p in problems if isinstance(p, KeysProblem)]
+    if found:
+        for attribute, kind in zip(ATTRIBUTES, ("missing", "unexpected", "mismatched")):
+            setattr(error, attribute, sorted({key for p in found for key in getattr(p, kind)}))
+
+
 def problem_from(e: BaseException, where: str = "") -> Problem:
     """The :class:`Problem` of an exception caught on this rank (``where`` prefixes the message).
 
@@ -120,13 +154,21 @@ def problem_from(e: BaseException, where: str = "") -> Problem:
 def raise_if_any(problems: Sequence[agreement.Problem], group: CommGroup | dist.ProcessGroup | None,
                  what: str) -> None:
     """Every rank raises if any rank reported a problem, with every rank's messages; *collective*."""
-    agreement.raise_if_any(what, problems, group, mixed=CheckpointError)
+    g = group if isinstance(group, CommGroup) else of_group(group)
+    raise_gathered(what, agreement.gather_objects(list(problems), g), g)
 
 
 def raise_gathered(what: str, everyone: Sequence[Sequence[agreement.Problem]],
                    group: CommGroup | dist.ProcessGroup | None, common: Sequence[agreement.Problem] = ()) -> None:
-    """Raise on every rank for problems already gathered (see :func:`~..agreement.raise_gathered`); no collective."""
-    agreement.raise_gathered(what, everyone, group, common=common, mixed=CheckpointError)
+    """Raise on every rank for problems already gathered (see :func:`~..agreement.raise_gathered`); no collective.
+
+    The exception lists every key of the problems about keys in its ``missing_keys``, ``unexpected_keys`` and
+    ``mismatched_keys`` (:data:`ATTRIBUTES`), where there are such problems (:class:`KeysProblem`)."""
+    try:
+        agreement.raise_gathered(what, everyone, group, common=common, mixed=CheckpointError)
+    except Exception as e:
+        _attach_keys(e, [p for ps in everyone for p in ps] + list(common))
+        raise
 
 
 def from_rank0(obj: Any, group: CommGroup | dist.ProcessGroup | None) -> Any:

@@ -70,8 +70,9 @@ from .commit import DirLock, SaveLock, generation_dir, prepare_generation, writa
 from .common import default_process_group, dtype_of, global_shape, leaves, object_summary, run_dcp
 from .errors import CheckpointError
 from .incremental import BaseCheckpoint, Rows, open_base, without_tensors
-from .keyed import combine_row_states
-from .loading import ROW_STATE_COLUMNS, SafeObjectPlanner, open_agreed
+from .keyed import ROW_STATE_COLUMNS, combine_row_states
+from .keylists import Wording, key_problems
+from .loading import SafeObjectPlanner, open_agreed
 from .manifest import Checksums
 from .reader import ReadStats, VerifiedReader
 from .saving import Job, side_group, staged_copy, start, wait_pending
@@ -116,15 +117,18 @@ def _signature(state_dict: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int,
     return out
 
 
+_DISAGREE = Wording(missing="", unexpected="", mismatched="on which ranks disagree in shape or dtype")
+
+
 def _disagreements(signatures: list[dict[str, tuple[str, tuple[int, ...], str]]], g: CommGroup) -> list[Problem]:
-    problems = []
+    differ = []
     keys = sorted({k for sig in signatures for k in sig})
     for key in keys:
         seen = {g.members[r]: sig[key][1:] for r, sig in enumerate(signatures) if key in sig}
         if len(set(seen.values())) > 1:
             per = ", ".join(f"rank {r}: shape {list(s)} {d}" for r, (s, d) in seen.items())
-            problems.append(Problem(Kind.VALUE, f"key {key!r}: ranks disagree on its shape or dtype ({per})"))
-    return problems
+            differ.append((key, f"key {key!r}: ranks disagree on its shape or dtype ({per})"))
+    return key_problems(_DISAGREE, None, mismatched=differ)
 
 
 def save(

@@ -48,11 +48,12 @@ from .. import tracking
 from .._compat import ShardedTensor
 from ..convert import layout_of
 from ..wrapper import LocalShardsWrapper
-from .agree import Kind, Problem, problem_from
+from .agree import Problem, problem_from
 from .commit import DirLock, committed_name, lock_generation
 from .common import leaves
 from .digests import DIGEST_BYTES, digest_width, row_digests
 from .errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
+from .keylists import Wording, key_problems
 from .manifest import BlockHasher, Checksums, FileSums, read_manifest
 from .reader import BadData, VerifiedFile
 
@@ -233,18 +234,20 @@ class Rows:
         (type, global shape, dtype))."""
         if self.base is None:
             return []
-        b, out = self.base, []
+        b = self.base
         mine = {k: (list(s), d) for k, (_, s, d) in signature.items()}
-        for k in sorted(set(mine) - set(b.tensors)):
-            out.append(Problem(Kind.VALUE, f"key {k!r} is not in base {b.path} (an incremental save holds the "
-                                           f"base's keys; its keys are {sorted(b.tensors)[:10]})"))
-        for k in sorted(set(b.tensors) - set(mine)):
-            out.append(Problem(Kind.VALUE, f"key {k!r} of base {b.path} is not in the state_dict being saved"))
-        for k in sorted(set(mine) & set(b.tensors)):
-            if mine[k] != b.tensors[k]:
-                out.append(Problem(Kind.VALUE, f"key {k!r}: shape {mine[k][0]} {mine[k][1]}, base {b.path} holds "
-                                               f"shape {b.tensors[k][0]} {b.tensors[k][1]}"))
-        return out
+        wording = Wording(missing=f"of the state_dict are not in base {b.path} (an incremental save holds the "
+                                  "base's keys)", unexpected=f"of base {b.path} are not in the state_dict being saved",
+                          mismatched=f"have another shape or dtype in base {b.path}", other="the base")
+        return key_problems(
+            wording, str(b.path),
+            missing=[(k, f"key {k!r} is not in base {b.path} (an incremental save holds the base's keys)")
+                     for k in sorted(set(mine) - set(b.tensors))],
+            unexpected=[(k, f"key {k!r} of base {b.path} is not in the state_dict being saved")
+                        for k in sorted(set(b.tensors) - set(mine))],
+            mismatched=[(k, f"key {k!r}: shape {mine[k][0]} {mine[k][1]}, base {b.path} holds shape "
+                            f"{b.tensors[k][0]} {b.tensors[k][1]}")
+                        for k in sorted(set(mine) & set(b.tensors)) if mine[k] != b.tensors[k]])
 
     def describe(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
         return [(b.fqn, b.offsets, b.sizes) for b in self.blocks]

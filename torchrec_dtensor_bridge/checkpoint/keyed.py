@@ -4,7 +4,7 @@
   optimizer kind; per-column-block states of a column-wise table);
 - :func:`column_widths` and :func:`combine_row_states`: a column-wise table's per-block row states (TorchRec's
   row-wise Adagrad keeps one per column block) combined into one value per row on load, weighted by the
-  blocks' widths, which a save records;
+  blocks' widths, which a save records (:data:`ROW_STATE_COLUMNS`, read back by :func:`recorded_widths`);
 - :func:`hyperparameters` and :func:`apply_hyperparameters`: each parameter's group hyper-parameters (``lr``,
   ...), which TorchRec's ``state_dict()`` omits, saved beside the state and restored per group.
 """
@@ -22,11 +22,12 @@ from .._compat import ShardedTensor, shape_and_dtype
 from ..convert import layout_of, local_shards_of
 from ..convert.reshard import copy_into
 
-__all__ = ["HYPERPARAMETERS", "Hint", "apply_hyperparameters", "column_widths", "combine_row_states",
-           "hyperparameters", "row_state_hint"]
+__all__ = ["HYPERPARAMETERS", "Hint", "ROW_STATE_COLUMNS", "apply_hyperparameters", "column_widths",
+           "combine_row_states", "hyperparameters", "recorded_widths", "row_state_hint"]
 
-Hint = Callable[[tuple[int, ...], tuple[int, ...]], str]
-"""Why a key whose saved and destination shapes differ (given in that order) cannot convert."""
+Hint = Callable[[tuple[int, ...], tuple[int, ...], "tuple[int, ...] | str"], str]
+"""Why a key whose saved and destination shapes differ (given in that order) cannot convert, given the column
+blocks' widths the checkpoint records for the key, or why it records none (:func:`recorded_widths`)."""
 
 
 def column_widths(param: Any) -> tuple[int, ...] | None:
@@ -41,6 +42,28 @@ def column_widths(param: Any) -> tuple[int, ...] | None:
         if spec.numel and block not in cols:
             cols.append(block)
     return tuple(w for _, w in cols) if len(cols) > 1 else None
+
+
+ROW_STATE_COLUMNS = "row_state_columns"
+"""The manifest's record, per flattened key of a column-cut table's per-row optimizer state, of the table's
+column blocks' widths (written by a save; what lets a load combine the blocks' states into one per row)."""
+
+
+def recorded_widths(manifest: dict[str, Any] | None, fqn: str) -> tuple[int, ...] | str:
+    """The column blocks' widths the checkpoint records for ``fqn`` (whole numbers, at least two), or why it
+    records none, as a refusal says it."""
+    if manifest is None:
+        return "it has no manifest of tdb.checkpoint.save, which records them"
+    if "migrated_from" in manifest:
+        return f"it was migrated from {manifest['migrated_from']}, which does not record them"
+    if ROW_STATE_COLUMNS not in manifest:
+        return "it was written before tdb.checkpoint.save recorded them"
+    recorded = manifest[ROW_STATE_COLUMNS]
+    widths = recorded.get(fqn) if isinstance(recorded, dict) else None
+    if isinstance(widths, list) and len(widths) > 1 and all(type(w) is int and w > 0 for w in widths):
+        return tuple(widths)
+    return ("a save records them for a column-cut table saved with its optimizer itself, not its state_dict() "
+            "nor through compact; else the table was not cut by columns and had another number of rows")
 
 
 HYPERPARAMETERS = "hyperparameters"
@@ -82,33 +105,63 @@ def apply_hyperparameters(key: str, opt: Any, saved: Any) -> None:
                 group[k] = v
 
 
-def row_state_hint(rows: int) -> Hint:
+def row_state_hint(table: str, shape: tuple[int, ...]) -> Hint:
+    """Why the per-row optimizer state of ``table`` (of ``shape`` in the destination) does not convert.
+
+    The saved state's size alone says little: the checkpoint's column blocks' widths, when it records them,
+    say how many blocks it holds and so how many rows the table had; without them only a whole multiple of
+    this table's rows reads as one value per row and block, and the reason they are absent is told as it is
+    (never "written before they were recorded" unless the checkpoint was).
+    """
+    rows = shape[0]
+    of = f"optimizer state of table {table!r}, {list(shape)} in the destination"
+
     def holds(n: int) -> str:
         if n == rows:
             return "one value per row"
-        if n % rows == 0:
+        if rows and n % rows == 0:
             return f"one value per row for each of {n // rows} column shards"
         return f"{n} values"
 
     def kept(shape: tuple[int, ...]) -> str:
         return holds(shape[0]) if len(shape) == 1 else f"one value per element ({list(shape)})"
 
-    def why(saved: tuple[int, ...], dest: tuple[int, ...]) -> str:
+    def afresh(what: str) -> str:
+        return f"{what}, or leave its optimizer out of the load to start that state afresh)"
+
+    def why(saved: tuple[int, ...], dest: tuple[int, ...], widths: tuple[int, ...] | str) -> str:
         if len(saved) != len(dest):  # per element against per row: another optimizer kind
-            return (f" (optimizer state of a {rows}-row table: the checkpoint holds {kept(saved)}, the destination "
-                    f"{kept(dest)}: the optimizer changed between the save and the load (element-wise Adagrad "
-                    "keeps a value per element, row-wise Adagrad one per row), and its state does not convert; "
-                    "load with the optimizer kind that saved it, or leave the optimizer out of the load)")
-        head = (f" (row-wise optimizer state of a {rows}-row table: the checkpoint holds {holds(saved[0])}, the "
-                f"destination {holds(dest[0])}; TorchRec's row-wise Adagrad keeps a separate per-row state for "
-                "each column shard of a column-wise table")
+            return (f" ({of}: the checkpoint holds {kept(saved)}, the destination {kept(dest)}: the optimizer "
+                    "changed between the save and the load (element-wise Adagrad keeps a value per element, "
+                    "row-wise Adagrad one per row), and its state does not convert; load with the optimizer kind "
+                    "that saved it, or leave the optimizer out of the load)")
+        if isinstance(widths, tuple):  # recorded: the saved blocks, and so the saved rows, are known
+            blocks = len(widths)
+            was = saved[0] // blocks
+            head = (f" (row-wise {of}: the checkpoint holds one value per row for each of {blocks} column blocks "
+                    f"(widths {list(widths)}) of a {was}-row table, the destination {holds(dest[0])}")
+            if was != rows:
+                return afresh(f"{head}: the table had {was} rows when saved and has {rows} now, and a per-row "
+                              f"state does not convert between numbers of rows; load into a {was}-row table")
+            return afresh(f"{head}; per-block states combine into one value per row, not into another column cut: "
+                          "resume under the checkpoint's cut or into a table not cut by columns")
+        head = (f" (row-wise {of}: the checkpoint holds {holds(saved[0])}, the destination {holds(dest[0])}; "
+                "TorchRec's row-wise Adagrad keeps a separate per-row state for each column shard of a column-wise "
+                "table")
+        if not rows or saved[0] % rows:
+            return afresh(f" (row-wise {of}: the checkpoint holds {saved[0]} values, neither one value per row of "
+                          f"this {rows}-row table nor one per row and column block: the table has another number "
+                          "of rows than when it was saved, and a per-row state does not convert; load into a table "
+                          "of the saved shape")
         if dest[0] == rows:  # per-block states into one per row: exact given the blocks' widths
-            return (f"{head}. They combine into one value per row when the checkpoint records the column blocks' "
-                    "widths, which this checkpoint does not (it was written before they were recorded): resume "
-                    "under the same column cut, or leave its optimizer out of the load to start that state afresh)")
-        return (f"{head}, and one value per row does not split into per-shard values exactly: resume under the "
-                "checkpoint's cut, load(..., split_row_states=True) to give every column block its row's value "
-                "(an approximation), or leave its optimizer out of the load to start that state afresh)")
+            return afresh(f"{head}. They combine into one value per row given the column blocks' widths, which the "
+                          f"checkpoint does not record for this key ({widths}): resume under the same column cut")
+        if saved[0] == rows:
+            return (f"{head}, and one value per row does not split into per-shard values exactly: resume under the "
+                    "checkpoint's cut, load(..., split_row_states=True) to give every column block its row's value "
+                    "(an approximation), or leave its optimizer out of the load to start that state afresh)")
+        return afresh(f"{head}; per-shard states do not convert into another number of column shards: resume under "
+                      "the checkpoint's cut")
 
     return why
 

@@ -51,7 +51,8 @@ from .common import dtype_of, global_shape, leaves
 from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import MANIFEST, item_key, item_record, read_manifest
 from .plan import needed_chunks
-from .keyed import Hint
+from .keyed import Hint, recorded_widths
+from .keylists import Wording, key_problems
 from .validate import read_metadata
 
 __all__ = ["Opened", "SafeObjectPlanner", "open_agreed"]
@@ -86,11 +87,6 @@ def _under(fqn: str, keys: frozenset[str]) -> bool:
     return any(fqn == k or fqn.startswith(k + ".") for k in keys)
 
 
-ROW_STATE_COLUMNS = "row_state_columns"
-"""The manifest's record, per flattened key of a column-cut table's per-row optimizer state, of the table's
-column blocks' widths (written by a save; what lets a load combine the blocks' states into one per row)."""
-
-
 def row_state_conversions(flat: list[tuple[str, Any]], md: Metadata, manifest: dict[str, Any] | None,
                           convertible: Mapping[str, Any] | None, *, split: bool = False,
                           ) -> dict[str, tuple[int, ...]]:
@@ -98,16 +94,15 @@ def row_state_conversions(flat: list[tuple[str, Any]], md: Metadata, manifest: d
 
     - the saved column blocks' widths, when the checkpoint holds one value per row and block (``rows x
       blocks``) and the destination one per row (exact: combined weighted by the widths). Only widths the
-      manifest recorded count (whole numbers, at least two);
+      manifest recorded count (:func:`recorded_widths`);
     - with ``split``, one 0 per destination block, when the checkpoint holds one value per row and the
       destination one per row and block (an approximation, asked for: every block takes its row's value).
     """
-    recorded = manifest.get(ROW_STATE_COLUMNS) if manifest is not None else None
     if not convertible:
         return {}
     out: dict[str, tuple[int, ...]] = {}
     for fqn, value in flat:
-        widths, m = recorded.get(fqn) if isinstance(recorded, dict) else None, md.state_dict_metadata.get(fqn)
+        m = md.state_dict_metadata.get(fqn)
         if fqn not in convertible or not isinstance(value, torch.Tensor) or not isinstance(m, TensorStorageMetadata):
             continue
         dest, saved = global_shape(value), tuple(m.size)
@@ -116,10 +111,9 @@ def row_state_conversions(flat: list[tuple[str, Any]], md: Metadata, manifest: d
         if split and saved[0] and dest[0] % saved[0] == 0 and dest[0] // saved[0] > 1:
             out[fqn] = (0,) * (dest[0] // saved[0])
             continue
-        if not (isinstance(widths, list) and len(widths) > 1 and all(type(w) is int and w > 0 for w in widths)):
-            continue
-        if saved == (dest[0] * len(widths),):
-            out[fqn] = tuple(widths)
+        widths = recorded_widths(manifest, fqn)
+        if isinstance(widths, tuple) and saved == (dest[0] * len(widths),):
+            out[fqn] = widths
     return out
 
 
@@ -143,42 +137,54 @@ def _group_count_problems(md: Metadata, param_groups: Mapping[str, int]) -> list
     return problems
 
 
+KEYS = Wording(missing="of the state_dict are not in the checkpoint",
+               unexpected="of the checkpoint are not in the state_dict (load(..., strict=False) ignores them)",
+               mismatched="have another shape or dtype in the checkpoint",
+               unnamed="the checkpoint holds {n} keys the state_dict does not name: {keys}")
+"""How a load's refusal counts its keys past the first few (:func:`.keylists.key_problems`)."""
+
+
 def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mapping[str, Hint] | None = None,
                 absent: frozenset[str] = frozenset(), *, convert_dtypes: bool = False,
                 manifest: dict[str, Any] | None = None, split_row_states: bool = False,
-                param_groups: Mapping[str, int] | None = None,
+                param_groups: Mapping[str, int] | None = None, where: str | None = None,
                 ) -> tuple[list[Problem], list[tuple[str, Any]], dict[str, tuple[int, ...]]]:
-    """This rank's problems with ``sd`` against the checkpoint, its leaves, and the per-row states it converts
-    (:func:`row_state_conversions`); ``param_groups``: per ``torch.optim`` optimizer's ``param_groups`` key, its
-    number of groups (:func:`_group_count_problems`)."""
+    """This rank's problems with ``sd`` against the checkpoint (at ``where``), its leaves, and the per-row states
+    it converts (:func:`row_state_conversions`); ``param_groups``: per ``torch.optim`` optimizer's
+    ``param_groups`` key, its number of groups (:func:`_group_count_problems`). Keys that do not match are told
+    as :func:`.keylists.key_problems` tells them: a few by name, all on the exception."""
     problems: list[Problem] = _group_count_problems(md, param_groups or {})
     flat = [(fqn, v) for fqn, v in leaves(sd) if not (absent and _under(fqn, absent))]
     combined = row_state_conversions(flat, md, manifest, hints, split=split_row_states)
     saved = md.state_dict_metadata
+    missing: list[tuple[str, str]] = []
+    mismatched: list[tuple[str, str]] = []
     for fqn, value in flat:
         m = saved.get(fqn)
         if m is None:
-            problems.append(Problem(Kind.VALUE, f"key {fqn!r} is not in the checkpoint"))
+            missing.append((fqn, f"key {fqn!r} is not in the checkpoint"))
             continue
-        if isinstance(value, torch.Tensor):
-            if not isinstance(m, TensorStorageMetadata):
-                problems.append(Problem(Kind.VALUE, f"key {fqn!r} was saved as an object, the destination is a tensor"))
-                continue
-            shape, dtype, was = global_shape(value), dtype_of(value), m.properties.dtype
-            if tuple(m.size) != shape and fqn not in combined:
-                why = hints[fqn](tuple(m.size), shape) if hints and fqn in hints else ""
-                problems.append(Problem(
-                    Kind.VALUE, f"key {fqn!r}: saved shape {list(m.size)}, destination shape {list(shape)}{why}"))
-            convertible = was.is_floating_point and dtype.is_floating_point  # fp32 <-> fp16 / bf16 / fp64
-            if was != dtype and not (convert_dtypes and convertible):
-                how = "; load(..., convert_dtypes=True) converts it" if convertible else ""
-                problems.append(Problem(
-                    Kind.VALUE, f"key {fqn!r}: saved dtype {was}, destination dtype {dtype}{how}"))
-    if strict:
-        extra = sorted(set(saved) - {fqn for fqn, _ in flat})
-        if extra:
-            problems.append(Problem(Kind.VALUE, f"unexpected keys in the checkpoint {extra} (load(..., strict=False) "
-                                                "ignores them)"))
+        if not isinstance(value, torch.Tensor):
+            continue
+        if not isinstance(m, TensorStorageMetadata):
+            mismatched.append((fqn, f"key {fqn!r} was saved as an object, the destination is a tensor"))
+            continue
+        shape, dtype, was = global_shape(value), dtype_of(value), m.properties.dtype
+        differ = []
+        if tuple(m.size) != shape and fqn not in combined:
+            why = hints[fqn](tuple(m.size), shape, recorded_widths(manifest, fqn)) if hints and fqn in hints else ""
+            differ.append(f"saved shape {list(m.size)}, destination shape {list(shape)}{why}")
+        convertible = was.is_floating_point and dtype.is_floating_point  # fp32 <-> fp16 / bf16 / fp64
+        if was != dtype and not (convert_dtypes and convertible):
+            how = "; load(..., convert_dtypes=True) converts it" if convertible else ""
+            differ.append(f"saved dtype {was}, destination dtype {dtype}{how}")
+        if differ:
+            mismatched.append((fqn, f"key {fqn!r}: {'; '.join(differ)}"))
+    others = sorted(set(saved) - {fqn for fqn, _ in flat})
+    unexpected = [(k, f"key {k!r} is in the checkpoint, not in the state_dict (load(..., strict=False) ignores "
+                      "it)") for k in others] if strict else []
+    problems += key_problems(KEYS, where, missing=missing, unexpected=unexpected, mismatched=mismatched,
+                             unnamed=[] if strict else others)
     return problems, flat, combined
 
 
@@ -291,13 +297,14 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
             assert manifest is not None
             chain = open_chain(root, manifest, md, path.name)
             checked = metadata_for_checks(chain)
-        key_problems, flat, combined = _check_keys(state_dict, checked, strict, hints, _absent(checked, optional),
-                                                   convert_dtypes=convert_dtypes, manifest=manifest,
-                                                   split_row_states=split_row_states, param_groups=param_groups)
+        keys_found, flat, combined = _check_keys(state_dict, checked, strict, hints, _absent(checked, optional),
+                                                 convert_dtypes=convert_dtypes, manifest=manifest,
+                                                 split_row_states=split_row_states, param_groups=param_groups,
+                                                 where=str(path))
         if chain is not None:  # the data: the chain's reads check it (chainread); the head's objects here
             flat = [(fqn, v) for fqn, v in flat if not isinstance(v, torch.Tensor)]
-        problems += key_problems
-        if verify and not key_problems:
+        problems += keys_found
+        if verify and not keys_found:
             if manifest is None:
                 problems.append(Problem(Kind.CORRUPT, _no_manifest(root, plain=not name)))
             else:

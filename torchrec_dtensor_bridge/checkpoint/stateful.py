@@ -345,7 +345,7 @@ class _Expander:
             for what, v in per.items():
                 if isinstance(v, torch.Tensor) and len(shape_and_dtype(v)[0]) == 1:
                     fqn = f"{key}.state.{name}.{what}"
-                    self.out.hints[fqn] = row_state_hint(int(shape[0]))
+                    self.out.hints[fqn] = row_state_hint(name, tuple(shape))
                     if isinstance(per, MutableMapping):
                         self.out.row_states[fqn] = (per, what)
                     if widths:
