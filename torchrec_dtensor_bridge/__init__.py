@@ -24,6 +24,7 @@ from .lookup import sharded_embedding, sharded_embedding_bag, sharded_embedding_
 from .optim import FusedOptimizer
 from .sharding import shard_module
 from .state_dict import enable_dtensor_state_dict
+from .torchrec_tracking import track_changed_rows
 from .visualize import visualize_sharding
 from .wrapper import LocalShardsWrapper
 
@@ -46,5 +47,6 @@ __all__ = [
     "storage_metadata",
     "to_dtensor",
     "to_sharded_tensor",
+    "track_changed_rows",
     "visualize_sharding",
 ]

@@ -4,13 +4,14 @@ An incremental save (:mod:`.checkpoint.incremental`) finds the rows that changed
 since its base by digesting every row it saves: a scan of memory at memory
 speed, which on a fast disk is most of the save. A writer that knows which rows
 it wrote - a :class:`~.optim.FusedOptimizer` built with
-``track_changed_rows=True`` updates only the rows a step looked up - reports
-them here (:func:`before_writes` / :func:`after_writes`); a save that digests a
-tensor marks it (:func:`mark`: the rows written since are counted from that
-save, and its digests kept); the next incremental save whose base is that
-save digests only the rows written since (:func:`written_since`), and takes
-every other row's digest from the mark. What it writes is the same as after a
-scan: the rows whose digest changed.
+``track_changed_rows=True`` updates only the rows a step looked up, and so does
+TorchRec's fused kernel for the optimizers :mod:`.torchrec_tracking` lists
+(``tdb.track_changed_rows(dmp)``) - reports them here (:func:`before_writes` /
+:func:`after_writes`); a save that digests a tensor marks it (:func:`mark`:
+the rows written since are counted from that save, and its digests kept); the
+next incremental save whose base is that save digests only the rows written
+since (:func:`written_since`), and takes every other row's digest from the
+mark. What it writes is the same as after a scan: the rows whose digest changed.
 
 Trust and its guard. Rows written by anything but a reporting writer are not
 seen by the reports; torch's version counter is. Every in-place operation
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["Known", "after_writes", "before_writes", "is_tracked", "mark", "watch", "written_since"]
+__all__ = ["Known", "after_writes", "before_writes", "is_tracked", "mark", "unwatch", "watch", "written_since"]
 
 Geometry = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype]
 
@@ -93,6 +94,13 @@ def watch(tensors: Iterable[torch.Tensor]) -> None:
         b = _base(t)
         if b not in _bases:
             _bases[b] = _Base(b._version)
+
+
+def unwatch(tensors: Iterable[torch.Tensor]) -> None:
+    """Stop tracking ``tensors``' bases (their writes no longer reported): saves scan them and mark them no
+    more."""
+    for t in tensors:
+        _bases.pop(_base(t), None)
 
 
 def before_writes(tensors: Iterable[torch.Tensor]) -> dict[int, tuple[torch.Tensor, int]]:
