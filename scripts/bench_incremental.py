@@ -19,12 +19,20 @@ steps wrote (``torchrec_dtensor_bridge/tracking.py``). The full saves it is comp
 memory through detached views, which the tracker does not follow (it counts from the last save of its
 tensors, which must stay the incremental save's base).
 
+With ``--dmp`` the same tables are those of a TorchRec ``DistributedModelParallel`` (an
+``EmbeddingBagCollection`` of ``--tables`` row-wise tables, its fused kernel: fbgemm's ``EXACT_SGD`` in backward,
+each rank looking up its half of each step's ids, one id a bag, through TorchRec's input dist); with ``--tracked``
+too, ``tdb.track_changed_rows(dmp)`` reports the rows its steps write (``torchrec_dtensor_bridge/
+torchrec_tracking.py``), without it the saves scan. Saved as ``{"model": dmp}``; the full saves go through
+detached views of the DMP's shards, as above.
+
 Then a chain of 10 incremental links at 1 % is built and loading its 1st, 5th and 10th link is timed against
 loading a full checkpoint of the same state (page cache warm for both), and each chain load is checked to
 give exactly the saved tables. One untimed save of each kind, and one load of each, come first.
 
     python scripts/bench_incremental.py --out bench/results.json            # 8 x 1M x 128 fp32
     python scripts/bench_incremental.py --small --reps 1 --out /tmp/r.json  # a quick check
+    python scripts/bench_incremental.py --dmp --tracked --targets 0.01 --reps 3   # a DMP, 1 % changed
 """
 
 from __future__ import annotations
@@ -70,6 +78,40 @@ def _steps_for(cfg: dict) -> dict[str, int]:
     return out
 
 
+def _dmp(cfg: dict):
+    """A DMP over ``cfg["tables"]`` row-wise tables (``t0``, ... read by features ``f_t0``, ...) trained by TorchRec's
+    fused kernel with fbgemm's ``EXACT_SGD``, over every rank."""
+    import torch
+    import torch.distributed as dist
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torch import nn
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    class Model(nn.Module):
+        def __init__(self, ebc: nn.Module) -> None:
+            super().__init__()
+            self.ebc = ebc
+
+        def forward(self, kjt):
+            return self.ebc(kjt)
+
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=f"t{i}", embedding_dim=cfg["dim"], num_embeddings=cfg["rows"],
+                                   feature_names=[f"f_t{i}"]) for i in range(cfg["tables"])],
+        device=torch.device("meta"))
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.001})
+    world = dist.get_world_size()
+    plan = sp.construct_module_sharding_plan(
+        ebc, per_param_sharding={f"t{i}": sp.row_wise(compute_kernel="fused") for i in range(cfg["tables"])},
+        sharder=sharder, local_size=world, world_size=world, device_type="cpu")
+    return DistributedModelParallel(Model(ebc), env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                    device=torch.device("cpu"), plan=ShardingPlan({"ebc": plan}), sharders=[sharder])
+
+
 def _gen_bytes(path: Path) -> tuple[int, int]:
     """(all bytes, digest bytes) of the files of the generation ``path`` links to."""
     gen = path.resolve()
@@ -85,23 +127,44 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
     import torchrec_dtensor_bridge as tdb
     from torchrec_dtensor_bridge.layout import ShardLayout
 
+    if cfg["dmp"]:
+        from torchrec import KeyedJaggedTensor
+
     with reported(rank, out):
         root = Path(cfg["dir"])
         rows, dim = cfg["rows"], cfg["dim"]
-        lay = ShardLayout.row_wise((rows, dim), [rows // 2, rows - rows // 2])
-        (spec,) = lay.shards_on(rank)
-        lo, n = spec.offsets[0], spec.sizes[0]
-        g = torch.Generator().manual_seed(rank)
-        local = [torch.randn(n, dim, generator=g) for _ in range(cfg["tables"])]
-        state = {f"t{i}": tdb.convert.dtensor_from_local_shards(lay.with_name(f"t{i}"), [local[i]])
-                 for i in range(cfg["tables"])}
         streams = [_ids_per_step(cfg, i) for i in range(cfg["tables"])]
-        if cfg["tracked"]:  # trained by a FusedOptimizer that reports the rows it writes
-            weights = [state[f"t{i}"].requires_grad_() for i in range(cfg["tables"])]
-            opt = tdb.FusedOptimizer(weights, "sgd", lr=0.001, track_changed_rows=True)
+        if cfg["dmp"]:  # the tables of a TorchRec DMP: its own shards (TorchRec's row-wise cut), as DTensors
+            dmp = _dmp(cfg)
+            if cfg["tracked"]:
+                tdb.track_changed_rows(dmp)
+            tables = tdb.state_dict_to_dtensor(dmp.state_dict())
+            names = [f"ebc.embedding_bags.t{i}.weight" for i in range(cfg["tables"])]
+            local = [tdb.convert.local_shards_of(tables[k])[0] for k in names]
+            n = local[0].shape[0]
+            state = {"model": dmp}
+        else:
+            lay = ShardLayout.row_wise((rows, dim), [rows // 2, rows - rows // 2])
+            (spec,) = lay.shards_on(rank)
+            lo, n = spec.offsets[0], spec.sizes[0]
+            g = torch.Generator().manual_seed(rank)
+            local = [torch.randn(n, dim, generator=g) for _ in range(cfg["tables"])]
+            state = {f"t{i}": tdb.convert.dtensor_from_local_shards(lay.with_name(f"t{i}"), [local[i]])
+                     for i in range(cfg["tables"])}
+            if cfg["tracked"]:  # trained by a FusedOptimizer that reports the rows it writes
+                weights = [state[f"t{i}"].requires_grad_() for i in range(cfg["tables"])]
+                opt = tdb.FusedOptimizer(weights, "sgd", lr=0.001, track_changed_rows=True)
 
         def train(steps: int) -> None:
             for _ in range(steps):
+                if cfg["dmp"]:  # each rank looks up its half of the step's ids, one id a bag, through the DMP
+                    ids = [next(s)[rank::world] for s in streams]
+                    kjt = KeyedJaggedTensor.from_lengths_sync(
+                        keys=[f"f_t{i}" for i in range(cfg["tables"])], values=torch.cat(ids),
+                        lengths=torch.ones(sum(len(i) for i in ids), dtype=torch.int64))
+                    pooled = dmp(kjt)
+                    (pooled.wait() if hasattr(pooled, "wait") else pooled).values().sum().backward()
+                    continue
                 if cfg["tracked"]:  # each rank looks up its half of the step's ids, one id a bag
                     ids = [next(s)[rank::world].view(-1, 1) for s in streams]
                     outs = tdb.sharded_embedding_bags(ids, weights, mode="sum", optimizer=opt)
@@ -114,7 +177,10 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
 
         # the full saves compared with incremental ones: the same memory and work, not marked for the tracker
         # (it counts the rows written since the LAST save of its tensors; a full save in between would reset it)
-        aside = {k: v.detach() for k, v in state.items()} if cfg["tracked"] else state
+        if cfg["dmp"]:
+            aside = {"model": {k: v.detach() for k, v in tables.items()}}
+        else:
+            aside = {k: v.detach() for k, v in state.items()} if cfg["tracked"] else state
 
         def timed(fn) -> float:
             dist.barrier()
@@ -130,6 +196,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
         tdb.checkpoint.save(state, root / "inc", base=root / "base")
         tdb.checkpoint.save(aside, root / "full")
         for target, steps in cfg["steps"].items():
+            if target not in cfg["targets"]:
+                continue
             rec: dict[str, list] = {"incremental_ms": [], "full_ms": [], "incremental_bytes": [], "full_bytes": [],
                                     "changed_rows": [], "blocking_ms": []}
             for rep in range(cfg["reps"]):
@@ -171,8 +239,12 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out) -> None:
                 want[link] = [t.clone() for t in local]
         for link in CHAIN:
             dest_local = [torch.empty(n, dim) for _ in range(cfg["tables"])]
-            dest = {f"t{i}": tdb.convert.dtensor_from_local_shards(lay.with_name(f"t{i}"), [dest_local[i]])
-                    for i in range(cfg["tables"])}
+            if cfg["dmp"]:  # plain DTensors in the DMP's layouts, under its keys
+                dest = {"model": {k: tdb.convert.dtensor_from_local_shards(tdb.layout_of(tables[k]), [dest_local[i]])
+                                  for i, k in enumerate(names)}}
+            else:
+                dest = {f"t{i}": tdb.convert.dtensor_from_local_shards(lay.with_name(f"t{i}"), [dest_local[i]])
+                        for i in range(cfg["tables"])}
             times: dict[str, list[float]] = {"chain_ms": [], "full_ms": []}
             tdb.checkpoint.load(dest, root / f"l{link}")  # warm-up, not timed
             tdb.checkpoint.load(dest, root / f"f{link}")
@@ -232,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tracked", action="store_true",
                         help="train with FusedOptimizer(..., track_changed_rows=True): saves digest only the rows "
                              "its steps wrote (default: rows written directly, found by the full digest scan)")
+    parser.add_argument("--dmp", action="store_true",
+                        help="the tables of a TorchRec DistributedModelParallel trained by its fused kernel (EXACT_SGD); "
+                             "with --tracked, tdb.track_changed_rows(dmp) reports the rows its steps write")
+    parser.add_argument("--targets", type=float, nargs="+", default=list(TARGETS), choices=TARGETS,
+                        help="the shares of changed rows to measure (default: all)")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     parser.add_argument("--out", type=Path, default=Path("bench/results.json"))
     args = parser.parse_args(argv)
@@ -239,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         args.tables, args.rows = 4, 50_000
     cfg = {"tables": args.tables, "rows": args.rows, "dim": args.dim, "zipf": args.zipf, "reps": args.reps,
            "batch": args.batch or max(16, args.rows // 2048), "asynchronous": args.asynchronous,
-           "tracked": args.tracked}
+           "tracked": args.tracked, "dmp": args.dmp, "targets": [str(t) for t in args.targets]}
     cfg["steps"] = _steps_for(cfg)
     work = Path(tempfile.mkdtemp(prefix="bench_incremental-", dir=args.dir))
     cfg["dir"] = str(work)
@@ -247,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         result = summarize(spawn_ranks(_worker, 2, (cfg,), name="bench_incremental"), cfg)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    record(args.out, "incremental_tracked" if args.tracked else "incremental", result)
+    record(args.out, "incremental" + ("_dmp" if args.dmp else "") + ("_tracked" if args.tracked else ""), result)
     brief = {t: {k: s[k] for k in ("changed_share", "incremental_bytes", "changed_rows_bytes", "bytes_vs_bound",
                                   "incremental_ms", "full_ms", "speedup", "blocking_ms")}
              for t, s in result["saves"].items()}
