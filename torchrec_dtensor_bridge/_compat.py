@@ -1,8 +1,7 @@
 """The one place that touches private PyTorch APIs.
 
 ``ShardedTensor`` and its sharding specs live in ``torch.distributed._shard``
-and have no public home; a one-rank :class:`DeviceMesh` without a process
-group needs the private ``_init_backend`` flag; the mesh a sub-mesh was sliced
+and have no public home; the mesh a sub-mesh was sliced
 from has no public accessor (torch 2.13: ``DeviceMesh._get_root_mesh``); DCP's
 ``.metadata`` pickles refer to two private classes of
 ``torch.distributed.checkpoint`` (``_StorageInfo``, ``_MEM_FORMAT_ENCODING``),
@@ -10,7 +9,10 @@ which its restricted unpickler must resolve. Walking the nested arguments of an 
 public home). The functional collectives name their group by a string, which only a
 private function resolves; DTensor lets a package take over an op only
 through its dispatcher's ``_custom_op_handlers`` table (as torch's own
-``loss_parallel`` does). ShardedTensor's own accessors
+``loss_parallel`` does); reading a device mesh while torch.compile traces
+needs its fake-tensor mode set aside (:func:`outside_tracing_modes`). torch.compile's caches key a DTensor by its spec alone
+(``DTensor._stable_hash_for_caching``): :func:`key_compiled_dtensors_by_local_shards`
+adds what a wrapper local tensor carries. ShardedTensor's own accessors
 (``.shape``, ``.dtype``: its ``__torch_function__``) warn that it is deprecated,
 about our internal use, on every call: :func:`shape_and_dtype` reads its
 metadata instead. Everything else in the package
@@ -19,6 +21,7 @@ imports these names from here, so an upstream move breaks exactly one module.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,6 +49,7 @@ from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as DcpMem
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.remote_device import _remote_device as RemoteDevice
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils import _pytree as pytree
 
 __all__ = [
@@ -61,8 +65,9 @@ __all__ = [
     "ShardedTensorProperties",
     "ShardedTensorShard",
     "group_ranks",
+    "key_compiled_dtensors_by_local_shards",
     "make_sharded_tensor",
-    "one_rank_mesh",
+    "outside_tracing_modes",
     "quiet_sharded_tensor_deprecation",
     "pytree",
     "root_mesh",
@@ -97,16 +102,6 @@ def sharded_tensor_process_group(st: ShardedTensor) -> dist.ProcessGroup | None:
 def shard_placement(placement: str) -> RemoteDevice:
     """The parsed ``"rank:N/device"`` placement of a ShardMetadata, parsed once per string."""
     return RemoteDevice(placement)
-
-
-@lru_cache(maxsize=None)
-def one_rank_mesh(device_type: str, rank: int) -> DeviceMesh:
-    """A mesh holding only global ``rank``, built without creating a process group.
-
-    Non-collective, and cached: one mesh per (device type, rank), never one per
-    table. DTensor needs no communication on a one-rank mesh.
-    """
-    return DeviceMesh(device_type, [rank], _init_backend=False)
 
 
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -161,6 +156,38 @@ def route_dtensor_op(op: torch._ops.OpOverload, handler: Callable[[Any, tuple, d
 
     run._tdb_handler = handler  # type: ignore[attr-defined]
     table[op] = run
+
+
+def key_compiled_dtensors_by_local_shards() -> None:
+    """Make torch.compile's cache key of a DTensor include its local tensor's own key where the local tensor
+    has one (a ``LocalShardsWrapper``: its blocks and rank); other DTensors keep DTensor's key. Idempotent.
+
+    DTensor keys its compiled graphs by mesh, placements and global shape only (torch 2.13,
+    ``DTensor._stable_hash_for_caching``), which fixes the local tensor of a plain DTensor but not the
+    blocks a wrapper holds: without this, AOTAutograd's cache serves a graph traced for one rank's or one
+    layout's shards to another (``expected size 25==15``, a missing ``_shard_0``).
+    """
+    original = DTensor._stable_hash_for_caching
+    if getattr(original, "_tdb_keyed", False):
+        return
+
+    def stable_hash(self: DTensor) -> str:
+        base = original(self)
+        local_key = getattr(type(self._local_tensor), "_stable_hash_for_caching", None)
+        if local_key is None:
+            return base
+        return hashlib.blake2b((base + local_key(self._local_tensor)).encode(), digest_size=16).hexdigest()
+
+    stable_hash._tdb_keyed = True  # type: ignore[attr-defined]
+    DTensor._stable_hash_for_caching = stable_hash  # type: ignore[method-assign]
+
+
+@contextmanager
+def outside_tracing_modes() -> Iterator[None]:
+    """Run real tensor ops (a device mesh's rank tensor) while torch.compile traces with fake tensors: its
+    dispatch modes are set aside for the block (``torch.utils._python_dispatch``: no public home)."""
+    with _disable_current_modes():
+        yield
 
 
 @contextmanager

@@ -163,12 +163,18 @@ def _outcome(fn: Callable[[], Any]) -> tuple[str, Any]:
 
 
 def _check_to_dtensor(dt, table: torch.Tensor) -> bool:
+    from torch.distributed.tensor import Replicate, Shard
+
     import torchrec_dtensor_bridge as tdb
 
     attached = tdb.to_dtensor(dt)
     local = attached._local_tensor
     assert isinstance(local, tdb.LocalShardsWrapper) and local.layout_of_table is not None, type(local)
-    assert attached.device_mesh is dt.device_mesh and attached.placements == dt.placements
+    assert attached.device_mesh is dt.device_mesh
+    # TorchRec's table-wise claim, Replicate() on a mesh of several ranks of which one holds the table, is
+    # corrected to Shard(0) (DTensor then reduces it across the ranks); every other placement is kept
+    replicate_claim = dt.device_mesh.size() > 1 and all(isinstance(p, Replicate) for p in dt.placements)
+    assert attached.placements == ((Shard(0),) if replicate_claim else dt.placements), attached.placements
     before = dt._local_tensor
     own = before.local_shards() if callable(getattr(before, "local_shards", None)) else (
         [before] if before.numel() else [])

@@ -265,16 +265,10 @@ def _check_norms(rank, world_size, name):
                     _close(torch.linalg.vector_norm(x, ord_, dim=d, keepdim=keepdim),
                            torch.linalg.vector_norm(table, ord_, dim=d, keepdim=keepdim),
                            f"{what} vector_norm dim={d} keepdim={keepdim}")
-            if ord_ == -math.inf and _a_rank_holds_nothing(layout, world_size):
-                continue  # test_foreach_norm_minus_inf_of_a_table_one_rank_holds
             got = torch._foreach_norm([x, y], ord_)
             want = torch._foreach_norm([table, 2 * table.flip(0)], ord_)
             for k, (g, w) in enumerate(zip(got, want)):
                 _close(g, w, f"{what} _foreach_norm [{k}]")
-
-
-def _a_rank_holds_nothing(layout, world_size):
-    return any(not layout.shards_on(r) for r in range(world_size))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -294,8 +288,6 @@ def _check_foreach_norm_minus_inf_held_by_one_rank(rank, world_size):
         _close(g, w, f"_foreach_norm(-inf) [{k}]")
 
 
-@pytest.mark.xfail(strict=True, reason="wrapper/reductions.py _foreach_norm: a rank holding no block of a table "
-                                       "returns 0 for it, not +inf, as its part of an ord=-inf norm (a minimum)")
 def test_foreach_norm_minus_inf_of_a_table_one_rank_holds(pool):
     pool.run(_check_foreach_norm_minus_inf_held_by_one_rank)
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.convert import local_shards_of
@@ -113,7 +113,15 @@ def _check_our_api_on_torchrec_dtensors(rank, world_size):
         attached = tdb.to_dtensor(dt)
         assert sorted(t.data_ptr() for t in attached._local_tensor.local_shards()) == sorted(
             t.data_ptr() for t in dt._local_tensor.local_shards()), f"{key}: to_dtensor(DTensor) copied"
-        assert attached.device_mesh == dt.device_mesh and attached.placements == dt.placements
+        assert attached.device_mesh == dt.device_mesh
+        # TorchRec marks a table-wise table Replicate() on the whole mesh though one rank holds it, and a
+        # table-row-wise one Shard(1); the attached DTensor says where the cut is (rows: Shard(0), columns:
+        # Shard(1)), so DTensor gathers and reduces it across the ranks (the table's value on each)
+        column_cut = INTEROP[name][2] in ("column_wise", "table_column_wise")
+        assert attached.placements == (Shard(1) if column_cut else Shard(0),), (key, attached.placements)
+        assert torch.equal(attached.full_tensor(), table), key
+        torch.testing.assert_close(attached.sum().full_tensor(), table.sum())
+        torch.testing.assert_close(attached.norm().full_tensor(), table.norm())
         got = tdb.sharded_embedding_bag(ids, attached, offsets, mode="sum")
         torch.testing.assert_close(got, F.embedding_bag(ids, table, offsets, mode="sum"))
     # ... into TorchRec's own ShardedTensor module, through our ShardedTensor view.

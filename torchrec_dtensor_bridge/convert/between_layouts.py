@@ -65,9 +65,11 @@ def _same_blocks(a: DTensor, b: DTensor) -> bool:
     return _blocks(a) == _blocks(b)
 
 
+@torch.compiler.disable
 def align_optimizer_state(opt: torch.optim.Optimizer, args: Any = None, kwargs: Any = None) -> None:
     """Move ``opt``'s state of every parameter that carries its layout into that layout (see 3. above);
-    *collective* where a state tensor moves."""
+    *collective* where a state tensor moves. Runs eagerly under ``torch.compile(opt.step)`` (a graph break:
+    it reads layouts and may communicate, which a graph cannot hold)."""
     for group in opt.param_groups:
         for p in group["params"]:
             state = opt.state.get(p) if _carries_layout(p) else None

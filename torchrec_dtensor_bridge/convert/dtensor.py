@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._compat import ShardedTensor, make_sharded_tensor, sharded_tensor_process_group
 from ..layout import LayoutKind, ShardLayout, ShardSpec, contiguous_strides
@@ -48,7 +48,9 @@ def dtensor_from_local_shards(
     Not collective and zero-copy: the DTensor's local shards are ``local_shards``.
     The local tensor is a plain tensor where the placements describe the layout
     exactly, else a :class:`LocalShardsWrapper` carrying the layout; ``wrap=True``
-    always gives the wrapper (the form TorchRec's ``load_state_dict`` reads).
+    gives the wrapper for every sharded layout (the form TorchRec's ``load_state_dict``
+    reads). A full replica on every mesh rank keeps its plain tensor: under
+    ``Replicate()`` DTensor hands the local tensor itself to the user (``full_tensor()``).
     """
     rank = _rank()
     mine = layout.shards_on(rank)
@@ -70,7 +72,8 @@ def dtensor_from_local_shards(
     if layout.dtype is None:
         layout = ShardLayout(layout.global_shape, layout.shards, dtype, layout.name)
     where = placement_for_layout(layout, dev.type, device_mesh, process_group)
-    if where.exact and len(local_shards) <= 1 and not wrap:
+    replica = where.exact and all(isinstance(p, Replicate) for p in where.placements)
+    if where.exact and len(local_shards) <= 1 and (replica or not wrap):
         local = local_shards[0] if local_shards else torch.empty(
             (0,) * layout.ndim, dtype=dtype, device=dev
         )
@@ -104,9 +107,13 @@ def to_dtensor(
 
     Given a DTensor instead (e.g. one of TorchRec's ``output_dtensor=True``
     DTensors, whose local tensor is a shards wrapper without the table's
-    layout), returns the same DTensor - same mesh, placements and local
-    shards - with our :class:`LocalShardsWrapper` carrying the whole layout,
-    which lookups need. This is *collective* exactly when :func:`layout_of` is
+    layout), returns the same DTensor - same mesh and local shards - with
+    our :class:`LocalShardsWrapper` carrying the whole layout, which lookups
+    need. Its placements are kept, except where they misdescribe the layout
+    on a mesh of several ranks: TorchRec's ``Replicate()`` for a table one
+    rank holds and ``Shard(1)`` for a table-row-wise table become
+    ``Shard(0)``, so that DTensor's own ``full_tensor()`` and reductions
+    give the table's values on every rank. This is *collective* exactly when :func:`layout_of` is
     (a layout-less wrapper on a mesh of several ranks: every rank of its group
     calls it); a DTensor that already carries its layout is returned as is.
     A table on a one-rank mesh needs no communication: its owner's wrapper
@@ -117,7 +124,9 @@ def to_dtensor(
     The result's local shards are the ShardedTensor's local tensors (same
     ``data_ptr``). A ShardedTensor of a sub-group gives a DTensor on that
     group's mesh (also a table held by one rank), so its collectives stay there.
-    Works for every TorchRec sharding type. The local tensor is always a
+    Works for every TorchRec sharding type; a table-wise table lives on the
+    mesh of the whole group (``Shard(0)``; its owner holds it, the others an
+    empty wrapper), like every other table of the model. The local tensor is always a
     :class:`LocalShardsWrapper` carrying the whole layout (as in TorchRec's own
     DTensors), so TorchRec's ``load_state_dict`` of a ShardedTensor or
     ``output_dtensor=True`` module reads it directly.
@@ -145,11 +154,13 @@ def _with_layout(t: DTensor, name: str) -> DTensor:
     """``t`` with its local tensor our wrapper carrying the whole layout (zero-copy; see :func:`to_dtensor`)."""
     local: Any = t._local_tensor
     if isinstance(local, LocalShardsWrapper) and local.layout_of_table is not None:
-        if local.layout_of_table.name == name or name == "table":
+        placements = _true_placements(t, local.layout_of_table)
+        if (local.layout_of_table.name == name or name == "table") and placements == tuple(t.placements):
             return t
         # the same shards under the table's name (its state_dict key): what errors and pictures say
-        renamed = local._like(local.local_shards(), local.layout_of_table.with_name(name))
-        return DTensor.from_local(renamed, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+        if name != "table":
+            local = local._like(local.local_shards(), local.layout_of_table.with_name(name))
+        return DTensor.from_local(local, t.device_mesh, placements, run_check=False, shape=t.shape,
                                   stride=t.stride())
     layout = layout_of(t, name=name)
     if layout.dtype is None:
@@ -161,10 +172,30 @@ def _with_layout(t: DTensor, name: str) -> DTensor:
     else:  # a plain local tensor: this rank's one block (or none)
         tensors = local_shards_of(t)
     dev = tensors[0].device if tensors else local.device
+    if dev.type == "meta":  # TorchRec's empty wrapper of a rank that holds nothing is a meta tensor
+        dev = torch.device(t.device_mesh.device_type)
     wrapped = LocalShardsWrapper(tensors, [s.offsets for s in mine], layout.global_shape, layout=layout,
                                  dtype=t.dtype, device=dev, _trusted=_consistent(tensors))
-    return DTensor.from_local(wrapped, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                              stride=t.stride())
+    return DTensor.from_local(wrapped, t.device_mesh, _true_placements(t, layout), run_check=False,
+                              shape=t.shape, stride=t.stride())
+
+
+def _true_placements(t: DTensor, layout: ShardLayout) -> tuple:
+    """``t``'s placements, with the sharding axis' placement the one DTensor needs for ``layout``
+    (:attr:`~..layout.ShardLayout.nearest_shard_dim`, as every DTensor of ours carries).
+
+    TorchRec marks a table-wise table ``Replicate()`` on the whole mesh though one rank holds it (DTensor
+    would take each rank's local result of a reduction, 0 on the others, for the table's) and a
+    table-row-wise table ``Shard(1)`` though its rows are cut (``full_tensor()`` would gather columns).
+    A replicated layout, a one-rank mesh and a table cut along several mesh axes keep theirs."""
+    placements = tuple(t.placements)
+    mesh = t.device_mesh
+    axis = sharding_axis(mesh, placements)
+    if mesh.size() == 1 or layout.kind is LayoutKind.REPLICATED or axis is None:
+        return placements
+    fixed = list(placements)
+    fixed[axis] = Shard(layout.nearest_shard_dim or 0)
+    return tuple(fixed)
 
 
 def _is_shards_wrapper(t: Any) -> bool:

@@ -20,9 +20,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from .._compat import one_rank_mesh
 from ..groups import clear_group_cache
-from ..layout import LayoutKind, ShardLayout, ShardSpec, chunk_span
+from ..layout import ShardLayout, ShardSpec, chunk_span
 
 __all__ = ["DTensorPlacement", "clear_caches", "layout_from_placements", "placement_for_layout", "world_mesh"]
 
@@ -76,7 +75,6 @@ def clear_caches() -> None:
     destroying and re-creating the default process group in one process.
     """
     _mesh_for_group.cache_clear()
-    one_rank_mesh.cache_clear()
     clear_group_cache()
     _MESH_RANKS.clear()
 
@@ -136,17 +134,14 @@ def placement_for_layout(
     device_mesh: DeviceMesh | None = None,
     process_group: dist.ProcessGroup | None = None,
 ) -> DTensorPlacement:
-    """Mesh and placements for ``layout``.
+    """Mesh and placements for ``layout``: on ``device_mesh``, else the cached mesh of ``process_group``
+    (default: every rank).
 
-    A table on one rank lives on that rank's cached one-rank mesh with
-    ``Replicate()`` (unless ``device_mesh`` is given); everything else on
-    ``device_mesh`` or the cached world mesh.
+    Every layout lives on the mesh of the whole group, a table held by one rank included (``Shard(0)``
+    over a wrapper holding the table on its owner and nothing elsewhere): the tables of one model share
+    one mesh, so torch calls over all of them (``clip_grad_norm_``, ``torch.optim``'s foreach steps)
+    combine them, and a reduction of such a table gives its value on every rank of the mesh.
     """
-    kind = layout.kind
-    if kind is LayoutKind.TABLE_WISE and device_mesh is None and len(layout.shards) == 1:
-        owner = layout.shards[0].rank
-        assert owner is not None, "table-wise layout without an owner rank"
-        return DTensorPlacement(one_rank_mesh(device_type, owner), (Replicate(),), True)
     mesh = device_mesh if device_mesh is not None else world_mesh(device_type, process_group)
     candidates: list[tuple[Placement, ...]] = []
     # A DTensor placement gives every mesh rank exactly one block: anything else is not exact.

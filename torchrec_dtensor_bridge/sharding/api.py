@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..agreement import RejectedArguments
 from ..convert.dtensor import dtensor_from_local_shards
 from ..groups import CommGroup
-from ..layout import LayoutKind, ShardLayout
+from ..layout import ShardLayout
 from .checks import PlanEntry, agree, mesh_group, resolve_plan
 from .ebc import ebc_forward, ebc_owners
 from .modules import GATHER_OUTPUT_ATTR, GROUP_ATTR, forward_for, install_forward
@@ -20,16 +20,11 @@ from .scatter import scatter_blocks
 __all__ = ["shard_module"]
 
 
-def _mesh_for(layout: ShardLayout, device_mesh: DeviceMesh) -> DeviceMesh | None:
-    """A table on one rank keeps the package's convention (its one-rank mesh); others use ``device_mesh``."""
-    return None if layout.kind is LayoutKind.TABLE_WISE and len(layout.shards) == 1 else device_mesh
-
-
 def _sharded_parameter(entry: PlanEntry, device_mesh: DeviceMesh, src_rank: int, group: CommGroup) -> nn.Parameter:
     with torch.no_grad():
         shards = scatter_blocks(entry.param.detach(), entry.layout, src_rank, group.members)
     dt = dtensor_from_local_shards(
-        entry.layout, shards, device_mesh=_mesh_for(entry.layout, device_mesh), device=entry.param.device
+        entry.layout, shards, device_mesh=device_mesh, device=entry.param.device
     )
     return nn.Parameter(dt, requires_grad=entry.param.requires_grad)
 

@@ -10,5 +10,8 @@ from .local_shards_wrapper import LocalShardsWrapper
 
 for _op in (torch.ops.aten.mean.default, torch.ops.aten.mean.dim):
     _compat.route_dtensor_op(_op, _reductions.dtensor_mean)
+for _op in _reductions.REDUCTIONS_OVER_GROUPS:
+    _compat.route_dtensor_op(_op, _reductions.mark_reduction_group)
+_compat.key_compiled_dtensors_by_local_shards()
 
 __all__ = ["LocalShardsWrapper"]

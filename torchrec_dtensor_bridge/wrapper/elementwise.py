@@ -33,7 +33,7 @@ from .local_shards_wrapper import LocalShardsWrapper
 from .op_table import implements_family
 
 __all__ = [
-    "describe", "dtensor_even_split", "empty_of", "foreach_expand", "foreach_regroup", "like", "operand_part",
+    "check_operand", "describe", "dtensor_even_split", "empty_of", "foreach_expand", "foreach_regroup", "like", "operand_part",
     "rewrap",
 ]
 
@@ -80,12 +80,13 @@ def rewrap(w: LocalShardsWrapper, shards: list[torch.Tensor], dtype: torch.dtype
 
 def dtensor_even_split(layout: ShardLayout | None) -> bool:
     """Whether ``layout``'s blocks are DTensor's own even split along its Shard dim, in rank order (then a
-    plain local tensor of this rank's block shape is the same block)."""
+    plain local tensor of this rank's block shape is the same block). A table in one block is not: it lives
+    on a mesh of several ranks (a one-rank mesh holds it exactly, with no wrapper)."""
     if layout is None:
         return True
     dim = layout.nearest_shard_dim
     shards = layout.shards
-    if dim is None or len({s.rank for s in shards}) != len(shards) or list(shards) != sorted(
+    if dim is None or len(shards) < 2 or len({s.rank for s in shards}) != len(shards) or list(shards) != sorted(
             shards, key=lambda s: s.rank or 0):
         return False
     extent = layout.global_shape[dim]
@@ -96,20 +97,44 @@ def dtensor_even_split(layout: ShardLayout | None) -> bool:
     )
 
 
-def operand_part(w: LocalShardsWrapper, other: Any, i: int, op: Any) -> Any:
-    """The part of ``other`` that meets ``w``'s local shard ``i`` (see the module docstring)."""
+def check_operand(w: LocalShardsWrapper, other: Any, op: Any) -> None:
+    """Refuse an operand that cannot meet ``w``'s blocks, whatever this rank holds (a rank holding nothing
+    refuses it too, so every rank of a DTensor op raises alike): a wrapper of other blocks; a plain tensor
+    of more dims; on a layout that is not DTensor's own even split, a plain tensor that does not broadcast
+    against the whole table (DTensor's even piece of an operand of another layout, moved to this Shard dim).
+    """
     if isinstance(other, LocalShardsWrapper):
         if other is not w and other.block_key() != w.block_key():
             raise ValueError(f"{op}: wrappers differ in layout: {describe(w)} vs {describe(other)}")
+        return
+    if not isinstance(other, torch.Tensor) or other.dim() == 0:
+        return
+    if other.dim() > w.dim():
+        raise ValueError(f"{op}: an operand of shape {list(other.shape)} has more dims than {describe(w)}")
+    if dtensor_even_split(w.layout_of_table):
+        return
+    lead = w.dim() - other.dim()
+    if any(size not in (1, w.global_shape[lead + k]) for k, size in enumerate(other.shape)):
+        raise ValueError(
+            f"{op}: an operand of shape {list(other.shape)} matches neither the table nor this rank's "
+            f"blocks ({describe(w)}); a DTensor of another layout? Give both operands one layout "
+            f"(tdb.to_dtensor / dtensor_from_local_shards with the table's layout)"
+        )
+
+
+def operand_part(w: LocalShardsWrapper, other: Any, i: int, op: Any) -> Any:
+    """The part of ``other`` that meets ``w``'s local shard ``i`` (see the module docstring); the operand
+    passed :func:`check_operand`."""
+    if isinstance(other, LocalShardsWrapper):
         return other._local_shards[i]
     if not isinstance(other, torch.Tensor) or other.dim() == 0:
         return other
     shards = w.local_shards()
-    if other.shape == w.shape and len(shards) > 1:  # the shards packed along their stacked dim
+    if w.layout_of_table is None and other.shape == w.shape and len(shards) > 1:
+        # a wrapper on its own (no table layout: never a DTensor's of ours) takes its shards packed
+        # along their stacked dim; inside a DTensor that shape could be DTensor's even piece instead
         return w.split_packed(other)[i]
     shard, offsets = shards[i], w.local_offsets()[i]
-    if other.dim() > shard.dim():
-        raise ValueError(f"{op}: an operand of shape {list(other.shape)} has more dims than {describe(w)}")
     if other.shape == shard.shape and len(shards) == 1 and dtensor_even_split(w.layout_of_table):
         return other
     lead = shard.dim() - other.dim()
@@ -187,7 +212,9 @@ def _per_shard(func: Any, args: tuple, kwargs: dict, shard_kwargs: Any = None) -
             raise ValueError(f"{func}: wrappers differ in layout: {describe(ref)} vs {describe(other)}")
     results = []
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    parts = [[operand_part(ref, x, i, func) for x in leaves] for i in range(n)]  # all checked before any write
+    for x in leaves:  # all checked before any write, on every rank alike
+        check_operand(ref, x, func)
+    parts = [[operand_part(ref, x, i, func) for x in leaves] for i in range(n)]
     for i in range(n):
         a, k = pytree.tree_unflatten(parts[i], spec)
         if shard_kwargs is not None:
@@ -308,10 +335,10 @@ def foreach_expand(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, l
             if ref is None:
                 out.append(x)
             elif isinstance(x, LocalShardsWrapper):  # its shards, once its blocks match
-                if x is not ref and x.block_key() != ref.block_key():
-                    raise ValueError(f"{func}: wrappers differ in layout: {describe(ref)} vs {describe(x)}")
+                check_operand(ref, x, func)
                 out.extend(x._local_shards)
             else:
+                check_operand(ref, x, func)
                 out.extend(operand_part(ref, x, i, func) for i in range(len(ref._local_shards)))
         expanded[where] = out
     new_args = tuple(expanded.get(pos, a) for pos, a in enumerate(args))

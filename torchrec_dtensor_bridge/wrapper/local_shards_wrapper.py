@@ -16,10 +16,12 @@ Example::
 from __future__ import annotations
 
 import copy
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -243,6 +245,26 @@ class LocalShardsWrapper(torch.Tensor):
         names = [f"{_SHARD}{i}" for i in range(n)] if n else [_NO_SHARD]  # compile wants >= 1 inner tensor
         return names, (n, tuple(self._offsets), self._global_shape, self._layout, self._stack_dim, self.dtype,
                        self.device)
+
+    def _stable_hash_for_caching(self) -> str:
+        """What torch.compile's caches key a compiled graph on (torch's extension point for wrapper subclasses):
+        everything :meth:`__tensor_flatten__` carries, the shards' shapes, strides and dtypes, and this rank.
+        A graph traced over one rank's or one layout's shards bakes in their blocks (a gather packs this
+        rank's blocks, a reduction skips copies), so it must never serve another's. The DTensor over a
+        wrapper folds this in (``_compat.key_compiled_dtensors_by_local_shards``)."""
+        layout = self._layout
+        key = (
+            type(self).__qualname__,
+            dist.get_rank() if dist.is_initialized() else 0,
+            [tuple(o) for o in self._offsets],
+            None if self._global_shape is None else tuple(self._global_shape),
+            None if layout is None else (layout.global_shape, str(layout.dtype), layout.name,
+                                         [(s.rank, s.offsets, s.sizes) for s in layout.shards]),
+            self._stack_dim, str(self.dtype), str(self.device), tuple(self.shape),
+            [(tuple(t.shape), t.stride(), str(t.dtype), t.requires_grad) for t in self._local_shards],
+            self.__dict__.get("_reduce_members"),
+        )
+        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
     @staticmethod
     def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple[Any, ...], outer_size: Sequence[int],

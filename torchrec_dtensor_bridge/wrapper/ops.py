@@ -12,7 +12,7 @@ import torch
 
 from .elementwise import empty_of
 from .elementwise import like as _like
-from .elementwise import operand_part
+from .elementwise import check_operand, operand_part
 from .local_shards_wrapper import LocalShardsWrapper
 from .op_table import implements
 
@@ -76,7 +76,8 @@ def _view(func, args, kwargs):
 @implements(aten.copy_.default)
 def _copy(func, args, kwargs):
     w, src = args[0], args[1]
-    parts = [operand_part(w, src, i, func) for i in range(len(w.local_shards()))]  # all checked first
+    check_operand(w, src, func)
+    parts = [operand_part(w, src, i, func) for i in range(len(w.local_shards()))]
     for dst, part in zip(w.local_shards(), parts):
         dst.copy_(part, **kwargs)
     return w

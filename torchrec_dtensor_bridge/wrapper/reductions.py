@@ -11,6 +11,12 @@ A DTensor whose local tensor is a wrapper carries one ``Shard`` placement, on th
 3. a reduction over a cut dim other than ``p`` (a grid reduced over its columns alone) would need the
    blocks of other ranks: ``NotImplementedError`` saying so, never a partial answer.
 
+A box held by several ranks of the group DTensor reduces over (or twice by one rank) counts once there:
+:func:`mark_reduction_group` (run by DTensor before its own path, for DTensors over a wrapper whose layout
+holds copies) records the group's members on the wrapper, and only the first copy of each box among them
+(:meth:`~..layout.ShardLayout.first_copies`) enters a combined result; copies on other lines of a 2-D mesh
+reduce in their own groups.
+
 A mean is not a sum of means on an uneven cut: :func:`dtensor_mean` (run by DTensor for DTensors over a
 wrapper) takes the table's sum and divides by the table's count. ``_foreach_norm`` gives each table's
 norm from its shards' norms. The gather DTensor runs to replicate a table (``full_tensor()``,
@@ -27,14 +33,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._compat import group_ranks
+from .._compat import group_ranks, outside_tracing_modes
 from ..blocks import check_covered, contributions, pack, unpack
+from ..groups import comm_group
 from ..layout import ShardLayout, ShardSpec
 from .elementwise import describe, dtensor_even_split, foreach_expand, foreach_regroup
 from .local_shards_wrapper import LocalShardsWrapper
 from .op_table import implements
 
-__all__ = ["dtensor_mean"]
+__all__ = ["REDUCTIONS_OVER_GROUPS", "dtensor_mean", "mark_reduction_group"]
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -130,6 +137,40 @@ def _place(out: torch.Tensor, box, part: torch.Tensor, kind: str, ord_: float) -
         view.add_(part.to(view.dtype))
 
 
+_MEMBERS = "_reduce_members"
+"""The wrapper attribute :func:`mark_reduction_group` sets: the global ranks DTensor reduces it over."""
+
+
+def _counted(w: LocalShardsWrapper) -> tuple[bool, ...] | None:
+    """Which local shards enter a result combined across ranks (``None``: all): the first copy of each box
+    among the ranks DTensor reduces over, where :func:`mark_reduction_group` recorded them."""
+    members = w.__dict__.get(_MEMBERS)
+    layout = w.layout_of_table
+    if members is None or layout is None:
+        return None
+    counted = layout.first_copies(dist.get_rank() if dist.is_initialized() else 0, members)
+    return counted if len(counted) == len(w.local_shards()) else None
+
+
+REDUCTIONS_OVER_GROUPS = (aten.sum.default, aten.sum.dim_IntList, aten.linalg_vector_norm.default,
+                          aten._foreach_norm.Scalar)
+"""The reductions that add up copies (a maximum or minimum takes a copy twice harmlessly)."""
+
+
+def mark_reduction_group(op: Any, args: tuple, kwargs: dict) -> Any:
+    """Before DTensor reduces a DTensor (or a list of them) over a wrapper whose layout holds a box more than
+    once, record on the wrapper the members of the group DTensor reduces it over, so that each box counts
+    once among them. Always ``NotImplemented``: DTensor's own path then runs."""
+    xs = args[0] if isinstance(args[0], (list, tuple)) else (args[0],)
+    for x in xs:
+        local = getattr(x, "_local_tensor", None)
+        if isinstance(local, LocalShardsWrapper) and local.layout_of_table is not None \
+                and local.layout_of_table.has_copies and x.device_mesh.get_coordinate() is not None:
+            with outside_tracing_modes():  # the mesh's ranks are a real tensor, also under torch.compile
+                setattr(local, _MEMBERS, comm_group(x).members)
+    return NotImplemented
+
+
 @implements(*_KIND)
 def _reduce(func, args, kwargs):
     w: LocalShardsWrapper = args[0]
@@ -148,8 +189,9 @@ def _reduce(func, args, kwargs):
         part_kwargs = {"dtype": kwargs.get("dtype")} if kind == "mean" else kwargs
         out = torch.full(out_shape, _identity(kind, ord_, dtype), dtype=dtype, device=w.device)
         count = torch.zeros(out_shape, dtype=torch.int64, device=w.device) if kind == "mean" else None
-        for shard, box in zip(w.local_shards(), out_box):
-            if shard.numel():
+        counted = _counted(w) or (True,) * len(out_box)
+        for shard, box, counts in zip(w.local_shards(), out_box, counted):
+            if shard.numel() and counts:
                 part = parts_func(shard, *part_args, **part_kwargs)
                 _place(out, box, part, kind, ord_)
                 if count is not None:
@@ -185,9 +227,13 @@ def _foreach_norm(func, args, kwargs):
     ord_ = _norm_ord(func, args, kwargs)
 
     def table_norm(ref: LocalShardsWrapper, parts: list[torch.Tensor]) -> torch.Tensor:
+        counted = _counted(ref)
+        if counted is not None:
+            parts = [p for p, c in zip(parts, counted) if c]
         if parts:
             return combine_norms(torch.stack(parts), ord_)
-        return torch.zeros((), dtype=kwargs.get("dtype") or ref.dtype, device=ref.device)  # holds nothing
+        dtype = kwargs.get("dtype") or ref.dtype  # holds nothing: what the ranks' combination ignores
+        return torch.full((), _identity("norm", ord_, dtype), dtype=dtype, device=ref.device)
 
     return foreach_regroup(norms, counts, table_norm)
 
@@ -215,8 +261,11 @@ def _all_gather(func, args, kwargs):
     (``ceil(n / ranks)``-long chunks of the Shard dim, padded, one after another along dim 0)."""
     w, group_size, group_name = args[0], int(args[1]), args[2]
     layout = w.layout_of_table
-    if layout is None or (dtensor_even_split(layout) and len(layout.shards) == group_size):
-        # every rank's local tensor is its chunk of DTensor's own split (or the layout is unknown)
+    if layout is None or (dtensor_even_split(layout) and len(layout.shards) == group_size
+                          and layout.global_shape[layout.nearest_shard_dim or 0] % group_size == 0):
+        # every rank's local tensor is its chunk of DTensor's own split, none padded (or the layout is
+        # unknown); a split with a shorter last chunk (13 rows on 2 ranks: 7 + 6) takes the path below,
+        # which sends every rank's buffer at the padded chunk size DTensor expects
         return func(w.pack().contiguous(), *args[1:], **kwargs)
     ranks = group_ranks(group_name)
     part = layout.on_ranks(ranks)  # in group ranks
@@ -235,30 +284,85 @@ def _all_gather(func, args, kwargs):
 
 
 def _no_redistribution(w: LocalShardsWrapper, func: Any) -> NotImplementedError:
+    layout = w.layout_of_table
+    cut = sorted(layout.cut_dims) if layout is not None else "unknown"
     return NotImplementedError(
-        f"{describe(w)}: DTensor asked for {func} to move its local shards to another "
-        f"Shard dim (an op between DTensors of different placements); a table this layout carries moves "
-        f"only to Replicate (full_tensor()) or through tdb (checkpoint load / reshard into another layout). "
-        f"Give both operands the same layout"
+        f"{describe(w)}: DTensor asked for {func} to move the table to another Shard dim (a redistribute(), "
+        f"or an op between DTensors of different placements); a table cut along dims {cut} moves to "
+        f"Replicate() (full_tensor()), to Shard of its own cut dim, or to Shard of a dim no block is cut in. "
+        f"Take redistribute(mesh, [Replicate()]) first, or give both operands the same layout"
     )
 
 
 @implements(aten.constant_pad_nd.default, aten.pad.default)
 def _pad(func, args, kwargs):
-    """Padding along the Shard dim, which DTensor asks for right before it gathers along it: the gather
-    above assembles the table from the layout whatever the local sizes, so the shards stay as they are.
-    Any other padding (DTensor's move to another Shard dim) is refused."""
+    """Constant padding at the end of dims, which DTensor asks for right before it gathers:
+
+    * along the Shard dim (before a gather along it): the gather assembles the table from the layout
+      whatever the local sizes, so the shards stay as they are;
+    * along a dim no block is cut in (before a move to ``Shard`` of that dim, which a CPU mesh makes as
+      a gather then a chunk): every block is padded at its end, and the layout's table with it.
+
+    Anything else (padding before the data, a non-constant mode, a cut dim other than the Shard dim:
+    a grid's columns) is refused, on every rank alike (the layout is the same everywhere)."""
     w, pad = args[0], list(args[1])
     mode = "constant"
     if func is aten.pad.default:
         mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
+    value = args[2] if func is aten.constant_pad_nd.default and len(args) > 2 else kwargs.get("value", 0)
+    if func is aten.pad.default and len(args) > 3:
+        value = args[3]
     layout = w.layout_of_table
     p = layout.nearest_shard_dim if layout is not None else None
-    touched = {w.dim() - 1 - k // 2 for k, v in enumerate(pad) if v}
-    before = {w.dim() - 1 - k // 2 for k, v in enumerate(pad) if v and k % 2 == 0}
-    if p is not None and touched <= {p} and not before and mode == "constant":
+    after = {w.dim() - 1 - k // 2: int(v) for k, v in enumerate(pad) if v and k % 2 == 1}
+    before = [k for k, v in enumerate(pad) if v and k % 2 == 0]
+    if layout is None or p is None or before or mode != "constant":
+        raise _no_redistribution(w, func)
+    # DTensor pads this rank's local tensor to a target extent; along an uncut dim the table grows to it
+    # (a wrapper holding nothing has size 0 there). Along p DTensor's amount may even be negative.
+    held = bool(w.local_shards())
+    extra = {d: (w.shape[d] if held else 0) + v - layout.global_shape[d] for d, v in after.items() if d != p}
+    if not extra:
         return w._like(list(w.local_shards()))
-    raise _no_redistribution(w, func)
+    if set(extra) & layout.cut_dims or any(v < 0 for v in extra.values()):
+        raise _no_redistribution(w, func)
+    return _padded(w, layout, extra, value or 0)
+
+
+def _padded(w: LocalShardsWrapper, layout: ShardLayout, extra: dict[int, int], value: Any) -> LocalShardsWrapper:
+    """``w`` with every block and the table padded by ``extra[d]`` elements at the end of each uncut dim
+    ``d`` (new storage: padding cannot be a view)."""
+    def grown(sizes: Sequence[int]) -> tuple[int, ...]:
+        return tuple(n + extra.get(d, 0) for d, n in enumerate(sizes))
+
+    shards = []
+    for t in w.local_shards():
+        pads: list[int] = []
+        for d in reversed(range(t.dim())):
+            pads += [0, extra.get(d, 0)]
+        shards.append(torch.nn.functional.pad(t, pads, value=value))
+    specs = tuple(ShardSpec(s.rank, s.offsets, grown(s.sizes), s.device) for s in layout.shards)
+    new_layout = ShardLayout(grown(layout.global_shape), specs, layout.dtype, layout.name)
+    return LocalShardsWrapper(shards, list(w.local_offsets()), new_layout.global_shape, layout=new_layout,
+                              dtype=w.dtype, device=w.device, _trusted=True)
+
+
+@implements(torch.ops._dtensor.shard_dim_alltoall.default)
+def _shard_dim_alltoall(func, args, kwargs):
+    """DTensor's move of a table to ``Shard(shard_dim)`` on an accelerator mesh: this rank's chunk of the
+    table along ``shard_dim``, from the layout's gather (as DTensor itself does on a CPU mesh)."""
+    w, gather_dim, shard_dim, group_name = args[0], int(args[1]), int(args[2]), args[3]
+    group_size = len(group_ranks(group_name))
+    full = _all_gather(c10d.all_gather_into_tensor.default, (w, group_size, group_name), {})
+    full = torch.cat(full.chunk(group_size, dim=0), dim=gather_dim) if gather_dim else full
+    me = group_ranks(group_name).index(dist.get_rank())
+    return _chunk(full, group_size, shard_dim)[me].contiguous()
+
+
+def _chunk(t: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
+    """``torch.chunk`` with empty pieces at the end where it gives fewer than ``n`` (DTensor's split)."""
+    pieces = list(t.chunk(n, dim=dim))
+    return pieces + [t.narrow(dim, 0, 0)] * (n - len(pieces))
 
 
 @implements(c10d.all_to_all_single.default)
