@@ -22,8 +22,9 @@ The steps :func:`~.api.save` runs, on every rank (*collective* around them):
    base's; the changed rows copied out (what the save writes: also what an
    asynchronous save holds). Where the rows written since the base are known
    (:mod:`..tracking`: a ``FusedOptimizer(..., track_changed_rows=True)``'s
-   steps, nothing else having written), only those are digested, the others
-   keep the base's digests as this process kept them;
+   steps, or those of TorchRec's fused kernel under ``track_changed_rows(dmp)``,
+   nothing else having written), only those are digested, the others keep the
+   base's digests as this process kept them;
 4. :meth:`Rows.write`: the files, each block's bytes hashed as written (the
    manifest's block checksums) and fsynced; the records for the manifest.
 
