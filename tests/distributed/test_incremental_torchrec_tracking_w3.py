@@ -6,8 +6,9 @@ backward), and one data-parallel table, on 3 ranks, is tracked, saved in full, t
 incrementally after each step. Every block of a tracked table is digested from the tracker's record only, never
 scanned (a spy on ``tracking.written_since``, which the save asks first), and each link holds exactly the rows
 that changed (counted from the live tables, every tensor gathered). A write through torch the tracker is not told
-of (link 2), a load of an older link into the live tables (link 4) and tracking switched off (link 6) make the
-saves that follow scan, and their links are exact too. The chain then loads bit-exact (``torch.equal``) on 2 ranks
+of (link 2), a load of an older link into the live tables (link 4), TorchRec's own ``load_state_dict`` (link 5)
+and tracking switched off (link 6) make the saves that follow scan what was written, and their links are exact
+too. The chain then loads bit-exact (``torch.equal``) on 2 ranks
 under another plan and on 1 rank.
 
 A tracker that misses a row (one id dropped from its record of a step) fails the same checks: its link lacks the
@@ -16,6 +17,7 @@ row, and the chain loaded differs from the live tables.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from typing import Any
@@ -214,6 +216,11 @@ def _links(rank, dmp, dense, report, root, group, links) -> Any:
     for link in range(1, links + 1):
         if link == 4:  # an older link loaded into the live tables: the next save finds the rows it changed
             tdb.checkpoint.load(_state(dmp), f"{root}/l2")
+        if link == 5:  # TorchRec's own load_state_dict, one row changed: it writes every table through torch
+            other = copy.deepcopy(dmp.state_dict())
+            with torch.no_grad():
+                other[_key("t_trw")].local_shards()[0].tensor[0] += 1.0
+            dmp.load_state_dict(other)
         if link == 6:
             report.remove()  # tracking off: the saves scan again
         _step(dmp, dense, link, rank)
@@ -244,7 +251,8 @@ def chain(pool, tmp_path_factory):
 def _scanned(key: str, rank: int, link: int) -> bool:
     """Whether the save of ``link`` scans ``key``'s blocks on ``rank`` (see the module docstring)."""
     table = key.split("embedding_bags.")[1].split(".")[0]
-    written_through_torch = link == 2 and rank == 0 and key == "model." + _key("t_rw")
+    written_through_torch = (link == 2 and rank == 0 and key == "model." + _key("t_rw")) or \
+        (link == 5 and key.startswith("model."))
     return table not in FUSED or link in (4, 6) or written_through_torch
 
 
