@@ -2,7 +2,7 @@
 
 A TorchRec ``DistributedModelParallel`` over an ``EmbeddingBagCollection`` whose tables are sharded row-wise,
 table-wise, column-wise and table-row-wise with TorchRec's ``fused`` kernel (fbgemm's row-wise Adagrad in
-backward), and one data-parallel table, on 3 ranks, is tracked, saved in full, then trained and saved
+backward), and one data-parallel table, and an ``EmbeddingCollection`` (row-wise, fused), on 3 ranks, is tracked, saved in full, then trained and saved
 incrementally after each step. Every block of a tracked table is digested from the tracker's record only, never
 scanned (a spy on ``tracking.written_since``, which the save asks first), and each link holds exactly the rows
 that changed (counted from the live tables, every tensor gathered). A write through torch the tracker is not told
@@ -36,36 +36,39 @@ from .test_dlrm_resume_w3 import _snapshot
 pool = make_pool_fixture(3)
 
 TABLES = {"t_rw": (40, 8), "t_tw": (24, 8), "t_cw": (20, 16), "t_trw": (30, 8), "t_dp": (10, 4)}  # rows, dim
+SEQUENCE = {"s_rw": (36, 8)}  # a table of an EmbeddingCollection (un-pooled lookups)
 SAVED = {"t_rw": ("row_wise",), "t_tw": ("table_wise", 1), "t_cw": ("column_wise", [0, 2]),
-         "t_trw": ("table_row_wise",), "t_dp": ("data_parallel",)}  # on 3 ranks
-HOLDERS = {"t_rw": {0, 1, 2}, "t_tw": {1}, "t_cw": {0, 2}, "t_trw": {0, 1, 2}}  # ranks holding a block, SAVED
+         "t_trw": ("table_row_wise",), "t_dp": ("data_parallel",), "s_rw": ("row_wise",)}  # on 3 ranks
+HOLDERS = {"t_rw": {0, 1, 2}, "t_tw": {1}, "t_cw": {0, 2}, "t_trw": {0, 1, 2}, "s_rw": {0, 1, 2}}  # SAVED's
 AFTER = {"t_rw": ("table_wise", 0), "t_tw": ("row_wise",), "t_cw": ("column_wise", [1, 0]), "t_trw": ("row_wise",),
-         "t_dp": ("data_parallel",)}  # on ranks 0-1: every table moves (table-row-wise needs the whole world; t_cw's
-# row-wise state is one per column block: bit-exact under the same column cut, see checkpoint/keyed.py)
+         "t_dp": ("data_parallel",), "s_rw": ("table_wise", 1)}  # on ranks 0-1: every table moves (table-row-wise
+# needs the whole world; t_cw's row-wise state is one per column block: bit-exact under the same column cut)
 ONE_RANK = {"t_rw": ("table_wise", 0), "t_tw": ("table_wise", 0), "t_cw": ("column_wise", [0, 0]),
-            "t_trw": ("table_wise", 0), "t_dp": ("data_parallel",)}
-FUSED = [n for n in TABLES if n != "t_dp"]
+            "t_trw": ("table_wise", 0), "t_dp": ("data_parallel",), "s_rw": ("table_wise", 0)}
+FUSED = [n for n in [*TABLES, *SEQUENCE] if n != "t_dp"]
 LINKS = 6
 CHECKED = (3, 6)
 
 
 class _Model(nn.Module):
-    def __init__(self, ebc: nn.Module) -> None:
+    def __init__(self, ebc: nn.Module, ec: nn.Module) -> None:
         super().__init__()
         self.ebc = ebc
+        self.ec = ec
 
-    def forward(self, kjt: Any) -> Any:
-        return self.ebc(kjt)
+    def forward(self, kjt: Any, sequences: Any) -> tuple[Any, Any]:
+        return self.ebc(kjt), self.ec(sequences)
 
 
 def _key(table: str) -> str:
-    return f"ebc.embedding_bags.{table}.weight"
+    return f"ec.embeddings.{table}.weight" if table in SEQUENCE else f"ebc.embedding_bags.{table}.weight"
 
 
 def _dmp(plan: dict[str, tuple], group: dist.ProcessGroup):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
     from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -75,20 +78,26 @@ def _dmp(plan: dict[str, tuple], group: dist.ProcessGroup):
         tables=[EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
                 for n, (r, d) in TABLES.items()],
         device=torch.device("meta"))
-    sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3})
+    ec = EmbeddingCollection(
+        tables=[EmbeddingConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f_{n}"])
+                for n, (r, d) in SEQUENCE.items()],
+        device=torch.device("meta"))
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3}
+    sharders = [EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused)]
     make = {"row_wise": lambda: sp.row_wise(compute_kernel="fused"),
             "table_wise": lambda rank: sp.table_wise(rank=rank, compute_kernel="fused"),
             "column_wise": lambda ranks: sp.column_wise(ranks=ranks, compute_kernel="fused"),
             "table_row_wise": lambda: _fused(sp.table_row_wise(host_index=0)),
             "data_parallel": lambda: sp.data_parallel()}
     world = group.size()
-    per_param = {n: make[kind](*args) for n, (kind, *args) in plan.items()}
-    module_plan = sp.construct_module_sharding_plan(ebc, per_param_sharding=per_param, sharder=sharder,
-                                                    local_size=world, world_size=world, device_type="cpu")
+    plans = {}
+    for name, module, sharder, tables in (("ebc", ebc, sharders[0], TABLES), ("ec", ec, sharders[1], SEQUENCE)):
+        per_param = {n: make[kind](*args) for n, (kind, *args) in plan.items() if n in tables}
+        plans[name] = sp.construct_module_sharding_plan(module, per_param_sharding=per_param, sharder=sharder,
+                                                        local_size=world, world_size=world, device_type="cpu")
     return DistributedModelParallel(
-        _Model(ebc), env=ShardingEnv.from_process_group(group), device=torch.device("cpu"),
-        plan=ShardingPlan({"ebc": module_plan}), sharders=[sharder])
+        _Model(ebc, ec), env=ShardingEnv.from_process_group(group), device=torch.device("cpu"),
+        plan=ShardingPlan(plans), sharders=sharders)
 
 
 def _fused(generator):
@@ -115,10 +124,14 @@ def _step(dmp, dense: torch.optim.Optimizer, step: int, rank: int) -> None:
     values = [torch.randint(0, r, (int(lengths[i].sum()),), generator=g) for i, (r, _) in enumerate(TABLES.values())]
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{n}" for n in TABLES], values=torch.cat(values),
                                               lengths=lengths.reshape(-1))
-    out = dmp(kjt)
-    out = out.wait() if hasattr(out, "wait") else out
-    weights = torch.randn(out.values().shape, generator=g)
-    (out.values() * weights).sum().backward()
+    ((rows, _),) = SEQUENCE.values()
+    lengths = torch.randint(0, 3, (3,), generator=g)
+    sequences = KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f_{n}" for n in SEQUENCE], values=torch.randint(0, rows, (int(lengths.sum()),), generator=g),
+        lengths=lengths)
+    pooled, seq = (o.wait() if hasattr(o, "wait") else o for o in dmp(kjt, sequences))
+    looked_up = torch.cat([pooled.values().reshape(-1), *(jt.values().reshape(-1) for jt in seq.values())])
+    (looked_up * torch.randn(looked_up.shape, generator=g)).sum().backward()
     dense.step()
     dense.zero_grad()
 
@@ -250,7 +263,7 @@ def chain(pool, tmp_path_factory):
 
 def _scanned(key: str, rank: int, link: int) -> bool:
     """Whether the save of ``link`` scans ``key``'s blocks on ``rank`` (see the module docstring)."""
-    table = key.split("embedding_bags.")[1].split(".")[0]
+    table = re.search(r"\.(?:embedding_bags|embeddings)\.(\w+)\.", key).group(1)
     written_through_torch = (link == 2 and rank == 0 and key == "model." + _key("t_rw")) or \
         (link == 5 and key.startswith("model."))
     return table not in FUSED or link in (4, 6) or written_through_torch
