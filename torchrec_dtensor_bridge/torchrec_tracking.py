@@ -23,13 +23,15 @@ Steps (on each rank, nothing collective):
    every row of the table(s) concerned.
 3. The ids are reported when the backward reaches the lookup's autograd node (a pre-hook on the node the
    forward returned: the write happens there, so a save between a forward and its backward does not
-   absorb rows written after it); the node's post-hook takes the version counter as the kernel left it.
+   absorb rows written after it); the node's post-hook takes the version counter as the kernel left it
+   (fbgemm 1.8's CPU kernels write through raw pointers and leave it; a build that moves it is covered).
    The counter rule of :mod:`.tracking` does the rest: any other in-place write through torch (``copy_``,
    ``load_state_dict``, ``tdb.checkpoint.load``, an optimizer's step on the parameter) voids the records
    of the tensors sharing the counter, and the next save scans.
 
-What qualifies was verified on fbgemm_gpu-cpu 1.8's CPU kernels, writing every table before and after
-steps of random ids: the rows that changed, weights and every optimizer state, are among the ids looked up.
+What qualifies was verified on fbgemm_gpu-cpu 1.8's CPU kernels, comparing every table before and after
+steps of random ids (``tests/unit/test_torchrec_tracking.py``): the rows that changed, weights and every
+optimizer state, are among the ids looked up.
 """
 
 from __future__ import annotations
@@ -227,7 +229,8 @@ class FusedTracking:
     Attributes:
         tracked: the state_dict keys (``model.state_dict()``'s, and ``"state.<param>.<state>"`` of the fused
             optimizer's) whose local shards' written rows are recorded.
-        scanned: the other keys of fused kernels' tables, each with why its saves scan.
+        scanned: the keys of the other tables of the sharded modules (and of their optimizer state), each with
+            why its saves still scan.
     """
 
     tracked: list[str]
@@ -255,20 +258,24 @@ def track_changed_rows(model: nn.Module) -> FusedTracking:
     model's tables (and of its ``fused_optimizer``'s state) digests only those, as for a
     ``FusedOptimizer(..., track_changed_rows=True)``. The checkpoint is the same as after a scan.
 
-    Tracked: tables sharded table-wise, row-wise, column-wise, table-row-wise or table-column-wise with the
-    ``fused`` compute kernel on the CPU, whose optimizer is fbgemm's ``EXACT_SGD``, ``EXACT_ADAGRAD`` or
-    ``EXACT_ROWWISE_ADAGRAD`` (weight decay none, ``L2``, ``DECOUPLE``, ``COUNTER`` or ``COWCLIP``): their
-    update writes exactly the rows looked up (verified on fbgemm's CPU kernels). Scanned, as before: other
-    optimizers (Adam, LAMB, ... are not built for CPU), ``DECOUPLE_GLOBAL`` weight decay, cached (UVM) and
-    key-value tables, CUDA tables (not verified there yet), data-parallel tables (TorchRec trains them with the
-    dense optimizer) and every dense parameter. :attr:`FusedTracking.scanned` says which, and why.
+    Tracked, whatever the sharding type (table-wise, row-wise, column-wise, table-row-wise, ...): the tables of
+    sharded ``EmbeddingBagCollection`` and ``EmbeddingCollection`` modules with the ``fused`` compute kernel on
+    the CPU whose optimizer is fbgemm's ``EXACT_SGD``, ``EXACT_ADAGRAD`` or ``EXACT_ROWWISE_ADAGRAD`` (weight decay
+    none, ``L2``, ``DECOUPLE``, ``COUNTER`` or ``COWCLIP``), and their optimizer state: their update writes
+    exactly the rows looked up (verified on fbgemm's CPU kernels). Scanned, as before: other optimizers (Adam,
+    LAMB, ... are not built for CPU), cached (UVM), key-value and CUDA tables (not verified there yet),
+    data-parallel tables (TorchRec trains them with the dense optimizer) and every dense parameter;
+    :attr:`FusedTracking.scanned` says which, and why.
 
-    A write the tracker is not told of is never lost: any in-place write through torch to a tracked table
-    or state (``copy_``, ``load_state_dict``, ``tdb.checkpoint.load``, an optimizer's step, ``nn.init``)
-    moves torch's version counter, and the next save scans. Writes torch cannot see - through ``.data``,
-    NumPy or a raw pointer - are not seen: do not ask for tracking where something writes the tables that way.
-    Switch tracking on between steps (not between a forward and its backward). Local to this rank: call it on
-    every rank that trains. Costs a boolean per row and, each step, a pass over the ids looked up.
+    The first save after this call scans (it starts the record); each later incremental save whose base is
+    the previous save of these tables digests only the rows written since (another base: it scans). A write
+    through torch the tracker is not told of is not lost: any in-place write to a tracked table or state
+    (``copy_``, ``load_state_dict``, ``tdb.checkpoint.load``, ``nn.init``, an optimizer's step) moves torch's
+    version counter, and the next save scans. Writes torch cannot see - through ``.data``, NumPy or a raw
+    pointer - are not seen: do not ask for tracking where something writes the tables that way. Switch
+    tracking on between steps (not between a forward and its backward), on every rank that trains (each
+    rank records its own shards; no collective). Costs a boolean per row and, each step, a pass over the ids
+    looked up.
 
     Args:
         model: a TorchRec ``DistributedModelParallel``, or a sharded ``EmbeddingBagCollection`` /
