@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +64,7 @@ a decay of every row, is built for CUDA only and does not qualify)."""
 
 _TBE = "fbgemm_gpu.split_table_batched_embeddings_ops_training.SplitTableBatchedEmbeddingBagsCodegen"
 
-_tracked: weakref.WeakKeyDictionary[nn.Module, FusedTracking] = weakref.WeakKeyDictionary()
+_hooked: weakref.WeakKeyDictionary[nn.Module, _Hooked] = weakref.WeakKeyDictionary()  # TBE -> its live hooks
 
 
 def _qualified_name(m: object) -> str:
@@ -150,8 +149,20 @@ class _Hooked:
         self.features = [int(t) for t in tbe.feature_table_map]
         self.signature = inspect.signature(tbe.forward)
         self.tensors = [t for tab in tables for t in tab.tensors]
+        self.live = True
         tracking.watch(self.tensors)
         self.handle = tbe.register_forward_hook(self._forward, with_kwargs=True)
+        self.tbe = weakref.ref(tbe)
+        _hooked[tbe] = self
+
+    def remove(self) -> None:
+        """No more reports, also from the backward of a forward already run; the records dropped."""
+        self.live = False
+        self.handle.remove()
+        tracking.unwatch(self.tensors)
+        tbe = self.tbe()
+        if tbe is not None and _hooked.get(tbe) is self:
+            del _hooked[tbe]
 
     def _forward(self, tbe: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
         if not isinstance(out, torch.Tensor) or out.grad_fn is None:
@@ -166,11 +177,12 @@ class _Hooked:
         before: dict[int, tuple[torch.Tensor, int]] = {}
 
         def pre(_grads: Any) -> None:  # the kernel writes next: report its rows now
-            before.update(tracking.before_writes(self.tensors))
-            tracking.after_writes(before, report)
+            if self.live:
+                before.update(tracking.before_writes(self.tensors))
+                tracking.after_writes(before, report)
 
         def post(_grads_in: Any, _grads_out: Any) -> None:  # the counter as the kernel left it
-            if before:
+            if self.live and before:
                 tracking.after_writes(before, [])
 
         node.register_prehook(pre)
@@ -235,18 +247,13 @@ class FusedTracking:
 
     tracked: list[str]
     scanned: dict[str, str]
-    _hooked: list[_Hooked] = field(default_factory=list, repr=False)
-    _model: Callable[[], nn.Module | None] = field(default=lambda: None, repr=False)
+    _hooks: list[_Hooked] = field(default_factory=list, repr=False)
 
     def remove(self) -> None:
         """Stop tracking: the hooks removed, the records dropped (later saves scan these tables)."""
-        for h in self._hooked:
-            h.handle.remove()
-            tracking.unwatch(h.tensors)
-        self._hooked = []
-        model = self._model()
-        if model is not None and _tracked.get(model) is self:
-            del _tracked[model]
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
 
 def track_changed_rows(model: nn.Module) -> FusedTracking:
@@ -285,7 +292,7 @@ def track_changed_rows(model: nn.Module) -> FusedTracking:
         What is tracked on this rank, what is scanned and why; its ``remove()`` switches tracking off.
 
     Raises:
-        ValueError: ``model`` holds no TorchRec sharded embedding table, or is tracked already.
+        ValueError: ``model`` holds no TorchRec sharded embedding module, or its tables are tracked already.
 
     Example::
 
@@ -295,15 +302,15 @@ def track_changed_rows(model: nn.Module) -> FusedTracking:
         >>> train(dmp, steps=100)
         >>> tdb.checkpoint.save({"model": dmp, "opt": dmp.fused_optimizer}, "/ckpt/s1", base="/ckpt/s0")
     """
-    if model in _tracked:
-        raise ValueError(f"track_changed_rows: this {type(model).__name__} is tracked already (remove() the "
-                         "tracking it returned first)")
     tbes = _tbes(model)
     if not tbes:
         raise ValueError(f"track_changed_rows: {type(model).__name__} holds no TorchRec sharded embedding module "
                          "(pass a DistributedModelParallel or a module sharded by torchrec.distributed.shard)")
+    if any(t in _hooked for t in tbes):
+        raise ValueError(f"track_changed_rows: this {type(model).__name__}'s tables are tracked already (call "
+                         "remove() on what track_changed_rows returned first)")
     saved = _saved_tensors(model)
-    out = FusedTracking([], {}, _model=weakref.ref(model))
+    out = FusedTracking([], {})
     for tbe in tbes:
         why = _why_not(tbe)
         tables = []
@@ -316,6 +323,5 @@ def track_changed_rows(model: nn.Module) -> FusedTracking:
                     out.tracked.append(k)
             tables.append(_Table(int(split[0].shape[0]), [t for _, t in found]))
         if why is None and any(t.tensors for t in tables):
-            out._hooked.append(_Hooked(tbe, tables))
-    _tracked[model] = out
+            out._hooks.append(_Hooked(tbe, tables))
     return out

@@ -203,8 +203,9 @@ def _train_chain(rank: int, world: int, root: str, miss: bool) -> Any:
     dense = _dense_sgd(dmp)
     report = tdb.track_changed_rows(dmp)
     _tracked_report(report)
-    with pytest.raises(ValueError, match="is tracked already"):
-        tdb.track_changed_rows(dmp)
+    for again in (dmp, dmp.module.ebc):  # the same TBEs, through the DMP or its sharded module
+        with pytest.raises(ValueError, match="tables are tracked already"):
+            tdb.track_changed_rows(again)
     real = torchrec_tracking._rows_looked_up
     if miss and rank == 0:
         def dropping(arguments: dict[str, Any], features: list[int], rows: list[int]) -> list[torch.Tensor]:

@@ -123,3 +123,58 @@ def test_ids_it_cannot_place_count_as_every_row():
     for offsets in ([0, 2, 1, 3], [0, 1, 2, 9], [0, 1, 3]):  # not ascending, past the ids, not 3 features
         got = _rows_looked_up(_call([1, 2, 5], offsets), [0, 1, 0], list(ROWS))
         assert [t.tolist() for t in got] == [list(range(n)) for n in ROWS], offsets
+
+
+class _Sharded(nn.Module):
+    """What track_changed_rows looks for, as a sharded TorchRec module holds it: a lookup (here fbgemm's TBE
+    itself) in ``_lookups``, and a state_dict of its tables' views."""
+
+    def __init__(self, tbe: nn.Module) -> None:
+        super().__init__()
+        self._lookups = [tbe]
+        self.tables = {f"t{i}": w for i, w in enumerate(tbe.split_embedding_weights())}
+
+    def state_dict(self, *args, **kwargs):
+        return dict(self.tables)
+
+
+def test_the_record_follows_the_backward_and_stops_with_remove():
+    """Rows are recorded when backward runs the update (a save between a forward and its backward does not
+    absorb them); a write through torch voids the record; after ``remove()`` nothing is recorded, not even by
+    the backward of a forward run before it."""
+    from torchrec_dtensor_bridge import tracking
+    from torchrec_dtensor_bridge.checkpoint.digests import row_digests
+
+    tbe = _tbe("EXACT_ROWWISE_ADAGRAD", "NONE")
+    model = _Sharded(tbe)
+    report = tdb.track_changed_rows(model)
+    assert report.tracked == ["t0", "t1"] and report.scanned == {}
+    with pytest.raises(ValueError, match="tracked already"):
+        tdb.track_changed_rows(model)
+    w0 = model.tables["t0"]
+
+    def mark(save_id: str) -> None:
+        for k, w in model.tables.items():
+            tracking.mark(w, save_id, (k,), row_digests(w))
+
+    def written(save_id: str) -> list[int] | None:
+        known = tracking.written_since(w0, save_id, ("t0",))
+        return None if known is None else known.rows.tolist()
+
+    ids, offsets = torch.tensor([3, 7, 3, 5]), torch.tensor([0, 2, 3, 4, 4])  # table 0: 3, 7, 3; table 1: 5
+    mark("s0")
+    out = tbe(ids, offsets)
+    mark("s1")  # a save between the forward and its backward
+    out.sum().backward()
+    assert written("s1") == [3, 7]
+    mark("s2")
+    with torch.no_grad():
+        w0[1] += 1.0  # through torch, not reported
+    tbe(ids, offsets).sum().backward()
+    assert written("s2") is None
+    mark("s3")
+    out = tbe(ids, offsets)
+    report.remove()
+    out.sum().backward()
+    assert not tracking.is_tracked(w0) and written("s3") is None
+    tdb.track_changed_rows(model).remove()  # on again after remove()
