@@ -7,6 +7,8 @@
   is to be verified before it is listed).
 * The ids split per table (features mapped by ``feature_table_map``, variable batch sizes), out-of-range ids and
   offsets that do not split the ids count as every row.
+* On a TBE under a stand-in sharded module: rows recorded when backward writes them, a write through torch voids
+  the record, nothing recorded after ``remove()``.
 """
 
 from __future__ import annotations
