@@ -24,6 +24,7 @@ from .lookup import sharded_embedding, sharded_embedding_bag, sharded_embedding_
 from .optim import FusedOptimizer
 from .sharding import shard_module
 from .state_dict import enable_dtensor_state_dict
+from .torchrec_plan import check_plan_ranks
 from .torchrec_tracking import track_changed_rows
 from .visualize import visualize_sharding
 from .wrapper import LocalShardsWrapper
@@ -34,6 +35,7 @@ __all__ = [
     "LocalShardsWrapper",
     "ShardLayout",
     "ShardSpec",
+    "check_plan_ranks",
     "checkpoint",
     "enable_dtensor_state_dict",
     "full_tensor",

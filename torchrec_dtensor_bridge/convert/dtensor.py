@@ -110,7 +110,7 @@ def to_dtensor(
     layout), returns the same DTensor - same mesh and local shards - with
     our :class:`LocalShardsWrapper` carrying the whole layout, which lookups
     need. Its placements are kept, except where they misdescribe the layout
-    on a mesh of several ranks: TorchRec's ``Replicate()`` for a table one
+    on a 1-D mesh of several ranks: TorchRec's ``Replicate()`` for a table one
     rank holds and ``Shard(1)`` for a table-row-wise table become
     ``Shard(0)``, so that DTensor's own ``full_tensor()`` and reductions
     give the table's values on every rank. This is *collective* exactly when :func:`layout_of` is
@@ -187,11 +187,12 @@ def _true_placements(t: DTensor, layout: ShardLayout) -> tuple:
     TorchRec marks a table-wise table ``Replicate()`` on the whole mesh though one rank holds it (DTensor
     would take each rank's local result of a reduction, 0 on the others, for the table's) and a
     table-row-wise table ``Shard(1)`` though its rows are cut (``full_tensor()`` would gather columns).
-    A replicated layout, a one-rank mesh and a table cut along several mesh axes keep theirs."""
+    A replicated layout, a one-rank mesh and a mesh of several axes (TorchRec's 2-D ``DMPCollection``,
+    whose layouts list every replica's blocks) keep theirs."""
     placements = tuple(t.placements)
     mesh = t.device_mesh
     axis = sharding_axis(mesh, placements)
-    if mesh.size() == 1 or layout.kind is LayoutKind.REPLICATED or axis is None:
+    if mesh.ndim != 1 or mesh.size() == 1 or axis is None or layout.kind is LayoutKind.REPLICATED:
         return placements
     fixed = list(placements)
     fixed[axis] = Shard(layout.nearest_shard_dim or 0)
