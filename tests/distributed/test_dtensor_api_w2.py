@@ -319,8 +319,10 @@ def test_whole_model_init_equals_the_unsharded_model(pool):
 
 
 # ---------------------------------------------------------------------------------- torch.compile (inductor)
+# the default run: a rank-specific uneven cut (the cache-key fault), a table one rank holds (a missing
+# _shard_0 on the other), a block on both ranks (its reduction group read under tracing), TorchRec's odd rows
 COMPILE_CASES = [("ours", "row_wise_uneven"), ("ours", "table_wise_rank1"), ("ours", "block_on_both_ranks"),
-                 ("torchrec", "t_rw_odd"), ("torchrec", "t_tw")]
+                 ("torchrec", "t_rw_odd")]
 SLOW_COMPILE = [c for c in CASES if c not in COMPILE_CASES and c != ("torchrec", "t_rw_odd_big")]
 REPEATS = 5
 

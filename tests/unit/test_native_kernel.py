@@ -258,6 +258,7 @@ def _build_and_use(cache: str) -> str:
     return str(k.path)
 
 
+@pytest.mark.slow  # ~20 s of four compilers at once; the default run keeps the kernel cache's build tests
 def test_first_use_builds_once_even_when_processes_race(tmp_path):
     """Four processes build into one empty cache at the same time: all load a working kernel, one library
     file remains (named by the source's hash) and no temporary file is left behind."""
