@@ -329,9 +329,11 @@ REPEATS = 5
 
 def _check_compiled(rank, world, source, name):
     """Pointwise and reduction graphs compiled with the default backend, each compiled afresh ``REPEATS``
-    times (so torch's compile caches serve the later ones) and equal to eager every time."""
+    times (dynamo reset: torch's compile caches serve the later ones, across layouts and ranks too) and
+    equal to eager every time."""
     dt, full = _table(source, name)
     for _ in range(REPEATS):
+        torch.compiler.reset()  # dynamo traces afresh; AOTAutograd's and inductor's caches serve the graphs
         got = torch.compile(lambda x: x * 2 + 1, fullgraph=True)(dt)
         assert torch.equal(got.full_tensor(), full * 2 + 1), f"{name}: compiled pointwise"
         total = torch.compile(lambda x: (x * x).sum())(dt)
