@@ -161,6 +161,7 @@ def test_every_printed_picture_matches_spec(all_examples):
     )
 
 
+@pytest.mark.slow  # four interpreters; the example's own checks run in test_all_examples_pass
 @pytest.mark.timeout(180)
 def test_mismatch_fails_on_every_rank_with_a_clear_message():
     res = run_cli(["-e", "row-wise-uneven", "--inject-mismatch"])
@@ -187,6 +188,7 @@ def test_unknown_name_is_an_error_listing_the_valid_names():
     assert "===" not in res.stdout, "nothing may run for an unknown name"
 
 
+@pytest.mark.slow  # two interpreters for a usage error of the example script
 @pytest.mark.timeout(180)
 def test_wrong_world_size_is_a_clear_error():
     res = run_cli(["-e", "row-wise-even"], nproc=2)
