@@ -33,8 +33,8 @@ from .local_shards_wrapper import LocalShardsWrapper
 from .op_table import implements_family
 
 __all__ = [
-    "check_operand", "describe", "dtensor_even_split", "empty_of", "foreach_expand", "foreach_regroup", "like", "operand_part",
-    "rewrap",
+    "check_operand", "describe", "dtensor_even_split", "empty_of", "foreach_expand", "foreach_regroup", "like",
+    "operand_part", "rewrap",
 ]
 
 aten = torch.ops.aten
@@ -207,12 +207,9 @@ def _per_shard(func: Any, args: tuple, kwargs: dict, shard_kwargs: Any = None) -
     ref = wrappers[0]
     written = _written(func, args, kwargs)
     n = len(ref.local_shards())
-    for other in wrappers[1:]:
-        if other.block_key() != ref.block_key():
-            raise ValueError(f"{func}: wrappers differ in layout: {describe(ref)} vs {describe(other)}")
     results = []
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    for x in leaves:  # all checked before any write, on every rank alike
+    for x in leaves:  # all checked before any write, on every rank alike (other wrappers' blocks included)
         check_operand(ref, x, func)
     parts = [[operand_part(ref, x, i, func) for x in leaves] for i in range(n)]
     for i in range(n):
@@ -334,11 +331,11 @@ def foreach_expand(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict, l
             ref = refs[j]
             if ref is None:
                 out.append(x)
-            elif isinstance(x, LocalShardsWrapper):  # its shards, once its blocks match
-                check_operand(ref, x, func)
+                continue
+            check_operand(ref, x, func)
+            if isinstance(x, LocalShardsWrapper):  # its shards, once its blocks match
                 out.extend(x._local_shards)
             else:
-                check_operand(ref, x, func)
                 out.extend(operand_part(ref, x, i, func) for i in range(len(ref._local_shards)))
         expanded[where] = out
     new_args = tuple(expanded.get(pos, a) for pos, a in enumerate(args))
