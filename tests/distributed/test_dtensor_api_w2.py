@@ -423,3 +423,23 @@ def _check_lookup_after_move(rank, world):
     ids = DTensor.from_local(torch.tensor([0, 3, 10]), dt.device_mesh, [Replicate()], run_check=False)
     out = F.embedding(ids, moved)
     assert torch.equal(out.full_tensor(), F.embedding(torch.tensor([0, 3, 10]), full))
+
+
+def _check_accelerator_move_on_cpu(rank, world):
+    """DTensor moves a table to another Shard dim with ``_dtensor.shard_dim_alltoall`` on an accelerator mesh
+    (on CPU it gathers itself): the wrapper's handler, called as DTensor calls it, gives this rank's
+    ``torch.chunk`` piece along the new dim, the old dim padded to whole chunks (DTensor cuts that padding)."""
+    for name in ("row_wise_uneven", "column_wise_uneven", "two_blocks_on_a_rank", "table_wise_rank1"):
+        dt, full = _our_table(name)
+        old = tdb.layout_of(dt).nearest_shard_dim
+        new = 1 - old
+        got = torch.ops._dtensor.shard_dim_alltoall(dt.to_local(), old, new, dt.device_mesh.get_group().group_name)
+        pieces = full.chunk(world, dim=new)
+        want = pieces[rank] if rank < len(pieces) else full.narrow(new, 0, 0)
+        assert got.shape[old] >= full.shape[old], (name, got.shape)
+        assert torch.equal(got.narrow(old, 0, full.shape[old]), want), name
+    return True
+
+
+def test_the_accelerator_move_to_another_shard_dim_runs_on_cpu(pool):
+    assert pool.run(_check_accelerator_move_on_cpu) == [True, True]

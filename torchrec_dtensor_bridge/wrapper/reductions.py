@@ -36,7 +36,7 @@ import torch.distributed as dist
 from .._compat import group_ranks, outside_tracing_modes
 from ..blocks import check_covered, contributions, pack, unpack
 from ..groups import comm_group
-from ..layout import ShardLayout, ShardSpec
+from ..layout import ShardLayout, ShardSpec, chunk_span
 from .elementwise import describe, dtensor_even_split, foreach_expand, foreach_regroup
 from .local_shards_wrapper import LocalShardsWrapper
 from .op_table import implements
@@ -352,17 +352,11 @@ def _shard_dim_alltoall(func, args, kwargs):
     """DTensor's move of a table to ``Shard(shard_dim)`` on an accelerator mesh: this rank's chunk of the
     table along ``shard_dim``, from the layout's gather (as DTensor itself does on a CPU mesh)."""
     w, gather_dim, shard_dim, group_name = args[0], int(args[1]), int(args[2]), args[3]
-    group_size = len(group_ranks(group_name))
-    full = _all_gather(c10d.all_gather_into_tensor.default, (w, group_size, group_name), {})
-    full = torch.cat(full.chunk(group_size, dim=0), dim=gather_dim) if gather_dim else full
-    me = group_ranks(group_name).index(dist.get_rank())
-    return _chunk(full, group_size, shard_dim)[me].contiguous()
-
-
-def _chunk(t: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
-    """``torch.chunk`` with empty pieces at the end where it gives fewer than ``n`` (DTensor's split)."""
-    pieces = list(t.chunk(n, dim=dim))
-    return pieces + [t.narrow(dim, 0, 0)] * (n - len(pieces))
+    ranks = group_ranks(group_name)
+    full = _all_gather(c10d.all_gather_into_tensor.default, (w, len(ranks), group_name), {})
+    full = torch.cat(full.chunk(len(ranks), dim=0), dim=gather_dim) if gather_dim else full
+    start, length = chunk_span(full.shape[shard_dim], len(ranks), ranks.index(dist.get_rank()))
+    return full.narrow(shard_dim, start, length).contiguous()
 
 
 @implements(c10d.all_to_all_single.default)
