@@ -19,7 +19,7 @@ import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import cached_property
 
 import torch
 
@@ -263,15 +263,12 @@ class ShardLayout:
     def first_copies(self, rank: int, members: Sequence[int]) -> tuple[bool, ...]:
         """For each of ``rank``'s blocks (in :meth:`shards_on` order), whether it is the first copy of its box
         among the blocks of ``members`` (in layout order): the one copy a reduction over those ranks counts.
-
-        Example::
-
-            >>> lay = ShardLayout.from_shards((6, 2), [(0, (0, 0), (4, 2)), (1, (0, 0), (4, 2)),
-            ...                                        (1, (4, 0), (2, 2))])
-            >>> lay.first_copies(1, [0, 1])
-            (False, True)
-        """
-        return _first_copies(self, rank, tuple(members))
+        Only reductions of layouts that :attr:`has_copies` ask."""
+        among, first = set(members), dict[tuple[tuple[int, ...], tuple[int, ...]], int]()
+        for i, s in enumerate(self.shards):
+            if s.rank in among:
+                first.setdefault(s.box, i)
+        return tuple(first[s.box] == i for i, s in enumerate(self.shards) if s.rank == rank)
 
     @cached_property
     def _unique(self) -> tuple[ShardSpec, ...]:
@@ -450,13 +447,3 @@ def _even_split(n: int, parts: int) -> list[int]:
     if parts <= 0:
         raise ValueError(f"number of shards must be positive, got {parts}")
     return chunk_sizes(n, parts)
-
-
-@lru_cache(maxsize=1024)
-def _first_copies(layout: ShardLayout, rank: int, members: tuple[int, ...]) -> tuple[bool, ...]:
-    among = set(members)
-    first: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
-    for i, s in enumerate(layout.shards):
-        if s.rank in among:
-            first.setdefault(s.box, i)
-    return tuple(first[s.box] == i for i, s in enumerate(layout.shards) if s.rank == rank)
