@@ -191,15 +191,21 @@ def _load_whole(rank, world_size, path):
 MOMENTUM = "optim.state.embedding_bags.t_cw.weight.t_cw.momentum1"
 
 
+def _refusal_after_save(pool, tmp_path, with_optimizer, load):
+    """Save the four tables (``_save_four``), then ``load`` on every rank: the one outcome every rank gave."""
+    path = str(tmp_path / "ck")
+    pool.run(_save_four, path, with_optimizer)
+    outcomes = pool.run(load, path)
+    assert outcomes[0] == outcomes[1], outcomes
+    return outcomes[0]
+
+
 def test_a_table_of_another_shape_is_named_with_its_shapes_and_the_recorded_column_blocks(pool, tmp_path):
     """The checkpoint records t_cw's column blocks: the refusal says the table had 9 rows and has 10 (not that
     the widths were never recorded), on every rank, with the keys on the exception."""
-    path = str(tmp_path / "ck")
-    pool.run(_save_four, path, True)
-    outcomes = pool.run(_load_grown, path)
-    assert outcomes[0] == outcomes[1], outcomes
-    name, message, (missing, unexpected, mismatched) = outcomes[0]
-    assert name == "ValueError", outcomes[0]
+    outcome = _refusal_after_save(pool, tmp_path, True, _load_grown)
+    name, message, (missing, unexpected, mismatched) = outcome
+    assert name == "ValueError", outcome
     assert "key 'model.embedding_bags.t_cw.weight': saved shape [9, 16], destination shape [10, 16] (ranks 0, 1)" \
         in message, message
     assert (f"key {MOMENTUM!r}: saved shape [18], destination shape [10] (row-wise optimizer state of table "
@@ -213,12 +219,9 @@ def test_a_table_of_another_shape_is_named_with_its_shapes_and_the_recorded_colu
 def test_widths_absent_from_a_state_dict_save_are_not_blamed_on_an_older_version(pool, tmp_path):
     """The optimizer saved as its state_dict() (a plain dict): no widths for t_cw, and the refusal of its
     per-block state into a whole table says why - not 'written before they were recorded'."""
-    path = str(tmp_path / "ck")
-    pool.run(_save_four, path, False)
-    outcomes = pool.run(_load_whole, path)
-    assert outcomes[0] == outcomes[1], outcomes
-    name, message, (_, _, mismatched) = outcomes[0]
-    assert name == "ValueError" and mismatched == [MOMENTUM], outcomes[0]
+    outcome = _refusal_after_save(pool, tmp_path, False, _load_whole)
+    name, message, (_, _, mismatched) = outcome
+    assert name == "ValueError" and mismatched == [MOMENTUM], outcome
     assert f"key {MOMENTUM!r}: saved shape [18], destination shape [9]" in message, message
     assert "does not record for this key (a save records them for a column-cut table saved with its optimizer " \
            "itself, not its state_dict()" in message, message
@@ -231,19 +234,16 @@ def _load_other_names(rank, world_size, path):
 
 
 def test_another_models_names_are_counted_on_every_rank_not_listed_a_line_each(pool, tmp_path):
-    path = str(tmp_path / "ck")
-    pool.run(_save_four, path, True)
-    outcomes = pool.run(_load_other_names, path)
-    assert outcomes[0] == outcomes[1], outcomes
-    name, message, (missing, unexpected, mismatched) = outcomes[0]
-    assert name == "ValueError", outcomes[0]
+    outcome = _refusal_after_save(pool, tmp_path, True, _load_other_names)
+    name, message, (missing, unexpected, mismatched) = outcome
+    assert name == "ValueError", outcome
     lines = message.splitlines()
     assert len(lines) == 4, message  # the call, the missing keys, the checkpoint's, where every key is
     # each rank's fused optimizer holds the state of its own tables: 7 keys on each rank, 8 on the exception
     assert lines[1].startswith("  7 keys of the state_dict are not in the checkpoint: 'net.embedding_bags.") \
         and lines[1].endswith(" and 2 more (ranks 0, 1)"), lines[1]
     assert "the checkpoint holds 9 keys the state_dict does not name: 'model.embedding_bags." in lines[2], lines[2]
-    assert f"tdb.checkpoint.inspect({path!r})" in lines[3], lines[3]
+    assert f"tdb.checkpoint.inspect({str(tmp_path / 'ck')!r})" in lines[3], lines[3]
     assert len(missing) == 8 and all(k.startswith(("net.", "opt.")) for k in missing), missing
     assert unexpected == mismatched == []
 
