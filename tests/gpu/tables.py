@@ -68,6 +68,13 @@ def local_blocks(layouts: list[ShardLayout], tables: list[torch.Tensor], device:
     return views
 
 
+def storages(layouts: list[ShardLayout], *, shared: bool) -> int:
+    """How many storages :func:`local_blocks` puts rank 0's blocks of ``layouts`` in: one, or one per block. The
+    kernel layer makes one call per storage, so this is also how many pooled sums (and fused updates, and dense
+    gradients) one lookup of every block makes."""
+    return 1 if shared else sum(len(lay.shards_on(0)) for lay in layouts)
+
+
 def dtensors(layouts: list[ShardLayout], tables: list[torch.Tensor], device: torch.device, *,
              shared: bool) -> list[DTensor]:
     """The tables as DTensors of ``layouts`` on a one-rank mesh of ``device``'s type (:func:`local_blocks`)."""

@@ -10,7 +10,8 @@ wider than fbgemm's CUDA kernels take, and strided per-sample weights: ``test_cu
 * The fused optimizers (sgd, rowwise_adagrad, adagrad, adam), on separate storages and on one shared storage:
   the same steps on the same tables on CPU (whose updates the distributed tests check against independent
   references) give the same weights.
-* With fbgemm_gpu's CUDA build installed, its lookup functions are what runs (the profiler names them).
+* With fbgemm_gpu's CUDA build installed, its lookup functions are what runs (the profiler names them), once
+  per storage (``tables.storages``; ``tests/unit/test_gpu_call_counts.py`` checks the count on CPU).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torchrec_dtensor_bridge.layout import ShardLayout
 
 from .tables import batch as _batch
-from .tables import dtensors
+from .tables import dtensors, storages
 from .tables import table as _table
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -125,13 +126,15 @@ def test_cuda_fused_optimizer_equals_cpu(groups, kind, shared):
 @pytest.mark.parametrize("kind", [None, *KINDS])
 def test_fbgemm_cuda_kernels_run(groups, kind):
     """With fbgemm_gpu's CUDA build, its kernels are what runs on shards they read: the lookup function's forward,
-    then its backward alone (no second forward)."""
+    then its backward alone (no second forward), one call of each per storage (three blocks in storages of their
+    own: three)."""
     import torchrec_dtensor_bridge as tdb
     from torchrec_dtensor_bridge.kernels import fbgemm
 
     if not fbgemm.cuda_available():
         pytest.skip("fbgemm_gpu's CUDA build is not installed")
     names = ["row_blocks_wide"]
+    calls = storages([LAYOUTS[n] for n in names], shared=False)
     (weight,) = _weights(names, [_table(WIDE, 7)], CUDA, shared=False)
     weight.requires_grad_()
     opt = None if kind is None else tdb.FusedOptimizer([weight], kind, **HYPER)
@@ -144,5 +147,7 @@ def test_fbgemm_cuda_kernels_run(groups, kind):
     want = ("fbgemm::split_embedding_backward_codegen_dense_unweighted_exact_cuda" if kind is None
             else f"fbgemm::split_embedding_backward_codegen_{kind}_unweighted_pt2_wrapper")
     assert want in names_seen, sorted(n for n in names_seen if "fbgemm" in n or "tdb" in n)
+    backwards = [e for e in prof.events() if e.name == want]
+    assert len(backwards) == calls, f"{len(backwards)} calls of {want}: one per storage ({calls})"
     forwards = [e for e in prof.events() if e.name == "fbgemm::split_embedding_codegen_lookup_sgd_function_pt2"]
-    assert len(forwards) == 1, "one forward (the lookup's), none in the backward"
+    assert len(forwards) == calls, f"{len(forwards)} forwards: one per storage ({calls}), none in the backward"
