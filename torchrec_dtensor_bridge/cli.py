@@ -41,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m torchrec_dtensor_bridge",
         description="Inspect, migrate, export and compact checkpoints of TorchRec sharded tables (DTensor / DCP).",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,migrate,export,compact}")
+    parser.epilog = ("Every PATH, SRC and DST may be an s3://bucket/prefix/name URL of an S3-compatible store, "
+                     "configured by the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+                     "AWS_SECRET_ACCESS_KEY, AWS_REGION).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,migrate,export,compact,gc}")
     p = sub.add_parser("inspect", help="print a checkpoint's tables, shapes, dtypes and shard layouts",
                        description="Print every key of a checkpoint: dtype, shape, shard cuts and size.")
     p.add_argument("path", help="a checkpoint written by checkpoint.save, or any DCP directory")
@@ -70,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
                        "checkpoint's tensors in memory; no process group.")
     c.add_argument("src", help="a checkpoint written by checkpoint.save (full or incremental)")
     c.add_argument("dst", help="the checkpoint to write (a new path, or one written by checkpoint.save)")
+    g = sub.add_parser("gc", help="remove what interrupted saves left under a checkpoint's name",
+                       description="Remove the generations of a checkpoint that no save committed (left by "
+                       "interrupted saves), listing each; never the committed generation, one a reader holds, or a "
+                       "superseded one within its grace period (object stores). Refused while a save to the same "
+                       "name runs.")
+    g.add_argument("path", help="a checkpoint written by checkpoint.save (a local path or s3:// URL)")
+    g.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     return parser
 
 
@@ -97,6 +107,11 @@ def _run(args: argparse.Namespace) -> str:
         if args.json:
             return json.dumps(checkpoint.inspect(args.path), indent=2)
         return checkpoint.format_report(args.path)
+    if args.command == "gc":
+        removed = checkpoint.collect(args.path, dry_run=args.dry_run)
+        verb = "would remove" if args.dry_run else "removed"
+        return "\n".join([f"{verb} {name}" for name in removed] + [f"{args.path}: {verb} {len(removed)} "
+                                                                   "uncommitted generation(s)"])
     if args.command == "compact":
         save_id = checkpoint.compact(args.src, args.dst)
         return f"compacted {args.src} into {args.dst} (save id {save_id})"

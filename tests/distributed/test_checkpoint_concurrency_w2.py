@@ -15,6 +15,7 @@ from torchrec_dtensor_bridge.layout import ShardLayout
 from ..checkpoint_writers import rewrite_manifest
 from .checks import reference_table
 from .harness import make_pool_fixture
+from tests.layout import committed, generations
 
 pool = make_pool_fixture(2)
 pool_b = make_pool_fixture(2, name="pool_b")
@@ -145,7 +146,7 @@ def test_damaged_record_read_by_one_rank_only(pool, tmp_path):
     faulty writer would): both ranks raise the same error, and the next load works."""
     path = str(tmp_path / "ck")
     pool.run(_save_one, path, 5)
-    root = Path(path).resolve()
+    root = committed(Path(path))
     body = mf.read_manifest(root)
     key = "rw@0,0"  # rows 0-169: only rank 0's shard
     good = dict(body["items"][key])
@@ -175,7 +176,7 @@ def test_save_refuses_ranks_that_disagree_on_a_shape(pool, tmp_path):
     for m in pool.run(_save_disagreeing, path):
         assert "key 'replicated': ranks disagree on its shape or dtype" in m and "[4]" in m and "[5]" in m, m
     assert pool.run(_load_one, path) == [3, 3]
-    gens = [p for p in tmp_path.iterdir() if p.name.startswith(".ck.tdb-") and p.is_dir()]
+    gens = generations(tmp_path / "ck")
     assert len(gens) == 1, gens
 
 

@@ -21,6 +21,7 @@ from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
 from torchrec_dtensor_bridge.layout import ShardLayout
 
 from .harness import make_pool_fixture, run_python
+from tests.layout import committed
 
 pool = make_pool_fixture(2)
 
@@ -100,7 +101,7 @@ def test_export_of_a_damaged_checkpoint_refuses_and_leaves_dst(saved, tmp_path):
     damaged = tmp_path / "damaged"
     import shutil
 
-    shutil.copytree(saved.resolve(), damaged)
+    shutil.copytree(committed(saved), damaged)
     data = max((p for p in damaged.rglob("*.distcp")), key=lambda p: p.stat().st_size)
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF

@@ -15,6 +15,7 @@ from torchrec_dtensor_bridge.layout import ShardLayout
 from ..checkpoint_writers import checksum_items, write_manifest_v1
 from .checks import build_sharded_tensor, reference_table
 from .harness import make_pool_fixture
+from tests.layout import committed, generations
 
 pool = make_pool_fixture(2)
 
@@ -49,7 +50,7 @@ def _digest(sd):
 def _check_roundtrip(rank, world_size, path):
     sd, tables = _state(rank, seed=1)
     save_id = tdb.checkpoint.save(sd, path)
-    assert Path(path).is_symlink()
+    assert Path(path).is_dir() and committed(path).name == f"gen-{save_id}"  # a directory: copies keep it whole
     dest, _ = _state(rank, seed=5)
     tdb.checkpoint.load(dest, path)
     for key, table in tables.items():
@@ -63,25 +64,23 @@ def _check_roundtrip(rank, world_size, path):
     for key, table in tables2.items():
         assert torch.equal(tdb.full_tensor(dest[key]), table), key
     dist.barrier()
-    name = Path(path).name
-    gens = sorted(p.name for p in Path(path).parent.iterdir() if ".tdb-" in p.name)
+    gens = generations(path)
     # the committed generation and the superseded one, kept as the next save's spare
-    assert gens == sorted([f".{name}.tdb-{save_id2}", f".{name}.tdb-{save_id}"]), gens
-    spare_inode = (Path(path).parent / f".{name}.tdb-{save_id}").stat().st_ino
+    assert gens == sorted([f"gen-{save_id2}", f"gen-{save_id}"]), gens
+    spare_inode = (Path(path) / f"gen-{save_id}").stat().st_ino
     sd3, tables3 = _state(rank, seed=3)
     save_id3 = tdb.checkpoint.save(sd3, path)
     dist.barrier()
-    gen3 = Path(path).parent / f".{name}.tdb-{save_id3}"
+    gen3 = Path(path) / f"gen-{save_id3}"
     assert gen3.stat().st_ino == spare_inode, "the spare generation was not reused"
-    gens = sorted(p.name for p in Path(path).parent.iterdir() if ".tdb-" in p.name)
-    assert gens == sorted([f".{name}.tdb-{save_id3}", f".{name}.tdb-{save_id2}"]), gens
+    gens = generations(path)
+    assert gens == sorted([f"gen-{save_id3}", f"gen-{save_id2}"]), gens
     tdb.checkpoint.load(dest, path)  # a rewritten spare loads the new values, checksums and all
     for key, table in tables3.items():
         assert torch.equal(tdb.full_tensor(dest[key]), table), key
     save_id4 = tdb.checkpoint.save(sd3, path, keep_spare=False)
     dist.barrier()
-    gens = sorted(p.name for p in Path(path).parent.iterdir() if ".tdb-" in p.name)
-    assert gens == [f".{name}.tdb-{save_id4}"], gens
+    assert generations(path) == [f"gen-{save_id4}"], generations(path)
     return tdb.checkpoint.inspect(path)
 
 
@@ -135,7 +134,7 @@ def _check_refusal(rank, world_size, path, case):
 def test_load_refuses_and_writes_nothing(pool, tmp_path, case, needle):
     path = str(tmp_path / "ck")
     pool.run(_check_refusal, path, "setup")
-    root = Path(path).resolve()
+    root = committed(Path(path))
     data = sorted(root.glob("*.distcp"))
     if case == "corrupt":
         f = data[0]
@@ -149,7 +148,7 @@ def test_load_refuses_and_writes_nothing(pool, tmp_path, case, needle):
         other = str(tmp_path / "other")
         pool.run(_check_refusal, other, "setup_other")  # same keys and shapes, other values
         for f in data:
-            shutil.copy(Path(other).resolve() / f.name, f)
+            shutil.copy(committed(Path(other)) / f.name, f)
     messages = pool.run(_check_refusal, path, case if case in ("shape", "dtype", "missing", "unexpected") else "load")
     for m in messages:
         assert needle in m, m
@@ -183,7 +182,7 @@ def test_reused_generation_drops_files_of_a_larger_world(pool, tmp_path):
     pool.run(_save_on, str(path), 2, 1)
     pool.run(_save_on, str(path), 2, 2)  # the first generation becomes the spare
     pool.run(_save_on, str(path), 1, 3)  # reuses it from one rank
-    files = sorted(p.name for p in path.resolve().iterdir())
+    files = sorted(p.name for p in committed(path).iterdir())
     assert files == [".metadata", "__0_0.distcp", "digests_0.tdb", "tdb_manifest.json"], files
     dest = {"t": torch.zeros(12, 4)}
     tdb.checkpoint.load(dest, str(path))
@@ -192,9 +191,9 @@ def test_reused_generation_drops_files_of_a_larger_world(pool, tmp_path):
 
 def test_uncommitted_generation_is_never_loaded(pool, tmp_path):
     path = tmp_path / "ck"
-    (tmp_path / ".ck.tdb-deadbeef").mkdir()  # what an interrupted first save leaves
+    (path / f"gen-{'d' * 32}").mkdir(parents=True)  # what an interrupted first save leaves
     for m in pool.run(_check_no_checkpoint, str(path)):
-        assert "no committed checkpoint" in m and ".ck.tdb-deadbeef" in m
+        assert "no committed checkpoint" in m and f"gen-{'d' * 32}" in m
 
 
 # ----------------------------------------------------------- ranged, verified loads
@@ -251,7 +250,7 @@ def _flip(path, key, chunk_row, at):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    root = Path(path).resolve()
+    root = committed(Path(path))
     info = dcp.FileSystemReader(root).read_metadata().storage_data[MetadataIndex(key, [chunk_row, 0])]
     f = root / info.relative_path
     raw = bytearray(f.read_bytes())
@@ -306,7 +305,7 @@ def test_format1_manifest_still_loads(pool, tmp_path):
 
     path = str(tmp_path / "ck")
     pool.run(_save_rows, path)
-    root = Path(path).resolve()
+    root = committed(Path(path))
     md = dcp.FileSystemReader(root).read_metadata()
     body = manifest.read_manifest(root)
     assert body["format"] == 3
@@ -323,7 +322,7 @@ def test_format1_manifest_still_loads(pool, tmp_path):
 def test_plain_dcp_directory_loads_ranged_without_verification(pool, tmp_path):
     path = str(tmp_path / "ck")
     pool.run(_save_rows, path)
-    root = Path(path).resolve()
+    root = committed(Path(path))
     (root / "tdb_manifest.json").unlink()
     for rank, (_, _, error, unchanged, _) in enumerate(pool.run(_load_rows, str(root))):
         assert error is not None and "no checksum manifest" in error and unchanged, (rank, error)
@@ -356,10 +355,10 @@ def test_spare_rewritten_in_place_is_cut_to_the_new_size(tmp_path):
     big, small = reference_table((4096, 64), seed=1), reference_table((100, 64), seed=2)
     tdb.checkpoint.save({"t": big}, path)
     tdb.checkpoint.save({"t": big}, path)  # the first generation is now the spare
-    (spare,) = [p for p in tmp_path.iterdir() if ".tdb-" in p.name and not p.is_symlink() and p != path.resolve()]
+    (spare,) = [path / n for n in generations(path) if path / n != committed(path)]
     inode, old_size = spare.stat().st_ino, (spare / "__0_0.distcp").stat().st_size
     tdb.checkpoint.save({"t": small}, path)  # rewrites the spare, smaller
-    root = path.resolve()
+    root = committed(path)
     assert root.stat().st_ino == inode, "the spare generation was not reused"
     assert (root / "__0_0.distcp").stat().st_size < old_size
     body = read_manifest(root)

@@ -24,6 +24,7 @@ from torchrec_dtensor_bridge.layout import ShardLayout
 
 from .checks import reference_table
 from .harness import _free_port
+from tests.layout import committed as committed_generation, generations
 
 LAYOUT = ShardLayout.row_wise((64, 8), [40, 24], name="t")
 
@@ -149,8 +150,8 @@ def test_killed_save(tmp_path, mode, stage, victim, committed):
     # the next save cleans up what the interrupted one left
     tdb.checkpoint.save({"t": new.clone()}, path)
     if mode.startswith("incremental"):  # the base is whole, and the killed save left nothing beside it
-        base_gens = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ck-base.tdb-"))
+        base_gens = generations(tmp_path / "ck-base")
         assert len(base_gens) == 1, base_gens
-    leftovers = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ck.tdb-"))
+    leftovers = generations(path)
     assert len(leftovers) <= 2, leftovers  # the committed generation and at most one spare
-    assert Path(path).resolve().name in leftovers
+    assert committed_generation(Path(path)).name in leftovers

@@ -19,6 +19,7 @@ from torchrec_dtensor_bridge.checkpoint.validate import parse_metadata
 
 from ..checkpoint_writers import rewrite_manifest
 from ..distributed.checks import reference_table
+from tests.layout import committed, generations
 
 
 def _state(seed):
@@ -54,7 +55,7 @@ def _flip_all(tmp_path, target, stride):
     path = tmp_path / "ck"
     want = _state(3)
     tdb.checkpoint.save(want, path)
-    f = path.resolve() / target
+    f = committed(path) / target
     orig = f.read_bytes()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.monotonic()
@@ -95,7 +96,7 @@ def test_truncated_deleted_replaced_records(tmp_path, target, damage):
     want = _state(3)
     tdb.checkpoint.save(want, path)
     tdb.checkpoint.save(_state(4), other)  # same keys and shapes, another save
-    f = path.resolve() / target
+    f = committed(path) / target
     if damage == "truncate":
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     elif damage == "delete":
@@ -103,7 +104,7 @@ def test_truncated_deleted_replaced_records(tmp_path, target, damage):
     elif damage == "empty":
         f.write_bytes(b"")
     else:
-        shutil.copy(other.resolve() / target, f)
+        shutil.copy(committed(other) / target, f)
     err, dest = _try_load(path)
     assert err is not None, f"{damage} {target}: loaded"
     assert isinstance(err, tdb.checkpoint.CheckpointError), (type(err), err)
@@ -130,7 +131,7 @@ def test_pickle_payload_in_metadata_runs_nothing(tmp_path):
     """A crafted ``.metadata`` with its checksum recomputed (an attacker controls every file)."""
     path, marker = tmp_path / "ck", tmp_path / "marker"
     tdb.checkpoint.save(_state(1), path)
-    root = path.resolve()
+    root = committed(path)
     evil = _evil_pickle(marker)
     (root / ".metadata").write_bytes(evil)
     import xxhash
@@ -170,7 +171,7 @@ def test_metadata_with_a_gap_is_refused_before_reading(tmp_path):
 
     path = tmp_path / "ck"
     tdb.checkpoint.save(_state(1), path)
-    root = path.resolve()
+    root = committed(path)
     md = parse_metadata((root / ".metadata").read_bytes(), "x")
     chunk = md.state_dict_metadata["a"].chunks[0]
     chunk.sizes = torch.Size([30, 6])
@@ -188,7 +189,7 @@ def test_data_file_paths_outside_the_checkpoint_are_refused(tmp_path, rel):
 
     path = tmp_path / "ck"
     tdb.checkpoint.save(_state(1), path)
-    root = path.resolve()
+    root = committed(path)
     md = parse_metadata((root / ".metadata").read_bytes(), "x")
     for info in md.storage_data.values():
         info.relative_path = rel
@@ -211,8 +212,8 @@ def test_glob_characters_in_names_leave_similar_names_alone(tmp_path, name):
     for p, seed in ((one, 1), (other, 4)):
         err, dest = _try_load(p)
         assert err is None and _equal(dest, _state(seed)), (p, err)
-    gens = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".run1.tdb-") and p.is_dir())
-    assert len(gens) == 2 and one.resolve().name in gens, gens
+    gens = generations(one)
+    assert len(gens) == 2 and committed(one).name in gens, gens
 
 
 def test_two_holders_of_the_save_lock(tmp_path):
@@ -221,7 +222,7 @@ def test_two_holders_of_the_save_lock(tmp_path):
     tdb.checkpoint.save(_state(1), path)
     holder = subprocess.Popen(
         ["python3", "-c", "import fcntl,sys,time; f=open(sys.argv[1],'a'); fcntl.flock(f, fcntl.LOCK_EX); "
-         "print('held', flush=True); time.sleep(60)", str(tmp_path / ".ck.tdb_lock")], stdout=subprocess.PIPE)
+         "print('held', flush=True); time.sleep(60)", str(tmp_path / "ck" / ".tdb_lock")], stdout=subprocess.PIPE)
     try:
         assert holder.stdout.readline().strip() == b"held"
         t0 = time.monotonic()
@@ -269,7 +270,7 @@ def test_a_manifest_that_is_not_a_regular_file_is_corrupt_for_load_inspect_and_m
     ``CorruptCheckpointError``, from every reader, without opening it (a FIFO would block an ``open``)."""
     path = tmp_path / "ck"
     tdb.checkpoint.save(_state(3), path)
-    f = path.resolve() / "tdb_manifest.json"
+    f = committed(path) / "tdb_manifest.json"
     body = f.read_bytes()
     f.unlink()
     if kind == "directory":

@@ -18,6 +18,7 @@ from torchrec_dtensor_bridge.checkpoint.common import format_bytes, format_mib
 from torchrec_dtensor_bridge.checkpoint.reader import ReadStats
 
 from ..distributed.checks import reference_table
+from tests.layout import committed
 
 EXPECTED = ("expected a checkpoint written by tdb.checkpoint.save", "or a plain DCP directory holding .metadata",
             "torch.distributed.checkpoint.save")
@@ -115,14 +116,14 @@ def test_an_unfinished_plain_dcp_save_is_incomplete(tmp_path):
 def test_damaged_checkpoints_stay_corrupt(tmp_path):
     saved = tmp_path / "ck"
     tdb.checkpoint.save(_state(), saved)
-    (saved.resolve() / ".metadata").unlink()  # a committed generation without its .metadata
+    (committed(saved) / ".metadata").unlink()  # a committed generation without its .metadata
     err = _load_error(saved)
     assert type(err) is tdb.checkpoint.CorruptCheckpointError, (type(err), err)
     assert ".metadata is missing" in str(err), err
 
     manifest_only = tmp_path / "manifest_only"  # a manifest of ours, its .metadata gone
     tdb.checkpoint.save(_state(), tmp_path / "ck2")
-    os.rename((tmp_path / "ck2").resolve(), manifest_only)
+    os.rename(committed((tmp_path / "ck2")), manifest_only)
     (manifest_only / ".metadata").unlink()
     err = _load_error(manifest_only)
     assert type(err) is tdb.checkpoint.CorruptCheckpointError and ".metadata is missing" in str(err), (type(err), err)
@@ -167,7 +168,7 @@ def test_a_plain_dcp_directory_says_how_to_load_it_and_both_ways_work(tmp_path, 
 def test_a_generation_without_its_manifest_is_not_called_a_plain_directory(tmp_path):
     path = tmp_path / "ck"
     tdb.checkpoint.save(_state(), path)
-    (path.resolve() / "tdb_manifest.json").unlink()
+    (committed(path) / "tdb_manifest.json").unlink()
     err = _load_error(path)
     assert type(err) is tdb.checkpoint.CorruptCheckpointError, (type(err), err)
     assert "has no checksum manifest" in str(err) and "plain DCP directory" not in str(err), err

@@ -11,6 +11,7 @@ import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.wrapper import LocalShardsWrapper
 
 from ..distributed.checks import reference_table
+from tests.layout import committed
 
 _spec = importlib.util.spec_from_file_location(
     "simulate_reshard", Path(__file__).resolve().parents[2] / "scripts" / "simulate_reshard.py")
@@ -44,7 +45,7 @@ def test_simulated_reads_equal_a_real_load(tmp_path, rows):
     for k, t in tables.items():
         a, b = min(rows[0], t.shape[0] - 1), min(rows[1], t.shape[0])
         assert torch.equal(dest[k].local_shards()[0], t[a:b]), k
-    saved = sim.saved_from_checkpoint((tmp_path / "ck").resolve())
+    saved = sim.saved_from_checkpoint(committed((tmp_path / "ck")))
     predicted = sim.rank_reads(saved, boxes, staging_bytes=None)
     assert (predicted.read, predicted.files) == (stats.bytes_read, stats.files_opened)
     assert predicted.needed == sum(int(torch.Size(s).numel()) * 4 for bx in boxes.values() for _, s in bx)
@@ -54,7 +55,7 @@ def test_zip_record_sizes_of_the_paper_model_match_real_items(tmp_path):
     """The synthetic checkpoints' zip records (measured on one row) have the sizes of real saved chunks."""
     t = reference_table((70000, 64), seed=3)
     tdb.checkpoint.save({"t": _wrapper(t, [0, 30000], 70000)}, tmp_path / "ck")
-    saved = sim.saved_from_checkpoint((tmp_path / "ck").resolve())
+    saved = sim.saved_from_checkpoint(committed((tmp_path / "ck")))
     head, tail = sim.zip_template(torch.float32, (64,))
     for place in saved.places.values():
         assert (place.data_start, place.length - place.data_start - place.nbytes) == (head, tail)

@@ -3,6 +3,8 @@ optimizer saved and resumed in one call, an optimizer before its first step, ref
 
 import pytest
 import torch
+
+from tests.layout import committed
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
@@ -27,7 +29,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[f
 
 
 def _saved_keys(path) -> list[str]:
-    return sorted(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return sorted(dcp.FileSystemReader(str(committed(path))).read_metadata().state_dict_metadata)
 
 
 def _params(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -11,6 +11,8 @@ import re
 
 import pytest
 import torch
+
+from tests.layout import committed
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
@@ -658,7 +660,7 @@ def test_a_wrapper_holding_part_of_a_table_loads_through_tdb_checkpoint(tmp_path
     boxes = [((0, 0), (3, 16)), ((5, 0), (3, 16))]
     dst = LocalShardsWrapper([torch.zeros(s) for _, s in boxes], [o for o, _ in boxes], (8, 16))
     with pytest.raises(CheckpointException) as refused:  # DCP wraps its ValueError
-        dcp.load({"w": dst}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+        dcp.load({"w": dst}, checkpoint_id=str(committed(tmp_path / "c")), no_dist=True)
     causes = [refused.value, *getattr(refused.value, "failures", {}).values()]
     assert any("Size mismatch" in str(c) for c in causes), causes
     tdb.checkpoint.load({"w": dst}, tmp_path / "c")

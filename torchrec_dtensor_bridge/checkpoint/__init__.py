@@ -7,12 +7,16 @@
     tdb.checkpoint.export("/ckpt/step100", "t.safetensors")  # one process, unsharded, bounded memory
     tdb.checkpoint.save(state_dict, "/ckpt/step110", base="/ckpt/step100")  # incremental: changed rows only
     tdb.checkpoint.compact("/ckpt/step110", "/ckpt/step110-full")  # a chain -> one self-contained checkpoint
+    tdb.checkpoint.save(state_dict, "s3://bucket/ckpt/step100")  # an S3-compatible store: the same guarantees
+    tdb.checkpoint.collect("/ckpt/step100")            # what interrupted saves left (the CLI's ``gc``)
 
 Values may be DCP ``Stateful`` objects (a TorchRec DMP, its ``fused_optimizer``,
 a ``torch.optim`` optimizer, a ``FusedOptimizer``): see :mod:`.stateful`.
 """
 
 from .api import load, save
+from .commit import collect as _collect
+from .storage import locate
 from .compact import compact
 from .errors import (
     BrokenChainError,
@@ -28,6 +32,7 @@ from .migrate import migrate
 
 __all__ = [
     "BrokenChainError",
+    "collect",
     "CheckpointBusyError",
     "CheckpointError",
     "CorruptCheckpointError",
@@ -43,3 +48,17 @@ __all__ = [
     "migrate",
     "save",
 ]
+
+
+def collect(path: str, *, dry_run: bool = False, storage_options: dict | None = None) -> list[str]:
+    """Remove the generations of the checkpoint at ``path`` (a path or ``s3://`` URL) that no save committed
+    (interrupted saves); never the committed one, one a reader holds, nor a superseded one within its grace
+    period. Returns the names removed (``dry_run``: that would be). Raises ``CheckpointBusyError`` while a save
+    to ``path`` runs.
+
+    Example::
+
+        >>> tdb.checkpoint.collect("/ckpt/step100")
+        ['gen-3f1c...']
+    """
+    return _collect(locate(path, storage_options), dry_run=dry_run)

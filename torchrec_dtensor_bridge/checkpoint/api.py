@@ -52,7 +52,6 @@ Both first replace every DCP ``Stateful`` value of the state_dict by its state
 from __future__ import annotations
 
 import copy
-import shutil
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -66,7 +65,7 @@ from ..agreement import gather_objects
 from ..groups import CommGroup
 from .agree import Kind, Problem, member_group, problem_from, raise_gathered
 from .chainread import load_chain
-from .commit import DirLock, SaveLock, generation_dir, prepare_generation, writable_parent
+from .commit import SaveTarget, check_target, generation, prepare_generation, save_lock, writable_parent
 from .common import default_process_group, dtype_of, global_shape, leaves, object_summary, run_dcp
 from .errors import CheckpointError
 from .incremental import BaseCheckpoint, Rows, open_base, without_tensors
@@ -77,6 +76,7 @@ from .manifest import Checksums
 from .reader import ReadStats, VerifiedReader
 from .saving import Job, side_group, staged_copy, start, wait_pending
 from .stateful import Expanded, expand
+from .storage import Loc, Lock, locate
 
 __all__ = ["DEFAULT_STAGING_BYTES", "default_process_group", "load", "save"]
 
@@ -88,19 +88,19 @@ _fault_hook: Callable[[str], None] | None = None
 
 
 def _call(verb: str, state_dict: object, path: str | Path, process_group: dist.ProcessGroup | None,
-          ) -> tuple[Expanded, dist.ProcessGroup | None, Path, str]:
+          storage_options: Mapping[str, Any] | None = None) -> tuple[Expanded, dist.ProcessGroup | None, Loc, str]:
     """What ``save`` and ``load`` start from: the state_dict with its Statefuls expanded (:mod:`.stateful`),
     the group, the absolute path, and how messages name the call."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+    loc = locate(path, storage_options)  # a bad URL or option: raised before anything else
     expanded = expand(state_dict, for_load=verb == "load")
     try:
         group = process_group if process_group is not None else default_process_group(expanded.view)
     except BaseException:
         expanded.rollback()
         raise
-    path = Path(path).absolute()
-    return expanded, group, path, f"checkpoint.{verb}({path})"
+    return expanded, group, loc, f"checkpoint.{verb}({loc})"
 
 
 def _stage(name: str) -> None:
@@ -109,6 +109,11 @@ def _stage(name: str) -> None:
 
 
 # -------------------------------------------------------------------- save
+def _discard(path: Loc, gen: Loc, target: SaveTarget | None) -> None:
+    """What a refused save made: its generation, and the checkpoint's directory if the save created it."""
+    (path if target is not None and target.created else gen).delete_tree()
+
+
 def _signature(state_dict: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...], str]]:
     out = {}
     for fqn, v in leaves(state_dict):
@@ -139,6 +144,7 @@ def save(
     asynchronous: bool = False,
     keep_spare: bool = True,
     process_group: dist.ProcessGroup | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Any:
     """Save ``state_dict`` (DTensors, ShardedTensors, tensors, objects) to ``path``; *collective*.
 
@@ -162,7 +168,8 @@ def save(
 
     Args:
         state_dict: what to save (nested dicts allowed, Stateful values expanded).
-        path: the checkpoint path (a symlink to its committed generation).
+        path: the checkpoint's path (a directory holding its commit record and generations: :mod:`.commit`), or
+            an ``s3://bucket/prefix/name`` URL.
         base: an earlier checkpoint of the same tensor keys, shapes and dtypes, written by this function (full
             or incremental), in the same directory as ``path`` and not ``path`` itself: save only what changed
             since it. The base's generation must stay: a later save to the base's path may replace it, and a
@@ -180,6 +187,9 @@ def save(
             A spare that a load is reading is left alone (the save allocates).
         process_group: the group to save over; ``None``: see :func:`.common.default_process_group`
             (the DTensors' mesh's group, else the default group).
+        storage_options: for an ``s3://bucket/prefix/name`` path, the object store's settings in fsspec's
+            spelling (``endpoint_url``, ``key``, ``secret``, ``region``, ``client_kwargs``, ...;
+            :mod:`.storage.s3`); the standard AWS variables apply where they say nothing. ``None`` for local paths.
 
     Raises:
         NotADirectoryError: an existing parent of ``path`` is a file (on every rank, nothing written).
@@ -197,24 +207,25 @@ def save(
         >>> tdb.checkpoint.save(state, "/ckpt/latest")  # Statefuls: each object's state_dict()
     """
     wait_pending()  # this process's asynchronous save, if one runs, first
-    expanded, group, path, what = _call("save", state_dict, path, process_group)
+    expanded, group, loc, what = _call("save", state_dict, path, process_group, storage_options)
     state_dict = expanded.view
     g = member_group(group, what)
     rank, world = g.rank, g.size
     problems: list[Problem] = list(expanded.problems)
-    lock: SaveLock | None = None
-    gen_lock: DirLock | None = None
+    lock: SaveTarget | None = None
+    gen_lock: Lock | None = None
     save_id = uuid.uuid4().hex
-    gen = generation_dir(path, save_id)
+    gen = generation(loc, save_id)
     if rank == 0:
         try:
-            writable_parent(path)
+            writable_parent(loc)
         except NotADirectoryError as e:  # before anything is written; raised as itself on every rank
             problems.append(Problem(Kind.NOT_A_DIRECTORY, str(e)))
+    prepared = False
     base_ck: BaseCheckpoint | None = None
     if base is not None:
         try:
-            base_ck = open_base(base, path)
+            base_ck = open_base(locate(base, storage_options), loc)
         except ValueError as e:
             problems.append(Problem(Kind.VALUE, str(e)))
         except Exception as e:  # reported to every rank
@@ -223,19 +234,17 @@ def save(
     signature = _signature(state_dict)
     if rank == 0 and not problems:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if path.exists() and not path.is_symlink():
-                raise CheckpointError(
-                    f"{path} exists and is not a torchrec_dtensor_bridge checkpoint; refusing to overwrite it"
-                )
-            lock = SaveLock(path)
-            _, gen_lock = prepare_generation(path, gen, reuse=keep_spare)
+            check_target(loc)
+            lock = save_lock(loc)
+            committed = lock.record["generation"] if lock.record else None
+            _, gen_lock = prepare_generation(loc, gen, committed, reuse=keep_spare)
+            prepared = True
         except Exception as e:  # reported to every rank
             problems.append(problem_from(e, f"cannot prepare {gen.name}"))
     everyone = gather_objects((save_id, problems, signature, expanded.local_records(),
                                expanded.column_widths, rows.describe(), base_ck and base_ck.save_id), g)
     save_id = everyone[0][0]
-    gen = generation_dir(path, save_id)
+    gen = generation(loc, save_id)
     disagree = _disagreements([e[2] for e in everyone], g)
     if not disagree:  # every rank compares every rank's keys with the base's: the same verdict everywhere
         disagree += rows.check({k: v for e in everyone for k, v in e[2].items()})
@@ -248,8 +257,8 @@ def save(
     job: Job | None = None
     try:
         if disagree or any(e[1] for e in everyone):
-            if rank == 0 and gen_lock is not None:
-                shutil.rmtree(gen, ignore_errors=True)
+            if rank == 0 and prepared:
+                _discard(loc, gen, lock)
             raise_gathered(what + " refused, nothing was written", [e[1] for e in everyone], g, disagree)
         rows.own([e[5] for e in everyone], rank or 0)
         try:
@@ -259,7 +268,7 @@ def save(
         found = gather_objects(mine, g)  # the base's digests of this rank's blocks: readable?
         if any(found):
             if rank == 0:
-                shutil.rmtree(gen, ignore_errors=True)
+                _discard(loc, gen, lock)
             raise_gathered(what + " refused, nothing was written", found, g)
         state: Mapping[str, Any] = state_dict
         if base_ck is not None:  # the tensors go to row files; what DCP writes is a copy when asynchronous
@@ -268,7 +277,7 @@ def save(
         elif asynchronous:  # a full save writes every tensor: all of it is copied
             state = staged_copy(state_dict)
         side = side_group(g) if asynchronous else g
-        job = Job(path, gen, save_id, g, what, state, rows, base_ck, [e[2] for e in everyone],
+        job = Job(loc, gen, save_id, g, what, state, rows, base_ck, [e[2] for e in everyone],
                   {"objects": object_summary(state_dict), ROW_STATE_COLUMNS: widths}, keep_spare, lock, gen_lock)
     finally:
         if job is None:
@@ -295,6 +304,7 @@ def load(
     process_group: dist.ProcessGroup | None = None,
     convert_dtypes: bool = False,
     split_row_states: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> ReadStats:
     """Load the checkpoint at ``path`` in place into ``state_dict``; *collective*.
 
@@ -342,6 +352,9 @@ def load(
             hence asked for: a block's own statistic (the mean of its columns' squared gradients) was never
             saved; the row's (the mean over all its columns) stands in for it. The other way, per-block states
             into one per row, is exact and needs no flag (the blocks' values weighted by their widths).
+        storage_options: for an ``s3://bucket/prefix/name`` path, the object store's settings in fsspec's
+            spelling (``endpoint_url``, ``key``, ``secret``, ``region``, ``client_kwargs``, ...;
+            :mod:`.storage.s3`); the standard AWS variables apply where they say nothing. ``None`` for local paths.
 
     Returns:
         What this rank read (:class:`.reader.ReadStats`): ``bytes_read`` from data files (every pass),
@@ -363,12 +376,12 @@ def load(
         >>> state = {"model": dmp, "fused": dmp.fused_optimizer, "dense": adam, "step": 0}
         >>> tdb.checkpoint.load(state, "/ckpt/latest")  # another plan or world size; state["step"] == 100
     """
-    expanded, group, path, what = _call("load", state_dict, path, process_group)
+    expanded, group, loc, what = _call("load", state_dict, path, process_group, storage_options)
     extra: list[Problem] = list(expanded.problems)
     if staging_bytes is not None and (not isinstance(staging_bytes, int) or staging_bytes < 0):
         extra.append(Problem(Kind.VALUE, f"staging_bytes must be a non-negative int or None, got {staging_bytes!r}"))
     try:
-        opened = open_agreed(path, expanded.view, strict, verify, member_group(group, what), what, extra,
+        opened = open_agreed(loc, expanded.view, strict, verify, member_group(group, what), what, extra,
                              optional=expanded.optional, hints=expanded.hints, convert_dtypes=convert_dtypes,
                              split_row_states=split_row_states, param_groups=expanded.param_groups)
         try:

@@ -23,9 +23,8 @@ validation the chain's tensors as if one checkpoint held them.
 
 from __future__ import annotations
 
-import os
+import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,10 +35,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .commit import DirLock, lock_generation
 from .errors import BrokenChainError, CorruptCheckpointError
 from .incremental import LINK, ROW_DIGESTS
 from .manifest import check_file_name, read_manifest
+from .storage import Loc, Lock
 from .validate import read_metadata
 
 __all__ = ["MAX_LINKS", "Chain", "Link", "Piece", "is_incremental", "metadata_for_checks", "open_chain"]
@@ -71,10 +70,10 @@ class Link:
     """One checkpoint of a chain: where it is, its manifest and metadata, and (incremental) its pieces."""
 
     name: str
-    root: Path
+    root: Loc
     manifest: dict[str, Any]
     metadata: Metadata
-    lock: DirLock | None = None
+    lock: Lock | None = None
     pieces: dict[str, list[Piece]] = field(default_factory=dict)
 
     @property
@@ -162,20 +161,33 @@ def _base_of(link: Link, where: str) -> tuple[str, str, str]:
     rec = link.manifest[LINK].get("base")
     if not (isinstance(rec, dict) and all(isinstance(rec.get(k), str) for k in ("name", "generation", "save_id"))):
         raise _bad(where, f"base record {rec!r}")
-    name, gen = check_file_name(rec["name"], where), check_file_name(rec["generation"], where)
-    if not gen.startswith(f".{name}.tdb-"):
+    name = check_file_name(rec["name"], where)
+    gen = check_file_name(rec["generation"], where) if rec["generation"] else ""
+    if gen and not (gen.startswith(f".{name}.tdb-") or re.fullmatch(r"gen-[0-9a-f]{32}", gen)):
         raise _bad(where, f"base generation {gen!r} is not one of {name!r}'s")
     return name, gen, rec["save_id"]
 
 
-def _open_link(parent: Path, name: str, gen: str, save_id: str, child: Link) -> Link:
+def _link_root(parent: Loc, name: str, gen: str) -> Loc:
+    """Where the link ``name`` (generation ``gen``) lies: under its name (this layout), beside it (earlier
+    releases), or its name itself (a copy with links dereferenced, ``cp -rL``, or a base that held itself)."""
+    here = parent / name
+    if not gen:
+        return here
+    if not gen.startswith("."):
+        return here / gen
+    old = parent / gen  # beside it; gone when the link was copied with cp -rL: the copy holds it itself
+    return old if old.kind() == "dir" or here.kind() != "dir" else here
+
+
+def _open_link(parent: Loc, name: str, gen: str, save_id: str, child: Link) -> Link:
     """The base ``name`` of ``child``, generation ``gen`` of save ``save_id``, locked and read."""
-    what = f"link {name} (generation {gen}, save {save_id}), the base of {child.label}"
-    root = parent / gen
-    if not root.is_dir() or root.is_symlink():
+    what = f"link {name} (generation {gen or name}, save {save_id}), the base of {child.label}"
+    root = _link_root(parent, name, gen)
+    if root.kind() != "dir":
         raise BrokenChainError(f"{what} is gone: {root} does not exist (it was deleted, or a later save to "
                                f"{parent / name} replaced it); the chain cannot be loaded")
-    lock = lock_generation(parent / name, gen)
+    lock = root.lock(exclusive=False)
     if lock is None:
         raise BrokenChainError(f"{what} is being rewritten by a save to {parent / name}: the chain cannot be loaded")
     try:
@@ -183,7 +195,7 @@ def _open_link(parent: Path, name: str, gen: str, save_id: str, child: Link) -> 
         if manifest is None:
             raise BrokenChainError(f"{what} has no manifest: it is not a checkpoint written by "
                                    "tdb.checkpoint.save")
-        if manifest.get("save_id") != save_id or not gen.endswith(save_id):
+        if manifest.get("save_id") != save_id or (gen and root.name == gen and not gen.endswith(save_id)):
             raise BrokenChainError(f"{what} was replaced: {root} now holds save {manifest.get('save_id')} (a "
                                    "checkpoint of another job or a later save); the chain cannot be loaded")
         md = read_metadata(root, manifest)
@@ -193,7 +205,7 @@ def _open_link(parent: Path, name: str, gen: str, save_id: str, child: Link) -> 
         raise
 
 
-def open_chain(root: Path, manifest: dict[str, Any], md: Metadata, name: str) -> Chain:
+def open_chain(root: Loc, manifest: dict[str, Any], md: Metadata, name: str) -> Chain:
     """Open the chain whose newest link (the head, already locked by the caller) is the generation ``root`` of
     the checkpoint ``name``; this rank alone (steps 1-3 of the module docstring).
 
@@ -204,6 +216,7 @@ def open_chain(root: Path, manifest: dict[str, Any], md: Metadata, name: str) ->
     """
     head = Link(name, root, manifest, md)
     links = [head]
+    chain_dir = root.parent.parent if root.name.startswith("gen-") else root.parent  # where the links' names are
     try:
         where = str(root / "tdb_manifest.json")
         tensors = _tensors(manifest, where)
@@ -214,7 +227,7 @@ def open_chain(root: Path, manifest: dict[str, Any], md: Metadata, name: str) ->
             if len(links) > MAX_LINKS:
                 raise CorruptCheckpointError(f"{head.label}: the chain has more than {MAX_LINKS} links (a cycle?)")
             base_name, gen, save_id = _base_of(link, where)
-            link = _open_link(root.parent, base_name, gen, save_id, link)
+            link = _open_link(chain_dir, base_name, gen, save_id, link)
             links.append(link)
             mine = _tensors(link.manifest, str(link.root / "tdb_manifest.json"))
             if mine != tensors:
@@ -243,9 +256,11 @@ def metadata_for_checks(chain: Chain) -> Metadata:
     return Metadata(state_dict_metadata=entries, storage_meta=head.storage_meta, storage_data=head.storage_data)
 
 
-def link_name(root: Path) -> str:
-    """The checkpoint name of a generation directory ``.<name>.tdb-<id>``."""
-    base = os.path.basename(root)
+def link_name(root: Loc) -> str:
+    """The checkpoint name of a generation (``name/gen-<id>``, or ``.<name>.tdb-<id>`` of earlier releases)."""
+    base = root.name
+    if base.startswith("gen-"):
+        return root.parent.name
     return base[1:].rsplit(".tdb-", 1)[0] if base.startswith(".") and ".tdb-" in base else base
 
 

@@ -9,6 +9,7 @@ incremental saves. Memory: the checkpoint's tensors, whole.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from .inspect import inspect
 __all__ = ["compact"]
 
 
-def compact(src: str | Path, dst: str | Path) -> str:
+def compact(src: str | Path, dst: str | Path, *, storage_options: Mapping[str, Any] | None = None) -> str:
     """Write the checkpoint ``src`` (full or incremental) as one self-contained checkpoint at ``dst``.
 
     Run it in one process with no process group (the CLI's ``compact``), or on every rank of one (then it is
@@ -30,6 +31,7 @@ def compact(src: str | Path, dst: str | Path) -> str:
         src: a checkpoint written by :func:`~.api.save` (an incremental one: the newest link of its chain).
         dst: where to write the compacted checkpoint (a new path, or a checkpoint this function or ``save``
             wrote, replaced atomically).
+        storage_options: for ``s3://`` URLs, the object store's settings (:func:`~.api.save`).
 
     Returns:
         The save id of the new checkpoint.
@@ -42,12 +44,12 @@ def compact(src: str | Path, dst: str | Path) -> str:
 
         >>> tdb.checkpoint.compact("/ckpt/step190", "/ckpt/step190-full")
     """
-    described = inspect(src)
+    described = inspect(src, storage_options=storage_options)
     state: dict[str, Any] = {}
     for key, rec in described.items():
         if rec["type"] == "tensor":
             state[key] = torch.empty(rec["shape"], dtype=getattr(torch, rec["dtype"]))
         else:
             state[key] = None
-    load(state, src)
-    return save(state, dst)
+    load(state, src, storage_options=storage_options)
+    return save(state, dst, storage_options=storage_options)

@@ -35,10 +35,8 @@ changed), then those rows, row-major.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,13 +48,14 @@ from .._compat import ShardedTensor
 from ..convert import layout_of
 from ..wrapper import LocalShardsWrapper
 from .agree import Problem, problem_from
-from .commit import DirLock, committed_name, lock_generation
+from .commit import committed_name, lock_generation, root_of
 from .common import leaves
 from .digests import DIGEST_BYTES, digest_width, row_digests
 from .errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
 from .keylists import Wording, key_problems
 from .manifest import BlockHasher, Checksums, FileSums, read_manifest
 from .reader import BadData, VerifiedFile
+from .storage import Loc, Lock
 
 __all__ = ["ALIGN", "BaseCheckpoint", "LINK", "ROW_DIGESTS", "Rows", "local_blocks", "open_base"]
 
@@ -113,9 +112,9 @@ def _raw(t: torch.Tensor) -> memoryview:
 class BaseCheckpoint:
     """A base opened for an incremental save: its generation (locked), manifest and recorded row digests."""
 
-    path: Path
-    root: Path
-    lock: DirLock
+    path: Loc
+    root: Loc
+    lock: Lock
     manifest: dict[str, Any]
     tensors: dict[str, tuple[list[int], str]]
     digests: dict[str, list[list[Any]]]
@@ -128,7 +127,8 @@ class BaseCheckpoint:
 
     def record(self) -> dict[str, Any]:
         """What the new checkpoint's manifest says of its base."""
-        return {"name": self.path.name, "generation": self.root.name, "save_id": self.save_id}
+        gen = self.root.name if self.root != self.path else ""  # "": the base's directory holds it itself
+        return {"name": self.path.name, "generation": gen, "save_id": self.save_id}
 
     def digests_of(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], row_bytes: int,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +162,7 @@ class BaseCheckpoint:
         self.lock.release()
 
 
-def open_base(base: str | Path, path: Path) -> BaseCheckpoint:
+def open_base(base: Loc, path: Loc) -> BaseCheckpoint:
     """The committed generation of ``base``, locked (shared) and its manifest read; this rank alone.
 
     Raises:
@@ -170,7 +170,7 @@ def open_base(base: str | Path, path: Path) -> BaseCheckpoint:
             row digests (written before they were, or by ``migrate``).
         CorruptCheckpointError: its manifest is damaged.
     """
-    b = Path(base).absolute()
+    b = base
     if b == path:
         raise ValueError(f"base={str(base)!r} is the path being saved: an incremental checkpoint needs its base "
                          "to stay, save it to a new path")
@@ -182,19 +182,19 @@ def open_base(base: str | Path, path: Path) -> BaseCheckpoint:
             name = committed_name(b)
         except (IncompleteCheckpointError, NotACheckpointError) as e:
             raise ValueError(f"base={str(base)!r} is not a checkpoint: {e}") from None
-        if not name:
-            raise ValueError(f"base={str(base)!r} is a plain DCP directory, not a checkpoint written by "
-                             "tdb.checkpoint.save (it records no row digests)")
-        lock = lock_generation(b, name)
+        lock = lock_generation(b, name)  # name "": a directory holding the checkpoint itself (a copy made with cp -rL)
         if lock is not None:
             break
     else:
         raise CheckpointError(f"base {b} kept changing while it was opened")
     try:
-        root = b.parent / name
+        root = root_of(b, name)
         manifest = read_manifest(root)
         rec = manifest.get(ROW_DIGESTS) if manifest is not None else None
-        if manifest is None or not isinstance(rec, dict):
+        if manifest is None:
+            raise ValueError(f"base={str(base)!r} is a plain DCP directory, not a checkpoint written by "
+                             "tdb.checkpoint.save (it records no row digests)")
+        if not isinstance(rec, dict):
             raise ValueError(f"base={str(base)!r} records no row digests (written by migrate or an older "
                              "version): save a full checkpoint first and use it as the base")
         link = manifest.get(LINK)
@@ -314,7 +314,7 @@ class Rows:
             blk.ids = rows[changed]
             blk.rows = picked[changed.to(picked.device)].cpu()
 
-    def write(self, gen: Path, rank: int) -> tuple[dict[str, FileSums], dict[str, list[list[Any]]],
+    def write(self, gen: Loc, rank: int) -> tuple[dict[str, FileSums], dict[str, list[list[Any]]],
                                                    dict[str, list[list[Any]]]]:
         """Write this rank's file into ``gen`` (a full save's digests; an incremental save's changed rows, then
         its digests: one file, one fsync): its block checksums, and the digest and piece records."""
@@ -350,10 +350,11 @@ class Rows:
 
 
 class _File:
-    """A file written from its start, each piece at a multiple of :data:`ALIGN`, hashed as written, fsynced."""
+    """An object written from its start, each piece at a multiple of :data:`ALIGN`, hashed as written, durable
+    when closed (the storage's ``create``)."""
 
-    def __init__(self, p: Path) -> None:
-        self._f = open(p, "wb")
+    def __init__(self, loc: Loc) -> None:
+        self._cm = loc.create()
         self._h = BlockHasher()
         self.sums = FileSums(0, 0, "")
 
@@ -370,15 +371,11 @@ class _File:
         self._h.update(data)
 
     def __enter__(self) -> _File:
+        self._f = self._cm.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        try:
-            if exc[0] is None:
-                self._f.flush()
-                os.fsync(self._f.fileno())
-        finally:
-            self._f.close()
+        self._cm.__exit__(*exc)
         self.sums = self._h.finish()
 
 

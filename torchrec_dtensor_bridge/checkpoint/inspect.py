@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from .chain import Chain, describe, is_incremental, metadata_for_checks, open_chain
-from .commit import lock_generation, resolve
+from .commit import resolve
 from .common import format_bytes, format_mib, tensor_bytes
 from .incremental import ROW_DIGESTS
 from .manifest import read_manifest
+from .storage import Loc, locate
 from .validate import read_metadata
 
 __all__ = ["format_report", "inspect"]
 
 
-def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
+def inspect(path: str | Path, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Per saved key: ``type`` (``"tensor"`` or ``"object"``), ``shape``, ``dtype``, ``shards`` (``offsets``,
     ``sizes``) and ``bytes``.
 
@@ -38,14 +40,14 @@ def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
         >>> tdb.checkpoint.inspect("/ckpt/step100")["ebc.embedding_bags.t0.weight"]["shape"]
         [1000, 64]
     """
-    path = Path(path).absolute()
-    root = resolve(path)
+    loc = locate(path, storage_options)
+    root = resolve(loc)
     manifest = read_manifest(root)
     md = read_metadata(root, manifest)
     links = None
     if is_incremental(manifest):
         assert manifest is not None
-        chain = _open(path, root, manifest, md)
+        chain = _open(loc, root, manifest, md)
         md, links = metadata_for_checks(chain), describe(chain)
     objects = _recorded_objects(manifest)
     out: dict[str, dict[str, Any]] = {}
@@ -73,9 +75,9 @@ def inspect(path: str | Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _open(path: Path, root: Path, manifest: dict[str, Any], md: Any) -> Chain:
+def _open(path: Loc, root: Loc, manifest: dict[str, Any], md: Any) -> Chain:
     """The chain of the incremental checkpoint ``root`` (its links checked, their locks released again)."""
-    head = lock_generation(path, root.name)
+    head = root.lock(exclusive=False)
     try:
         chain = open_chain(root, manifest, md, path.name)
         chain.release()
@@ -101,10 +103,10 @@ def _recorded_objects(manifest: dict[str, Any] | None) -> dict[str, dict[str, st
     return out
 
 
-def format_report(path: str | Path) -> str:
+def format_report(path: str | Path, *, storage_options: Mapping[str, Any] | None = None) -> str:
     """``inspect(path)`` as a table a person reads, with totals (MiB = 2**20 bytes) and the commit state."""
-    root = resolve(Path(path).absolute())
-    info = inspect(path)
+    root = resolve(locate(path, storage_options))
+    info = inspect(path, storage_options=storage_options)
     manifest = read_manifest(root)
     head = ["key", "dtype", "shape", "shards", "MiB"]
     rows = []

@@ -29,7 +29,6 @@ import io
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,13 +45,14 @@ from ..groups import CommGroup
 from ..wrapper import LocalShardsWrapper
 from .agree import Kind, Problem, from_rank0, problem_from, raise_gathered
 from .chain import Chain, is_incremental, metadata_for_checks, open_chain
-from .commit import DirLock, committed_name, lock_generation
+from .commit import committed_name, lock_generation, root_of
 from .common import dtype_of, global_shape, leaves
 from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import MANIFEST, item_key, item_record, read_manifest
 from .plan import needed_chunks
 from .keyed import Hint, recorded_widths
 from .keylists import Wording, key_problems
+from .storage import Loc, Lock, NotAnObject
 from .validate import read_metadata
 
 __all__ = ["Opened", "SafeObjectPlanner", "open_agreed"]
@@ -202,7 +202,7 @@ def _needed_items(flat: list[tuple[str, Any]], md: Metadata, rank: int) -> list[
     return out
 
 
-def _check_items(root: Path, manifest: dict[str, Any], md: Metadata, needed: list[MetadataIndex]) -> list[Problem]:
+def _check_items(root: Loc, manifest: dict[str, Any], md: Metadata, needed: list[MetadataIndex]) -> list[Problem]:
     """What the manifest and the files' sizes say about the items this rank will read (no data is read)."""
     problems = []
     where = str(root / "tdb_manifest.json")
@@ -210,12 +210,14 @@ def _check_items(root: Path, manifest: dict[str, Any], md: Metadata, needed: lis
     for idx in needed:
         by_file.setdefault(md.storage_data[idx].relative_path, []).append(idx)
     for rel, idxs in sorted(by_file.items()):
-        p = root / rel
-        if p.is_symlink() or not p.is_file():
+        try:
+            size = (root / rel).size()
+        except NotAnObject:
+            size = None
+        if size is None:
             problems.append(Problem(Kind.CORRUPT, f"data file {rel} is missing or not a regular file (needed for "
                                                   f"{sorted({i.fqn for i in idxs})})"))
             continue
-        size = p.stat().st_size
         for idx in idxs:
             key, info = item_key(idx), md.storage_data[idx]
             try:
@@ -236,7 +238,7 @@ def _check_items(root: Path, manifest: dict[str, Any], md: Metadata, needed: lis
     return problems
 
 
-def _no_manifest(root: Path, plain: bool) -> str:
+def _no_manifest(root: Loc, plain: bool) -> str:
     """Why a verified load of ``root`` (without a manifest) is refused, and what to do instead."""
     if plain:
         return (f"{root} is a plain DCP directory: it has no checksum manifest ({MANIFEST}; not written by "
@@ -253,8 +255,8 @@ def _no_manifest(root: Path, plain: bool) -> str:
 class Opened:
     """What every rank agreed to read: the generation (held under a shared lock), its manifest and metadata."""
 
-    root: Path
-    lock: DirLock
+    root: Loc
+    lock: Lock
     manifest: dict[str, Any] | None
     metadata: Metadata
     absent: frozenset[str] = frozenset()  # the optional keys the checkpoint holds nothing under
@@ -268,10 +270,10 @@ class Opened:
         self.lock.release()
 
 
-def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool, verify: bool, rank: int,
+def _examine(path: Loc, name: str, state_dict: Mapping[str, Any], strict: bool, verify: bool, rank: int,
              optional: tuple[str, ...], hints: Mapping[str, Hint] | None, convert_dtypes: bool = False,
              split_row_states: bool = False, param_groups: Mapping[str, int] | None = None,
-             ) -> tuple[DirLock | None, dict[str, Any] | None, Metadata | None, list[Problem], str | None,
+             ) -> tuple[Lock | None, dict[str, Any] | None, Metadata | None, list[Problem], str | None,
                         dict[str, tuple[int, ...]], Chain | None]:
     """One rank's look at generation ``name``: lock it, read and check everything short of the data."""
     try:
@@ -280,7 +282,7 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
         return None, None, None, [problem_from(e, f"cannot open {name or path}")], None, {}, None
     if lock is None:
         return None, None, None, [], None, {}, None
-    root = path.parent / name if name else path
+    root = root_of(path, name)
     problems: list[Problem] = []
     manifest = md = None
     ident = None
@@ -319,7 +321,7 @@ def _examine(path: Path, name: str, state_dict: Mapping[str, Any], strict: bool,
     return lock, manifest, md, problems, ident, combined, chain
 
 
-def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify: bool,
+def open_agreed(path: Loc, state_dict: Mapping[str, Any], strict: bool, verify: bool,
                 g: CommGroup, what: str, extra: list[Problem], *, optional: tuple[str, ...] = (),
                 hints: Mapping[str, Hint] | None = None, convert_dtypes: bool = False,
                 split_row_states: bool = False, param_groups: Mapping[str, int] | None = None) -> Opened:
@@ -383,7 +385,7 @@ def open_agreed(path: Path, state_dict: Mapping[str, Any], strict: bool, verify:
             raise_gathered(what + " refused, nothing was modified", [p for _, p, _ in everyone], g, mixed)
         assert lock is not None and md is not None
         checked = metadata_for_checks(chain) if chain is not None else md
-        return Opened(path.parent / name if name else path, lock, manifest, checked, _absent(checked, optional),
+        return Opened(root_of(path, name), lock, manifest, checked, _absent(checked, optional),
                       combined, chain)
     raise CheckpointError(f"{what}: {path} changed under the load {_RESOLVE_ATTEMPTS} times in a row")
 

@@ -41,7 +41,7 @@ save fails its block checksums. Every failure to read it is a
 
 Example::
 
-    >>> manifest = read_manifest(Path("/ckpt/.step100.tdb-1f2e"))  # None for a plain DCP directory
+    >>> manifest = read_manifest(resolve("/ckpt/step100"))  # None for a plain DCP directory
     >>> Checksums(manifest).blocks("__0_0.distcp", 0, 4096)  # what bytes 0-4096 must hash to
 """
 
@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +58,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .errors import CorruptCheckpointError
 from .plan import block_span
+from .storage import Loc, NotAnObject, locate
 
 __all__ = [
     "BLOCK",
@@ -204,17 +204,7 @@ def encode_manifest(body: dict[str, Any]) -> bytes:
     return b"%s %s %d\n" % (_HEADER, xxhash.xxh3_64(data).hexdigest().encode(), len(data)) + data
 
 
-def _write_durably(root: Path, data: bytes) -> None:
-    """Write ``root``'s manifest atomically and durably: a temporary file, fsync, rename."""
-    tmp = root / f".{MANIFEST}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, root / MANIFEST)
-
-
-def write_manifest(root: Path, save_id: str, md: Metadata, files: dict[str, FileSums], extra: dict[str, Any],
+def write_manifest(root: Loc | Path, save_id: str, md: Metadata, files: dict[str, FileSums], extra: dict[str, Any],
                    metadata: bytes | None = None) -> None:
     """Write a format-3 manifest: block checksums of ``files``, where each item of ``md`` lives, and the size and
     checksum of ``.metadata`` (its bytes: ``metadata``, else read from ``root``).
@@ -231,7 +221,7 @@ def write_manifest(root: Path, save_id: str, md: Metadata, files: dict[str, File
     if len(blocks) > 1:
         raise ValueError(f"files hashed with different block sizes {sorted(blocks)}")
     if metadata is None:
-        metadata = (root / ".metadata").read_bytes()
+        metadata = (locate(root) / ".metadata").get(MAX_MANIFEST_BYTES)
     body = {
         "format": FORMAT,
         "checksum": "xxh3_64",
@@ -242,11 +232,11 @@ def write_manifest(root: Path, save_id: str, md: Metadata, files: dict[str, File
         "items": dict(sorted(items.items())),
         **extra,
     }
-    _write_durably(root, encode_manifest(body))
+    (locate(root) / MANIFEST).put(encode_manifest(body))  # whole or not at all (storage operation 4)
 
 
 # -------------------------------------------------------------------- reading
-def read_manifest(root: Path) -> dict[str, Any] | None:
+def read_manifest(root: Loc | Path) -> dict[str, Any] | None:
     """The manifest of a checkpoint directory, verified and checked for shape, or ``None`` for a plain DCP
     directory (steps 1-3 of the module docstring).
 
@@ -254,17 +244,16 @@ def read_manifest(root: Path) -> dict[str, Any] | None:
         CorruptCheckpointError: the manifest is not a regular file, too large, damaged or malformed; the
             message names the file.
     """
-    p = root / MANIFEST
+    p = locate(root) / MANIFEST  # a Path is taken too
     try:
-        size = os.lstat(p).st_size
-    except FileNotFoundError:
+        size = p.size()
+    except NotAnObject:
+        raise CorruptCheckpointError(f"manifest {p} is not a regular file") from None
+    if size is None:
         return None
-    if not os.path.isfile(p) or os.path.islink(p):
-        raise CorruptCheckpointError(f"manifest {p} is not a regular file")
     if size > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"manifest {p} has {size} bytes, more than the {MAX_MANIFEST_BYTES} allowed")
-    with open(p, "rb") as f:
-        data = f.read(MAX_MANIFEST_BYTES + 1)
+    data = p.get(MAX_MANIFEST_BYTES + 1)
     return parse_manifest(data, str(p))
 
 

@@ -26,16 +26,16 @@ classes they need, and writes only inside ``dst``'s new generation.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import re
-import shutil
 import socket
-import stat
 import traceback
 import uuid
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -56,10 +56,11 @@ from .._compat import (
 )
 from ..convert import state_dict_to_dtensor
 from .api import save
-from .commit import SaveLock, commit, generation_dir, resolve, sweep, writable_parent
+from .commit import check_target, commit, generation, resolve, save_lock, sweep, writable_parent
 from .common import progress_bar, tensor_bytes
 from .errors import CheckpointError, CorruptCheckpointError
 from .manifest import BlockHasher, FileSums, check_file_name, read_manifest, write_manifest
+from .storage import Loc, NotAnObject, locate
 from .validate import read_metadata
 
 __all__ = ["migrate", "rank_files"]
@@ -68,18 +69,22 @@ _RANK = re.compile(r"rank[_\-]?(\d+)", re.IGNORECASE)
 _COPY_BLOCK = 8 << 20
 
 
-def rank_files(src: Path) -> list[Path]:
+def rank_files(src: Loc) -> list[Loc]:
     """The per-rank ``torch.save`` files in ``src``, ordered by rank; checks ranks 0..N-1 are all there."""
-    found: dict[int, Path] = {}
-    for p in sorted(src.iterdir()):
-        m = _RANK.search(p.name)
-        if m and p.suffix in (".pt", ".pth", ".bin") and p.is_symlink():
-            raise ValueError(f"{src}: per-rank file {p.name} is a symlink; migrate reads only regular files "
+    found: dict[int, Loc] = {}
+    for name in src.list():
+        p = src / name
+        m = _RANK.search(name)
+        if not (m and name.endswith((".pt", ".pth", ".bin"))):
+            continue
+        kind = p.kind()
+        if kind == "link":
+            raise ValueError(f"{src}: per-rank file {name} is a symlink; migrate reads only regular files "
                              f"inside the source directory")
-        if p.is_file() and m and p.suffix in (".pt", ".pth", ".bin"):
+        if kind == "object":
             r = int(m.group(1))
             if r in found:
-                raise ValueError(f"{src}: two files for rank {r}: {found[r].name} and {p.name}")
+                raise ValueError(f"{src}: two files for rank {r}: {found[r].name} and {name}")
             found[r] = p
     if not found:
         raise ValueError(f"{src}: no per-rank files (*rank<N>*.pt) and no DCP .metadata")
@@ -89,17 +94,17 @@ def rank_files(src: Path) -> list[Path]:
     return [found[r] for r in range(len(found))]
 
 
-def migrate(src: str | Path, dst: str | Path, *, progress: bool = True, trusted_pickles: bool = False
-            ) -> dict[str, Any]:
-    """Convert the checkpoint at ``src`` into a committed checkpoint at ``dst``.
+def migrate(src: str | Path, dst: str | Path, *, progress: bool = True, trusted_pickles: bool = False,
+            storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Convert the checkpoint at ``src`` into a committed checkpoint at ``dst`` (paths or ``s3://`` URLs).
 
     Returns a summary: ``{"source": kind, "keys": n, "bytes": n, "save_id": id}``, where
     ``bytes`` counts the tensors as :func:`~.inspect.inspect` does (:func:`~.common.tensor_bytes`).
     Raises ``ValueError`` or :class:`.CorruptCheckpointError` (naming the key or
     file) for an incomplete, inconsistent or hostile source, ``NotADirectoryError``
     if an existing parent of ``dst`` is a file; ``dst`` is untouched unless the
-    migration completes. Reads only inside ``src``, writes only inside ``dst``'s
-    directory, runs no code from the source unless ``trusted_pickles`` (per-rank
+    migration completes. Reads only inside ``src``, writes only inside ``dst``,
+    runs no code from the source unless ``trusted_pickles`` (per-rank
     files loaded with ``weights_only=False``).
 
     Example::
@@ -107,76 +112,81 @@ def migrate(src: str | Path, dst: str | Path, *, progress: bool = True, trusted_
         >>> tdb.checkpoint.migrate("/old/step100", "/ckpt/step100")["keys"]
         12
     """
-    src, dst = Path(src).absolute(), Path(dst).absolute()
-    if dst.exists() and not dst.is_symlink():
-        raise CheckpointError(f"{dst} exists and is not a torchrec_dtensor_bridge checkpoint")
-    writable_parent(dst)
-    if not src.exists():
-        raise ValueError(f"migrate: source {src} does not exist")
-    root = resolve(src) if src.is_symlink() else src
-    if (root / ".metadata").exists() or (root / ".metadata").is_symlink():
-        return _migrate_dcp(root, dst, progress)
-    if root.is_dir():
-        return _migrate_rank_files(rank_files(root), dst, progress, trusted_pickles)
-    raise ValueError(f"migrate: {src} is neither a DCP directory nor a directory of per-rank files")
+    src_loc, dst_loc = locate(src, storage_options), locate(dst, storage_options)
+    check_target(dst_loc)
+    writable_parent(dst_loc)
+    if not src_loc.exists():
+        raise ValueError(f"migrate: source {src_loc} does not exist")
+    try:
+        root = resolve(src_loc)  # a checkpoint of this package: its committed generation
+    except CheckpointError:
+        root = src_loc  # a directory of per-rank files
+    if (root / ".metadata").exists():
+        return _migrate_dcp(root, dst_loc, progress)
+    if root.kind() == "dir":
+        files = rank_files(root)
+        return _migrate_rank_files([str(f) for f in files], str(dst_loc), progress, trusted_pickles, storage_options)
+    raise ValueError(f"migrate: {src_loc} is neither a DCP directory nor a directory of per-rank files")
 
 
-def _migrate_dcp(root: Path, dst: Path, progress: bool) -> dict[str, Any]:
+def _migrate_dcp(root: Loc, dst: Loc, progress: bool) -> dict[str, Any]:
     # restricted unpickler, tiling of every tensor (a checkpoint missing rows is an error), plain file names
     md = read_metadata(root, read_manifest(root))
     files = sorted({check_file_name(info.relative_path, str(root / ".metadata"))
                     for info in md.storage_data.values()})
+    sizes = {}
     for rel in files:
-        p = root / rel
-        if p.is_symlink():
+        kind = (root / rel).kind()
+        if kind == "link":
             raise CorruptCheckpointError(f"migrate: {root} references data file {rel}, which is a symlink; migrate "
                                          "reads only regular files inside the source")
-        if not p.is_file():
+        if kind != "object":
             raise ValueError(f"migrate: {root} references data file {rel}, which is missing")
+        sizes[rel] = (root / rel).size() or 0
     save_id = uuid.uuid4().hex
-    gen = generation_dir(dst, save_id)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    lock = SaveLock(dst)
+    gen = generation(dst, save_id)
+    target = save_lock(dst)
     try:
-        gen.mkdir()
+        gen.make_dir()
         try:
-            total = sum((root / rel).stat().st_size for rel in files)
             sums: dict[str, FileSums] = {}
-            with progress_bar(total, "copy", progress) as bar:
+            with progress_bar(sum(sizes.values()), "copy", progress) as bar:
                 _copy_durably(root, ".metadata", gen, bar)
                 for rel in files:
                     sums[rel] = _copy_durably(root, rel, gen, bar)
             dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
             write_manifest(gen, save_id, md, sums, {"world_size": None, "dcp_save_id": dcp_id,
                                                     "migrated_from": str(root)})
-            commit(dst, gen)
+            commit(dst, gen, target)
         except BaseException:
-            shutil.rmtree(gen, ignore_errors=True)
+            gen.delete_tree()
             raise
-        sweep(dst, keep=gen)
+        sweep(dst, keep=gen.name, spare=None)
     finally:
-        lock.release()
+        target.release()
     return {"source": "dcp", "keys": len(md.state_dict_metadata), "bytes": tensor_bytes(md), "save_id": save_id}
 
 
-def _copy_durably(root: Path, rel: str, gen: Path, bar: Any) -> FileSums:
-    """Copy ``root/rel`` (a regular file, not followed through a symlink) to a new file ``gen/rel`` with fsync;
-    the block checksums of the bytes written (no read back)."""
-    a, b = root / rel, gen / rel
+def _copy_durably(root: Loc, rel: str, gen: Loc, bar: Any) -> FileSums:
+    """Copy the object ``root/rel`` to a new one ``gen/rel``, durably; the block checksums of the bytes written
+    (no read back)."""
     hasher = BlockHasher()
-    fd = os.open(a, os.O_RDONLY | os.O_NOFOLLOW)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpointError(f"migrate: {a} is not a regular file")
-    out = os.open(b, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with open(fd, "rb") as fa, open(out, "wb") as fb:
-        while block := fa.read(_COPY_BLOCK):
-            fb.write(block)
-            hasher.update(block)
-            if rel != ".metadata":
-                bar.update(len(block))
-        fb.flush()
-        os.fsync(fb.fileno())
+    try:
+        src = (root / rel).open_read()
+    except NotAnObject:
+        raise CorruptCheckpointError(f"migrate: {root / rel} is not a regular file") from None
+    buf = memoryview(bytearray(_COPY_BLOCK))
+    try:
+        with (gen / rel).create() as out:
+            at = 0
+            while n := src.readinto(buf, at):
+                out.write(buf[:n])
+                hasher.update(buf[:n])
+                at += n
+                if rel != ".metadata":
+                    bar.update(n)
+    finally:
+        src.close()
     return hasher.finish()
 
 
@@ -201,18 +211,20 @@ def _safe_sharded_globals() -> list[Any]:
 
 
 def _rank_worker(rank: int, world: int, port: int, files: list[str], dst: str, progress: bool, out: Any,
-                 trusted: bool) -> None:
+                 trusted: bool, options: Mapping[str, Any] | None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=300))
         with progress_bar(3, "migrate", progress and rank == 0, unit="step") as bar:
+            mine = locate(files[rank], options)
+            raw = io.BytesIO(mine.get(mine.size() or 0))
             if trusted:
-                sd = torch.load(files[rank], weights_only=False, map_location="cpu")
+                sd = torch.load(raw, weights_only=False, map_location="cpu")
             else:
                 try:
                     with torch.serialization.safe_globals(_safe_sharded_globals()):
-                        sd = torch.load(files[rank], weights_only=True, map_location="cpu")
+                        sd = torch.load(raw, weights_only=True, map_location="cpu")
                 except Exception as e:  # a hostile or unusual pickle: named, and nothing of it ran
                     lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
                     why = [ln for ln in lines if "Unsupported" in ln or "GLOBAL" in ln] or lines[-1:]
@@ -224,7 +236,7 @@ def _rank_worker(rank: int, world: int, port: int, files: list[str], dst: str, p
             bar.update(1)
             dts = state_dict_to_dtensor(sd)
             bar.update(1)
-            save_id = save(dts, dst)
+            save_id = save(dts, dst, storage_options=options)
             bar.update(1)
         out.put((rank, "ok", {"source": "per-rank torch.save", "keys": len(dts), "save_id": save_id}))
         dist.destroy_process_group()
@@ -232,12 +244,13 @@ def _rank_worker(rank: int, world: int, port: int, files: list[str], dst: str, p
         out.put((rank, "error", traceback.format_exc()))
 
 
-def _migrate_rank_files(files: list[Path], dst: Path, progress: bool, trusted: bool) -> dict[str, Any]:
+def _migrate_rank_files(files: list[str], dst: str, progress: bool, trusted: bool,
+                        options: Mapping[str, Any] | None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_worker, args=(r, len(files), port, [str(f) for f in files], str(dst), progress, out, trusted))
+        ctx.Process(target=_rank_worker, args=(r, len(files), port, files, dst, progress, out, trusted, options))
         for r in range(len(files))
     ]
     for p in procs:
@@ -257,8 +270,9 @@ def _migrate_rank_files(files: list[Path], dst: Path, progress: bool, trusted: b
         p.join()
     errors = sorted((r, msg) for r, status, msg in results if status == "error")
     if errors:
-        raise CheckpointError("migrate failed:\n" + "\n".join(f"--- rank {r} ({files[r].name}) ---\n{m}" for r, m in errors))
+        raise CheckpointError("migrate failed:\n" + "\n".join(
+            f"--- rank {r} ({files[r].rsplit('/', 1)[-1]}) ---\n{m}" for r, m in errors))
     summary = next(msg for r, status, msg in results if r == 0)
-    committed = resolve(dst)
+    committed = resolve(locate(dst, options))
     summary["bytes"] = tensor_bytes(read_metadata(committed, read_manifest(committed)))
     return summary

@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import io
 import mmap
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +53,7 @@ from .errors import CheckpointError
 from .manifest import BLOCK, Checksums
 from .plan import ItemPlace, request_span, staged_bytes, zip_spans
 from .savedtensor import Unreadable, parse_layout
+from .storage import Loc, NotAnObject
 from .validate import read_metadata as read_checked_metadata
 
 __all__ = ["BadData", "ItemView", "ReadStats", "VerifiedFile", "VerifiedReader", "read_buffer"]
@@ -108,22 +107,24 @@ class ReadStats:
 class VerifiedFile:
     """Byte ranges of one data file, each read once and checked block by block against the manifest."""
 
-    def __init__(self, root: Path, rel: str, checksums: Checksums | None, stats: ReadStats | None = None) -> None:
+    def __init__(self, root: Loc, rel: str, checksums: Checksums | None, stats: ReadStats | None = None) -> None:
         self.rel = rel
         self._stats = stats if stats is not None else ReadStats()
         self._checksums = checksums
         self._cache: dict[int, memoryview] = {}  # verified block start -> its bytes
         try:
-            self._fd = os.open(root / rel, os.O_RDONLY)
+            self._handle = (root / rel).open_read()
         except FileNotFoundError:
             raise BadData(f"data file {rel} is missing") from None
-        except OSError as e:
+        except (OSError, NotAnObject) as e:
             raise BadData(f"data file {rel} cannot be opened: {e}") from None
-        self.size = os.fstat(self._fd).st_size
+        except Exception as e:  # an object store's error
+            raise BadData(f"data file {rel} cannot be opened: {type(e).__name__}: {e}") from None
+        self.size = self._handle.size
         self._stats.files_opened += 1
 
     def close(self) -> None:
-        os.close(self._fd)
+        self._handle.close()
 
     def drop_cache(self) -> None:
         self._cache.clear()
@@ -131,7 +132,12 @@ class VerifiedFile:
     def _pread(self, buf: memoryview, offset: int, who: str) -> None:
         done = 0
         while done < len(buf):
-            n = os.preadv(self._fd, [buf[done:]], offset + done)
+            try:
+                n = self._handle.readinto(buf[done:], offset + done)
+            except OSError:
+                raise
+            except Exception as e:  # noqa: BLE001  # an object store's error: replaced or removed while read
+                raise BadData(f"data file {self.rel} cannot be read: {type(e).__name__}: {e}") from None
             self._stats.bytes_read += n
             if n == 0:
                 raise BadData(f"data file {self.rel} is truncated: {self.size} bytes, {who} needs bytes up to "
@@ -243,7 +249,7 @@ class VerifiedReader(dcp.FileSystemReader):
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: Loc,
         *,
         checksums: Checksums | None,
         process_group: dist.ProcessGroup | None = None,
@@ -252,10 +258,10 @@ class VerifiedReader(dcp.FileSystemReader):
         metadata: Metadata | None = None,
         trusted_pickles: bool = False,
     ) -> None:
-        super().__init__(path)
+        super().__init__(path.key if path.local else str(path))  # DCP's own reads: local stream transforms only
         self._given_md = metadata
         self._trusted = trusted_pickles
-        self._root = Path(path)
+        self._root = path
         self._checksums = checksums
         self._group = process_group
         self._staging_bytes = staging_bytes
@@ -394,7 +400,9 @@ class VerifiedReader(dcp.FileSystemReader):
         """Read, verify, agree with every rank, then copy (see the module docstring); *collective*."""
         problems: list[Problem] = []
         delegate = any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items)
-        if delegate and self._checksums is not None:
+        if delegate and not self._root.local:
+            problems.append(Problem(Kind.VALUE, f"{self._root}: DCP stream transforms are read from local disks only"))
+        elif delegate and self._checksums is not None:
             problems.append(Problem(Kind.VALUE, "the checkpoint's data files use DCP stream transforms, which "
                                                 "checksummed loads do not support; load it unverified with "
                                                 "tdb.checkpoint.load(..., verify=False)"))

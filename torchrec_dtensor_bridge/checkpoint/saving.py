@@ -28,44 +28,47 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-import shutil
+import dataclasses
+import pickle
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 from .._compat import ShardedTensor
 from ..agreement import gather_objects
 from ..convert import to_dtensor
 from ..groups import CommGroup, of_group
 from .agree import Kind, Problem, from_rank0, problem_from, raise_gathered
-from .commit import DirLock, SaveLock, commit, prune, sweep
+from .commit import SaveTarget, commit, prune, sweep
 from .common import dcp_failures, dcp_quietly
-from .errors import CheckpointError
+from .errors import CheckpointBusyError, CheckpointError
 from .incremental import BaseCheckpoint, Rows, manifest_records
 from .manifest import write_manifest
-from .validate import parse_metadata
+from .storage import Loc, Lock
+from .validate import MAX_METADATA_BYTES, parse_metadata
 from .writer import ChecksummingWriter
 
 __all__ = ["Job", "commit_generation", "side_group", "staged_copy", "start", "wait_pending", "write_generation"]
 
+_BUSY = "busy: "  # an outcome that is a lost race to commit, raised as CheckpointBusyError
 _side_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _pending: concurrent.futures.Future[str] | None = None
 _pending_lock = threading.Lock()
 
 
-def write_generation(state_dict: Mapping[str, Any], gen: Path, g: CommGroup, what: str, rows: Rows,
+def write_generation(state_dict: Mapping[str, Any], gen: Loc, g: CommGroup, what: str, rows: Rows,
                       ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``dcp.save`` into ``gen``, then this rank's row files (:meth:`.incremental.Rows.write`); on failure every
     rank raises with every rank's OS errors (errno named) and rank 0 removes ``gen``. Returns this rank's file
     checksums and its row digest and piece records."""
-    writer = ChecksummingWriter(gen, sync_files=True)
+    writer = ChecksummingWriter(gen)
     problems: list[Problem] = []
     out: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, {}, {})
     try:
@@ -85,37 +88,41 @@ def write_generation(state_dict: Mapping[str, Any], gen: Path, g: CommGroup, wha
     everyone = gather_objects(problems, g)
     if any(everyone):
         if g.rank == 0:
-            shutil.rmtree(gen, ignore_errors=True)
+            gen.delete_tree()
         raise_gathered(f"{what} failed, the previous checkpoint is intact and {gen.name} was removed", everyone, g)
     return out
 
 
-def commit_generation(path: Path, gen: Path, sums: list[Any], world: int, keep_spare: bool,
-                      gen_lock: DirLock | None, records: dict[str, Any], stage: Callable[[str], None]) -> str | None:
-    """Rank 0: manifest, rename, sweep; the failure message or ``None``. Releases ``gen_lock`` once committed."""
+def commit_generation(path: Loc, gen: Loc, sums: list[Any], world: int, keep_spare: bool, target: SaveTarget,
+                      gen_lock: Lock | None, records: dict[str, Any], stage: Callable[[str], None]) -> str | None:
+    """Rank 0: manifest, commit, sweep (steps 3-5 of :mod:`.commit`); the failure message or ``None``. Releases
+    ``gen_lock`` once committed."""
     committed = False
     try:
-        md_bytes = (gen / ".metadata").read_bytes()
+        md_bytes = (gen / ".metadata").get(MAX_METADATA_BYTES + 1)
         md = parse_metadata(md_bytes, str(gen / ".metadata"))
         files = sorted({info.relative_path for info in md.storage_data.values()}
                        | {rel for part in sums for rel in part if rel.endswith(".tdb")})
         prune(gen, {".metadata", *files})  # leftovers of a reused generation (e.g. more ranks)
         merged = {rel: fs for part in sums for rel, fs in part.items() if rel in files}
         dcp_id = md.storage_meta.save_id if md.storage_meta is not None else None
-        write_manifest(gen, gen.name.rsplit(".tdb-", 1)[1], md, merged,
+        write_manifest(gen, gen.name[len("gen-"):], md, merged,
                        {"world_size": world, "dcp_save_id": dcp_id, **records}, metadata=md_bytes)
         stage("manifest_written")
-        previous = commit(path, gen)
+        previous = commit(path, gen, target)
         committed = True
         if gen_lock is not None:
             gen_lock.release()
         stage("committed")
-        sweep(path, keep=gen, spare=previous if keep_spare else None)
+        _plain_metadata(path, gen, md)
+        sweep(path, keep=gen.name, spare=previous if keep_spare else None)
         return None
     except Exception as e:  # reported to every rank
         p = problem_from(e)
         if not committed:
-            shutil.rmtree(gen, ignore_errors=True)
+            gen.delete_tree()
+            if isinstance(e, CheckpointBusyError):
+                return f"{_BUSY}{p.message}; the previous checkpoint is intact"
             return f"commit of {gen} as {path} failed, the previous checkpoint is intact: {p.message}"
         return f"{path} was committed, but removing older generations failed: {p.message}"
     finally:
@@ -123,13 +130,21 @@ def commit_generation(path: Path, gen: Path, sums: list[Any], world: int, keep_s
             gen_lock.release()
 
 
+def _plain_metadata(path: Loc, gen: Loc, md: Metadata) -> None:
+    """``path/.metadata``: the committed generation's, its items' files named under ``gen``, so that plain
+    ``dcp.load(checkpoint_id=path)`` reads the checkpoint. Written after the commit (the commit record decides
+    what is committed; this package's loads never read it)."""
+    moved = {idx: dataclasses.replace(info, relative_path=f"{gen.name}/{info.relative_path}")
+             for idx, info in md.storage_data.items()}
+    (path / ".metadata").put(pickle.dumps(dataclasses.replace(md, storage_data=moved)))
+
 
 @dataclass
 class Job:
     """What is left of a save once nothing can be refused: write, gather, commit (see the module docstring)."""
 
-    path: Path
-    gen: Path
+    path: Loc
+    gen: Loc
     save_id: str
     group: CommGroup
     what: str
@@ -139,8 +154,8 @@ class Job:
     signatures: list[Any]
     records: dict[str, Any]  # the manifest's other records
     keep_spare: bool
-    lock: SaveLock | None
-    gen_lock: DirLock | None
+    lock: SaveTarget | None
+    gen_lock: Lock | None
 
     def run(self, stage: Callable[[str], None]) -> str:
         """Steps 1-4 of the module docstring; the save id. Releases the locks however it ends."""
@@ -154,10 +169,13 @@ class Job:
             outcome: str | None = None
             if g.rank == 0:
                 records = manifest_records(self.base, self.signatures, [(d, p) for _, d, p in sums])
+                assert self.lock is not None, "rank 0 holds the save lock"
                 outcome = commit_generation(self.path, self.gen, [s for s, _, _ in sums], g.size, self.keep_spare,
-                                            self.gen_lock, {**self.records, **records}, stage)
+                                            self.lock, self.gen_lock, {**self.records, **records}, stage)
                 self.gen_lock = None
             outcome = from_rank0(outcome, g)
+            if outcome and outcome.startswith(_BUSY):
+                raise CheckpointBusyError(outcome[len(_BUSY):])
             if outcome:
                 raise CheckpointError(outcome)
             return self.save_id

@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 from .._compat import DcpMemFormat, DcpStorageInfo
 from .errors import CorruptCheckpointError
 from .manifest import check_file_name
+from .storage import Loc, NotAnObject, locate
 
 __all__ = [
     "MAX_METADATA_BYTES",
@@ -98,21 +99,23 @@ class MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("holds a persistent id, which a checkpoint's metadata may not use")
 
 
-def read_metadata(root: pathlib.Path, manifest: dict[str, Any] | None) -> Metadata:
+def read_metadata(root: Loc | pathlib.Path, manifest: dict[str, Any] | None) -> Metadata:
     """``root/.metadata``: size bounded, checksum verified (when the manifest records it), parsed safely."""
-    p = root / ".metadata"
+    p = locate(root) / ".metadata"  # a Path is taken too
     try:
-        if p.is_symlink() or not p.is_file():
-            raise CorruptCheckpointError(f"{p} is missing or not a regular file")
-        size = p.stat().st_size
-        want = manifest.get("metadata") if manifest is not None else None
-        if want is not None and size != want["size"]:
-            raise CorruptCheckpointError(f"{p} has {size} bytes, the manifest recorded {want['size']} "
-                                         "(truncated, replaced or from another save)")
-        if size > MAX_METADATA_BYTES:
-            raise CorruptCheckpointError(f"{p} has {size} bytes, more than the {MAX_METADATA_BYTES} allowed")
-        with open(p, "rb") as f:
-            data = f.read(MAX_METADATA_BYTES + 1)
+        size = p.size()
+    except NotAnObject:
+        size = None
+    if size is None:
+        raise CorruptCheckpointError(f"{p} is missing or not a regular file")
+    want = manifest.get("metadata") if manifest is not None else None
+    if want is not None and size != want["size"]:
+        raise CorruptCheckpointError(f"{p} has {size} bytes, the manifest recorded {want['size']} "
+                                     "(truncated, replaced or from another save)")
+    if size > MAX_METADATA_BYTES:
+        raise CorruptCheckpointError(f"{p} has {size} bytes, more than the {MAX_METADATA_BYTES} allowed")
+    try:
+        data = p.get(MAX_METADATA_BYTES + 1)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{p} is missing") from None
     if want is not None:

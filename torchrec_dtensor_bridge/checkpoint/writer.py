@@ -15,17 +15,18 @@ leaves bytes that are never loaded.
 from __future__ import annotations
 
 import io
-import os
 import threading
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.metadata import StorageMeta
 
 from .manifest import BlockHasher, FileSums
+from .storage import Loc
 
 __all__ = ["ChecksummingWriter"]
 
@@ -75,8 +76,8 @@ class _HashingStream(io.RawIOBase):
         super().close()
 
 
-class _HashingFileSystem(FileSystem):
-    """DCP's local file system, except that data files opened for writing are hashed."""
+class _HashingFileSystem(FileSystemBase):
+    """DCP's file system interface over a :class:`~.storage.Loc`; data files opened for writing are hashed."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -85,42 +86,67 @@ class _HashingFileSystem(FileSystem):
         self._lock = threading.Lock()
 
     @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
-        if "w" not in mode or not str(path).endswith(".distcp"):
-            with super().create_stream(path, mode) as stream:
-                yield stream
+    def create_stream(self, path: Any, mode: str) -> Generator[io.IOBase, None, None]:
+        loc = cast(Loc, path)
+        if "w" not in mode:
+            raise io.UnsupportedOperation(f"{loc}: the checkpoint writer only writes")
+        if not loc.name.endswith(".distcp"):
+            with loc.create() as stream:
+                yield cast(io.IOBase, stream)
             return
-        # A data file of a reused generation is rewritten in place, not truncated first:
-        # overwriting allocated, cached blocks is faster than freeing and reallocating them
-        # (BENCHMARKS.md, "Checkpoints"). A file that comes out shorter is cut to size afterwards.
+        # A data file of a reused generation is rewritten in place, not truncated first (storage.local).
         hasher = BlockHasher()
-        with open(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644), "wb") as stream:
-            yield _HashingStream(stream, hasher, self.errors, Path(path).name)
-        if os.stat(path).st_size > hasher.size:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.ftruncate(fd, hasher.size)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        with loc.create() as stream:
+            yield _HashingStream(stream, hasher, self.errors, loc.name)
         with self._lock:
-            self.sums[Path(path).name] = hasher.finish()
+            self.sums[loc.name] = hasher.finish()
+
+    def concat_path(self, path: Any, suffix: str) -> Any:
+        return cast(Loc, path) / suffix
+
+    def init_path(self, path: Any) -> Any:
+        return path
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        cast(Loc, path).rename(cast(Loc, new_path))
+
+    def mkdir(self, path: Any) -> None:
+        cast(Loc, path).make_dir()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return isinstance(checkpoint_id, Loc)
+
+    def exists(self, path: Any) -> bool:
+        return cast(Loc, path).exists()
+
+    def rm_file(self, path: Any) -> None:
+        cast(Loc, path).delete()
+
+    def ls(self, path: Any) -> list[str]:
+        return cast(Loc, path).list()
 
 
 class ChecksummingWriter(dcp.FileSystemWriter):
-    """``dcp.FileSystemWriter`` whose :attr:`file_sums` after ``dcp.save`` hold this rank's block checksums.
+    """DCP's writer into a generation (:class:`~.storage.Loc`), whose :attr:`file_sums` after ``dcp.save`` hold
+    this rank's block checksums. Each object is durable when its stream closes (the storage's ``create``).
 
     Example::
 
-        >>> w = ChecksummingWriter("/ckpt/gen", sync_files=True)
+        >>> w = ChecksummingWriter(locate("/ckpt/step100") / "gen-1f2e...")
         >>> dcp.save(sd, storage_writer=w)
         >>> w.file_sums  # {"__0_0.distcp": FileSums(...)}
     """
 
-    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
-        super().__init__(path, **kwargs)
+    def __init__(self, gen: Loc, **kwargs: Any) -> None:
+        super().__init__(str(gen), sync_files=False, **kwargs)  # durability: the storage's, as each stream closes
         self._hashing = _HashingFileSystem()
-        self.fs = self._hashing
+        self.fs = self._hashing  # type: ignore[assignment]  # DCP types it as its local FileSystem
+        self.path = gen
+        self._shown = Path(gen.key) if gen.local else str(gen)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self._shown, save_id=self.save_id)
 
     @property
     def file_sums(self) -> dict[str, FileSums]:

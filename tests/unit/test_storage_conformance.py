@@ -1,0 +1,185 @@
+"""One conformance suite for every checkpoint storage backend: the local disk and a real S3-compatible store.
+
+Each test calls the public API (``tdb.checkpoint.save / load / inspect``) or the commit protocol's own steps
+(:mod:`torchrec_dtensor_bridge.checkpoint.commit`) the same way on each backend, and compares with the values
+saved (``torch.equal``).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import torch
+
+import torchrec_dtensor_bridge as tdb
+from torchrec_dtensor_bridge.checkpoint import commit as protocol
+from torchrec_dtensor_bridge.checkpoint.storage import locate
+
+
+@pytest.fixture(params=["local", "s3"])
+def where(request, tmp_path):
+    """A fresh checkpoint name on each backend (``s3``: a bucket of the SeaweedFS the session started)."""
+    if request.param == "local":
+        return str(tmp_path / "ckpts")
+    try:
+        bucket = request.getfixturevalue("s3_bucket")  # tests/conftest.py: SeaweedFS, started once per session
+    except pytest.FixtureLookupError:
+        pytest.skip("the S3 test server fixture (s3_bucket) is not available")
+    return f"s3://{bucket}/run-{uuid.uuid4().hex[:8]}"
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"t": torch.randn(37, 5, generator=g), "h": torch.randn(9, 4, generator=g).half(),
+            "i": torch.randint(0, 1000, (11,), generator=g), "step": seed}
+
+
+def _blank() -> dict:
+    return {"t": torch.full((37, 5), -1.0), "h": torch.full((9, 4), -1.0).half(),
+            "i": torch.full((11,), -1, dtype=torch.int64), "step": -1}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in ("t", "h", "i")) and a["step"] == b["step"]
+
+
+def test_save_load_inspect_and_overwrite(where):
+    path = f"{where}/ck"
+    tdb.checkpoint.save(_state(1), path)
+    dest = _blank()
+    stats = tdb.checkpoint.load(dest, path)
+    assert _same(dest, _state(1)) and stats.verified
+    tdb.checkpoint.save(_state(2), path)  # a second commit over the first
+    dest = _blank()
+    tdb.checkpoint.load(dest, path)
+    assert _same(dest, _state(2))
+    info = tdb.checkpoint.inspect(path)
+    assert info["t"]["shape"] == [37, 5] and info["h"]["dtype"] == "float16" and info["i"]["dtype"] == "int64"
+
+
+def test_incremental_chain_of_three_links(where):
+    s = _state(1)
+    tdb.checkpoint.save(s, f"{where}/l0")
+    for k in (1, 2, 3):
+        s["t"][k * 5] += k
+        s["i"][k] = -k
+        s["step"] = k + 10
+        tdb.checkpoint.save(s, f"{where}/l{k}", base=f"{where}/l{k - 1}")
+    for k in (3,):
+        dest = _blank()
+        tdb.checkpoint.load(dest, f"{where}/l{k}")
+        assert _same(dest, s)
+    dest = _blank()
+    tdb.checkpoint.load(dest, f"{where}/l3", staging_bytes=0)  # verified first, read again to copy
+    assert _same(dest, s)
+    assert [link["name"] for link in tdb.checkpoint.inspect(f"{where}/l3")["t"]["links"]] == ["l3", "l2", "l1", "l0"]
+
+
+def test_a_second_saver_is_refused_and_neither_save_is_damaged(where):
+    """Two savers of one name: one holds the save lock, the other is refused at once; a saver that got past
+    the lock (an expired lease) loses at the commit's conditional step instead, and nothing of it is visible."""
+    path = f"{where}/ck"
+    tdb.checkpoint.save(_state(1), path)
+    loc = locate(path)
+    held = protocol.save_lock(loc)
+    try:
+        with pytest.raises(tdb.checkpoint.CheckpointBusyError, match="in progress"):
+            tdb.checkpoint.save(_state(2), path)
+    finally:
+        held.release()
+    # two savers that both read the same commit record: the first commits, the second is refused
+    first, second = protocol.save_lock(loc), None
+    try:
+        first.lock.release()  # as if its lease had expired
+        second = protocol.save_lock(loc)
+        gen_a, gen_b = protocol.generation(loc, "a" * 32), protocol.generation(loc, "b" * 32)
+        protocol.commit(loc, gen_a, first)
+        with pytest.raises(tdb.checkpoint.CheckpointBusyError, match="another save committed"):
+            protocol.commit(loc, gen_b, second)
+        record = json.loads((loc / protocol.COMMIT).get(1 << 20))
+        assert record["generation"] == gen_a.name
+    finally:
+        if second is not None:
+            second.release()
+    # put the record back the way a save would leave it, then check the first save still loads
+    target = protocol.save_lock(loc)
+    try:
+        target.token = (loc / protocol.COMMIT).read_pointer()[1]
+        previous = record["superseded"][-1][0]
+        target.record = record
+        protocol.commit(loc, loc / previous, target)
+    finally:
+        target.release()
+    dest = _blank()
+    tdb.checkpoint.load(dest, path)
+    assert _same(dest, _state(1))
+
+
+def test_a_flipped_byte_in_a_data_object_is_refused_naming_it(where):
+    path = f"{where}/ck"
+    tdb.checkpoint.save(_state(1), path)
+    root = protocol.resolve(locate(path))
+    data = root / "__0_0.distcp"
+    raw = bytearray(data.get(1 << 30))
+    raw[len(raw) // 2] ^= 0x10
+    data.put(bytes(raw))
+    dest = _blank()
+    with pytest.raises(tdb.checkpoint.CorruptCheckpointError, match="__0_0.distcp"):
+        tdb.checkpoint.load(dest, path)
+    assert _same(dest, _blank())
+
+
+def test_a_deleted_data_object_is_refused_naming_it(where):
+    path = f"{where}/ck"
+    tdb.checkpoint.save(_state(1), path)
+    (protocol.resolve(locate(path)) / "__0_0.distcp").delete()
+    dest = _blank()
+    with pytest.raises(tdb.checkpoint.CorruptCheckpointError, match="__0_0.distcp"):
+        tdb.checkpoint.load(dest, path)
+    assert _same(dest, _blank())
+
+
+def test_a_damaged_commit_record_is_refused_naming_it(where):
+    path = f"{where}/ck"
+    tdb.checkpoint.save(_state(1), path)
+    record = locate(path) / protocol.COMMIT
+    record.put(record.get(1 << 20)[:-3])
+    with pytest.raises(tdb.checkpoint.CorruptCheckpointError, match="tdb_commit.json"):
+        tdb.checkpoint.load(_blank(), path)
+
+
+def test_an_interrupted_generation_is_collected_and_never_loaded(where):
+    path = f"{where}/ck"
+    tdb.checkpoint.save(_state(1), path)
+    loc = locate(path)
+    stray = protocol.generation(loc, "c" * 32)
+    stray.make_dir()
+    (stray / "__0_0.distcp").put(b"half a save")
+    dest = _blank()
+    tdb.checkpoint.load(dest, path)
+    assert _same(dest, _state(1))
+    assert protocol.collect(loc, dry_run=True) == [stray.name]
+    assert protocol.collect(loc) == [stray.name]
+    assert stray.name not in loc.list()
+    dest = _blank()
+    tdb.checkpoint.load(dest, path)
+    assert _same(dest, _state(1))
+
+
+def test_hostile_names_are_refused(where):
+    """A link record naming a base outside the checkpoint's directory is refused before anything is read."""
+    from torchrec_dtensor_bridge.checkpoint.manifest import encode_manifest, read_manifest
+
+    s = _state(1)
+    tdb.checkpoint.save(s, f"{where}/l0")
+    s["t"][0] += 1
+    tdb.checkpoint.save(s, f"{where}/l1", base=f"{where}/l0")
+    root = protocol.resolve(locate(f"{where}/l1"))
+    for bad in ("../../etc", "/abs", "a/../../b"):
+        body = read_manifest(root)
+        body["link"]["base"]["generation"] = bad
+        (root / "tdb_manifest.json").put(encode_manifest(body))
+        with pytest.raises(tdb.checkpoint.CorruptCheckpointError):
+            tdb.checkpoint.load(_blank(), f"{where}/l1")

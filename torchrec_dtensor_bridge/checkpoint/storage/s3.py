@@ -1,0 +1,401 @@
+"""An S3-compatible object store as checkpoint storage, through boto3.
+
+Configured the way the ecosystem does: the standard AWS variables
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_REGION``) and ``storage_options`` in fsspec's (s3fs's) spelling for the
+rest: ``endpoint_url``, ``key``, ``secret``, ``token``, ``region``,
+``client_kwargs`` and ``config_kwargs`` (passed to boto3), and this module's
+own: ``part_bytes`` (multipart part size, 32 MiB), ``max_concurrency`` (parts
+and ranges in flight per object, 8), ``lease_seconds`` (a save lock's lease,
+60) and ``grace_seconds`` (how long a superseded generation stays readable, 600).
+
+How the operations of :mod:`.` are kept on a store without rename or locks:
+
+* ``put`` is one ``PutObject``: S3 objects appear whole or not at all;
+* ``create`` uploads parts of ``part_bytes`` as they fill, ``max_concurrency``
+  at a time (a multipart upload, completed when the stream closes, aborted on
+  error: nothing is visible until then); small objects are one ``PutObject``;
+* ``open_read`` reads ranges with ``If-Match`` on the ETag seen at open, large
+  ranges in parallel pieces: an object replaced or removed while it is read
+  fails the read instead of mixing two versions;
+* ``swap_pointer`` is a conditional ``PutObject``: ``If-None-Match: *`` for the
+  first commit, ``If-Match: <ETag read>`` after; a 412 is a :class:`.Conflict`;
+* an exclusive ``lock`` is a lease object created with ``If-None-Match: *``,
+  renewed every third of ``lease_seconds`` while held, and taken over (with
+  ``If-Match`` on its ETag) once the store's clock says it expired: a killed
+  saver's lock frees itself;
+* a shared ``lock`` is granted at once; readers are protected by the grace
+  period the commit protocol keeps superseded generations for (:mod:`..commit`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import json
+import os
+import threading
+import uuid
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
+from typing import Any, BinaryIO
+
+from .base import Conflict, Handle, Loc, Lock, Storage
+
+__all__ = ["S3Storage", "s3_location"]
+
+_OWN = ("part_bytes", "max_concurrency", "lease_seconds", "grace_seconds")
+_PIECE = 16 << 20  # bytes a ranged read fetches per request when it splits a large range
+
+
+def _code(e: Exception) -> str:
+    resp = getattr(e, "response", None) or {}
+    return str(resp.get("Error", {}).get("Code", "")) or str(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+
+
+def _missing(e: Exception) -> bool:
+    return _code(e) in ("404", "NoSuchKey", "NotFound")
+
+
+def _precondition(e: Exception) -> bool:
+    return _code(e) in ("412", "PreconditionFailed", "409", "ConditionalRequestConflict")
+
+
+class _Reader(Handle):
+    def __init__(self, store: S3Storage, key: str) -> None:
+        self._store = store
+        self._key = key
+        head = store.client.head_object(Bucket=store.bucket, Key=key)
+        self.size = int(head["ContentLength"])
+        self._etag = head["ETag"]
+
+    def _range(self, buf: memoryview, offset: int) -> int:
+        end = min(offset + len(buf), self.size) - 1
+        if end < offset:
+            return 0
+        r = self._store.client.get_object(Bucket=self._store.bucket, Key=self._key, IfMatch=self._etag,
+                                          Range=f"bytes={offset}-{end}")
+        body = r["Body"]
+        done = 0
+        try:
+            while done < end - offset + 1:
+                chunk = body.read(min(8 << 20, end - offset + 1 - done))
+                if not chunk:
+                    break
+                buf[done : done + len(chunk)] = chunk
+                done += len(chunk)
+        finally:
+            body.close()
+        return done
+
+    def readinto(self, buf: memoryview, offset: int) -> int:
+        n = min(len(buf), max(self.size - offset, 0))
+        if n <= _PIECE:
+            return self._range(buf[:n], offset)
+        starts = range(0, n, _PIECE)
+        got = list(self._store.pool.map(lambda s: self._range(buf[s : min(s + _PIECE, n)], offset + s), starts))
+        return sum(got)
+
+
+class _Upload(io.RawIOBase):
+    """A write-only stream uploading ``part_bytes`` parts as they fill (see the module docstring)."""
+
+    def __init__(self, store: S3Storage, key: str) -> None:
+        super().__init__()
+        self._store, self._key = store, key
+        self._buf = bytearray()
+        self._written = 0
+        self._upload_id: str | None = None
+        self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
+        self._slots = threading.BoundedSemaphore(store.max_concurrency)
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._written
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        self._buf += mv
+        self._written += len(mv)
+        while len(self._buf) >= self._store.part_bytes:
+            part = bytes(self._buf[: self._store.part_bytes])
+            del self._buf[: self._store.part_bytes]
+            self._send(part)
+        return len(mv)
+
+    def _send(self, part: bytes) -> None:
+        c, s = self._store.client, self._store
+        if self._upload_id is None:
+            self._upload_id = c.create_multipart_upload(Bucket=s.bucket, Key=self._key)["UploadId"]
+        number = len(self._parts) + 1
+        self._slots.acquire()  # at most max_concurrency parts in memory and in flight
+
+        def send() -> dict[str, Any]:
+            try:
+                r = c.upload_part(Bucket=s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number,
+                                  Body=part)
+                return {"PartNumber": number, "ETag": r["ETag"]}
+            finally:
+                self._slots.release()
+
+        self._parts.append(s.pool.submit(send))
+
+    def finish(self) -> None:
+        c, s = self._store.client, self._store
+        if self._upload_id is None:
+            c.put_object(Bucket=s.bucket, Key=self._key, Body=bytes(self._buf))
+            return
+        if self._buf or not self._parts:
+            self._send(bytes(self._buf))
+        self._buf = bytearray()
+        parts = [f.result() for f in self._parts]
+        c.complete_multipart_upload(Bucket=s.bucket, Key=self._key, UploadId=self._upload_id,
+                                    MultipartUpload={"Parts": parts})
+
+    def abort(self) -> None:
+        for f in self._parts:
+            f.cancel()
+        concurrent.futures.wait(self._parts)
+        if self._upload_id is not None:
+            try:
+                self._store.client.abort_multipart_upload(Bucket=self._store.bucket, Key=self._key,
+                                                          UploadId=self._upload_id)
+            except Exception:  # noqa: BLE001 - the store expires abandoned uploads; the first error is reported
+                pass
+
+
+class _Lease(Lock):
+    """An exclusive lease object, renewed on a thread while held."""
+
+    def __init__(self, store: S3Storage, key: str, etag: str) -> None:
+        self._store, self._key, self._etag = store, key, etag
+        self._stop = threading.Event()
+        self._lost = False
+        self._thread = threading.Thread(target=self._renew, name="tdb-s3-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        s = self._store
+        while not self._stop.wait(s.lease_seconds / 3):
+            try:
+                r = s.client.put_object(Bucket=s.bucket, Key=self._key, Body=s.lease_body(), IfMatch=self._etag)
+                self._etag = r["ETag"]
+            except Exception:  # noqa: BLE001 - taken over or unreachable: the commit's conditional put decides
+                self._lost = True
+                return
+
+    def still_holds(self) -> bool:
+        return not self._lost
+
+    def release(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        if not self._lost:
+            try:
+                self._store.client.delete_object(Bucket=self._store.bucket, Key=self._key)
+            except Exception:  # noqa: BLE001 - an unreleased lease expires by itself
+                pass
+
+
+class _Granted(Lock):
+    def release(self) -> None:
+        pass
+
+
+class S3Storage(Storage):
+    """One bucket of an S3-compatible store (see the module docstring)."""
+
+    scheme = "s3"
+
+    def __init__(self, bucket: str, options: Mapping[str, Any] | None = None) -> None:
+        import boto3
+        from botocore.config import Config
+
+        opts = dict(options or {})
+        own = {k: opts.pop(k) for k in _OWN if k in opts}
+        self.part_bytes = int(own.get("part_bytes", 32 << 20))
+        self.max_concurrency = int(own.get("max_concurrency", 8))
+        self.lease_seconds = float(own.get("lease_seconds", 60.0))
+        self.grace_seconds = float(own.get("grace_seconds", 600.0))
+        if self.part_bytes < 5 << 20:
+            raise ValueError(f"storage_options part_bytes={self.part_bytes}: S3 parts are at least 5 MiB")
+        client_kwargs = dict(opts.pop("client_kwargs", {}) or {})
+        config_kwargs = dict(opts.pop("config_kwargs", {}) or {})
+        for ours, theirs in (("endpoint_url", "endpoint_url"), ("key", "aws_access_key_id"),
+                             ("secret", "aws_secret_access_key"), ("token", "aws_session_token"),
+                             ("region", "region_name")):
+            if ours in opts:
+                client_kwargs[theirs] = opts.pop(ours)
+        if opts:
+            raise ValueError(f"storage_options: unknown keys {sorted(opts)} (known: endpoint_url, key, secret, token, "
+                             f"region, client_kwargs, config_kwargs, {', '.join(_OWN)})")
+        client_kwargs.setdefault("region_name", os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+                                 or "us-east-1")
+        config_kwargs.setdefault("max_pool_connections", max(10, 2 * self.max_concurrency))
+        config_kwargs.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
+        self.bucket = bucket
+        self.client = boto3.session.Session().client("s3", config=Config(**config_kwargs), **client_kwargs)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_concurrency * 2,
+                                                          thread_name_prefix="tdb-s3")
+        self._owner = uuid.uuid4().hex
+
+    def show(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    # 1-5: objects
+    def size(self, key: str) -> int | None:
+        try:
+            return int(self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
+        except Exception as e:
+            if _missing(e):
+                return None
+            raise
+
+    def open_read(self, key: str) -> Handle:
+        try:
+            return _Reader(self, key)
+        except Exception as e:
+            if _missing(e):
+                raise FileNotFoundError(f"{self.show(key)} does not exist") from None
+            raise
+
+    def get(self, key: str, limit: int) -> bytes:
+        try:
+            r = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{max(limit - 1, 0)}")
+        except Exception as e:
+            if _missing(e):
+                raise FileNotFoundError(f"{self.show(key)} does not exist") from None
+            if _code(e) in ("416", "InvalidRange"):
+                return b""
+            raise
+        return bytes(r["Body"].read())
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+
+    @contextmanager
+    def create(self, key: str) -> Generator[BinaryIO, None, None]:
+        up = _Upload(self, key)
+        try:
+            yield up  # type: ignore[misc]
+            up.finish()
+        except BaseException:
+            up.abort()
+            raise
+
+    # 6-8: names
+    def _keys(self, prefix: str, delimiter: str | None) -> Generator[tuple[str, bool], None, None]:
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        if delimiter:
+            kw["Delimiter"] = delimiter
+        for page in self.client.get_paginator("list_objects_v2").paginate(**kw):
+            for p in page.get("CommonPrefixes", []):
+                yield p["Prefix"], True
+            for o in page.get("Contents", []):
+                yield o["Key"], False
+
+    def list(self, key: str) -> list[str]:
+        prefix = f"{key.rstrip('/')}/" if key else ""
+        return sorted({k[len(prefix):].rstrip("/") for k, _ in self._keys(prefix, "/")} - {""})
+
+    def kind(self, key: str) -> str | None:
+        if self.size(key) is not None:
+            return "object"
+        r = self.client.list_objects_v2(Bucket=self.bucket, Prefix=f"{key.rstrip('/')}/", MaxKeys=1)
+        return "dir" if r.get("KeyCount", 0) else None
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=key)
+
+    def delete_tree(self, key: str) -> None:
+        keys = [k for k, _ in self._keys(f"{key.rstrip('/')}/", None)]
+        for i in range(0, len(keys), 1000):
+            self.client.delete_objects(Bucket=self.bucket,
+                                       Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True})
+
+    def rename(self, src: str, dst: str) -> None:
+        """An object copied then deleted (not atomic): DCP's ``.metadata`` in an uncommitted generation only."""
+        self.client.copy_object(Bucket=self.bucket, Key=dst, CopySource={"Bucket": self.bucket, "Key": src})
+        self.delete(src)
+
+    # 9: the atomic step
+    def read_pointer(self, key: str) -> tuple[bytes, Any] | None:
+        try:
+            r = self.client.get_object(Bucket=self.bucket, Key=key)
+        except Exception as e:
+            if _missing(e):
+                return None
+            raise
+        return bytes(r["Body"].read(1 << 20)), r["ETag"]
+
+    def swap_pointer(self, key: str, data: bytes, expected: Any) -> None:
+        cond = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected}
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data, **cond)
+        except Exception as e:
+            if _precondition(e):
+                raise Conflict(f"{self.show(key)} changed since it was read") from None
+            raise
+
+    # 10: locks
+    def lease_body(self) -> bytes:
+        return json.dumps({"owner": self._owner, "lease_seconds": self.lease_seconds}).encode()
+
+    def server_age(self, key: str) -> tuple[float, str] | None:
+        """Seconds since ``key`` was last written by the store's clock, and its ETag; ``None`` if absent."""
+        try:
+            h = self.client.head_object(Bucket=self.bucket, Key=key)
+        except Exception as e:
+            if _missing(e):
+                return None
+            raise
+        date = h.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        now = parsedate_to_datetime(date) if date else datetime.now(timezone.utc)
+        return (now - h["LastModified"]).total_seconds(), h["ETag"]
+
+    def lock(self, key: str, *, exclusive: bool) -> Lock | None:
+        if not exclusive:
+            return _Granted()
+        try:
+            r = self.client.put_object(Bucket=self.bucket, Key=key, Body=self.lease_body(), IfNoneMatch="*")
+            return _Lease(self, key, r["ETag"])
+        except Exception as e:
+            if not _precondition(e):
+                raise
+        held = self.server_age(key)
+        if held is None or held[0] < self.lease_seconds:
+            return None
+        try:  # expired: its holder died; take it over unless someone else just did
+            r = self.client.put_object(Bucket=self.bucket, Key=key, Body=self.lease_body(), IfMatch=held[1])
+        except Exception as e:
+            if _precondition(e):
+                return None
+            raise
+        return _Lease(self, key, r["ETag"])
+
+
+_STORES: dict[tuple[str, str], S3Storage] = {}
+_STORES_LOCK = threading.Lock()
+
+
+def s3_location(url: str, options: Mapping[str, Any] | None) -> Loc:
+    """The :class:`Loc` of ``s3://bucket/key`` (one client per bucket and options, kept for the process)."""
+    rest = url[len("s3://"):]
+    bucket, _, key = rest.partition("/")
+    key = key.strip("/")
+    if not bucket or not key:
+        raise ValueError(f"{url!r} is not an object URL: expected s3://bucket/prefix/name")
+    if any(part in ("", ".", "..") for part in key.split("/")):
+        raise ValueError(f"{url!r}: the key {key!r} has an empty, '.' or '..' part")
+    ident = (bucket, json.dumps(dict(options or {}), sort_keys=True, default=str))
+    with _STORES_LOCK:
+        store = _STORES.get(ident)
+        if store is None:
+            store = _STORES[ident] = S3Storage(bucket, options)
+    return Loc(store, key)
