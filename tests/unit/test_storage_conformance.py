@@ -183,3 +183,80 @@ def test_hostile_names_are_refused(where):
         (root / "tdb_manifest.json").put(encode_manifest(body))
         with pytest.raises(tdb.checkpoint.CorruptCheckpointError):
             tdb.checkpoint.load(_blank(), f"{where}/l1")
+
+
+def _as_earlier_release(path):
+    """Turn a checkpoint into the layout earlier releases wrote: ``path`` a symbolic link to its generation
+    ``.<name>.tdb-<save id>`` beside it, and each link record naming its base's generation that way."""
+    import os
+    from pathlib import Path
+
+    from torchrec_dtensor_bridge.checkpoint.manifest import encode_manifest, read_manifest
+
+    path = Path(path)
+    gen = json.loads((path / "tdb_commit.json").read_text())["generation"]
+    old = path.parent / f".{path.name}.tdb-{gen[len('gen-'):]}"
+    os.rename(path / gen, old)
+    body = read_manifest(old)
+    if "link" in body:
+        base = body["link"]["base"]
+        base["generation"] = f".{base['name']}.tdb-{base['save_id']}"
+        (old / "tdb_manifest.json").write_bytes(encode_manifest(body))
+    for p in path.iterdir():
+        p.unlink() if p.is_file() else None
+    (path / ".metadata").unlink(missing_ok=True)
+    os.rmdir(path)
+    os.symlink(old.name, path)
+
+
+def test_checkpoints_of_earlier_releases_still_load_and_copies_of_them_serve_as_bases(tmp_path):
+    """Today's format as earlier releases laid it out (a link to a generation beside it): a chain loads, and a
+    copy with links dereferenced (``cp -rL``) loads and is a base for a new incremental save at its new place."""
+    import subprocess
+
+    s = _state(1)
+    tdb.checkpoint.save(s, tmp_path / "old" / "l0")
+    s["t"][3] += 1
+    tdb.checkpoint.save(s, tmp_path / "old" / "l1", base=tmp_path / "old" / "l0")
+    for name in ("l0", "l1"):
+        _as_earlier_release(tmp_path / "old" / name)
+    assert (tmp_path / "old" / "l1").is_symlink()
+    dest = _blank()
+    tdb.checkpoint.load(dest, tmp_path / "old" / "l1")
+    assert _same(dest, s)
+    subprocess.run(["cp", "-rL", str(tmp_path / "old"), str(tmp_path / "copy")], check=True)
+    assert not (tmp_path / "copy" / "l1").is_symlink()
+    dest = _blank()
+    tdb.checkpoint.load(dest, tmp_path / "copy" / "l1")
+    assert _same(dest, s)
+    s["t"][5] -= 1
+    tdb.checkpoint.save(s, tmp_path / "copy" / "l2", base=tmp_path / "copy" / "l1")
+    dest = _blank()
+    tdb.checkpoint.load(dest, tmp_path / "copy" / "l2")
+    assert _same(dest, s)
+    with pytest.raises(tdb.checkpoint.CheckpointError, match="layout of earlier releases"):
+        tdb.checkpoint.save(s, tmp_path / "old" / "l1")
+
+
+@pytest.mark.parametrize("how", [["cp", "-r"], ["cp", "-rL"], ["rsync", "-a"], ["rsync", "-aL"]])
+def test_copies_of_a_checkpoint_are_complete_checkpoints_and_bases(tmp_path, how):
+    import shutil
+    import subprocess
+
+    if shutil.which(how[0]) is None:
+        pytest.skip(f"{how[0]} is not installed")
+    s = _state(1)
+    tdb.checkpoint.save(s, tmp_path / "a" / "full")
+    s["t"][2] += 1
+    tdb.checkpoint.save(s, tmp_path / "a" / "inc", base=tmp_path / "a" / "full")
+    src = str(tmp_path / "a") + ("/" if how[0] == "rsync" else "")
+    subprocess.run([*how, src, str(tmp_path / "b")], check=True)
+    shutil.rmtree(tmp_path / "a")  # the copy depends on nothing of the original
+    dest = _blank()
+    tdb.checkpoint.load(dest, tmp_path / "b" / "inc")
+    assert _same(dest, s)
+    s["t"][4] += 1
+    tdb.checkpoint.save(s, tmp_path / "b" / "inc2", base=tmp_path / "b" / "inc")
+    dest = _blank()
+    tdb.checkpoint.load(dest, tmp_path / "b" / "inc2")
+    assert _same(dest, s)
