@@ -3,7 +3,8 @@ registry, :mod:`..optim_kinds`).
 
 Modules, bottom up: ``build`` (compiles ``cpu_kernels.c`` into the per-user cache), ``args`` (the ops'
 arguments grouped: tables, batch, state), ``native`` (this package's C kernels through ctypes), ``fbgemm``
-(the only ``fbgemm_gpu`` import), ``reference`` (torch's ops), ``choose`` (which implementation runs, one
+(the only ``fbgemm_gpu`` import; beside it ``copies``: a table listed twice in one update, updated once),
+``reference`` (torch's ops), ``choose`` (which implementation runs, one
 place per op and device, calibrated on the machine at hand), ``ops`` (the ``torch.ops.tdb`` ops with fake
 kernels: the one check of their arguments, and the dispatch to the implementations) and ``calls`` (many
 shards at once: one op call per storage).

@@ -52,6 +52,7 @@ import torch
 
 from ..optim_kinds import ADAGRAD, ADAM, ROWWISE_ADAGRAD, SGD, Hyper, OptimKind
 from .args import Batch, State, Tables
+from .copies import feature_table_map
 
 __all__ = [
     "TableArgs", "available", "backward_op", "backward_values", "call_by_name", "constant", "cuda_available",
@@ -113,7 +114,7 @@ class TableArgs:
     weights_offsets: torch.Tensor  # int64 (T,): each table's first element in the flat weights
     d_offsets: torch.Tensor  # int32 (T + 1,): each table's first output column
     total_d: int
-    hash_size_cumsum: torch.Tensor  # int64 (T + 1,): rows before each table
+    hash_size_cumsum: torch.Tensor  # int64 (T + 1,): rows before each table (its physical table's), then all rows
     hash_bits: int  # bits of the total row count (fbgemm's ``total_hash_size_bits``)
     max_d: int
     placements: torch.Tensor  # int32 (T,): every table's placement, HOST on CPU, DEVICE elsewhere
@@ -132,8 +133,8 @@ def table_args(offsets: tuple[int, ...], dims: tuple[int, ...], rows: tuple[int,
 @functools.lru_cache(maxsize=256)
 def _table_args(offsets: tuple[int, ...], dims: tuple[int, ...], rows: tuple[int, ...], device: str) -> TableArgs:
     d_offsets = list(itertools.accumulate(dims, initial=0))
-    cum = list(itertools.accumulate(rows, initial=0))
     on_host = torch.device(device).type == "cpu"
+    cum = _hash_size_cumsum(offsets, dims, rows, copies=not on_host)
     return TableArgs(
         torch.tensor(offsets, dtype=torch.int64, device=device),
         torch.tensor(d_offsets, dtype=torch.int32, device=device),
@@ -144,6 +145,23 @@ def _table_args(offsets: tuple[int, ...], dims: tuple[int, ...], rows: tuple[int
         torch.full((len(dims),), HOST if on_host else DEVICE, dtype=torch.int32, device=device),
         on_host,
     )
+
+
+def _hash_size_cumsum(offsets: Sequence[int], dims: Sequence[int], rows: Sequence[int], *, copies: bool,
+                      ) -> list[int]:
+    """fbgemm's ``hash_size_cumsum``: per table, the rows of the tables before it, then every table's rows. With
+    ``copies``, as fbgemm's module builds it from its ``feature_table_map``: a table listed again (the same
+    element offset, columns and rows: :func:`.copies.feature_table_map`) is the SAME table, at its first
+    listing's offset, its rows counted once. fbgemm's CUDA backward sorts the ids by ``hash_size_cumsum[t] +
+    id`` and updates each run once: two offsets for one table would be two runs writing its rows at once.
+    Without ``copies`` (fbgemm's CPU kernels, which find a shared table as adjacent tables of one offset), every
+    table its own (the ops fold copies before the CPU kernels: :func:`.copies.fold_copies`)."""
+    if not copies:
+        return list(itertools.accumulate(rows, initial=0))
+    fmap = feature_table_map(offsets, dims, rows)
+    first = {p: t for t, p in reversed(list(enumerate(fmap)))}
+    before = list(itertools.accumulate((rows[first[p]] for p in range(len(first))), initial=0))
+    return [before[p] for p in fmap] + [before[-1]]
 
 
 @functools.lru_cache(maxsize=256)

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from ..optim_kinds import REGISTERED, Hyper, StateKind, WeightDecayMode, names
-from . import choose, fbgemm, limits, native, reference
+from . import choose, copies, fbgemm, limits, native, reference
 from .args import Batch, State, Tables
 from .choose import Impl
 
@@ -187,6 +187,12 @@ def _check_update(tables: Tables, batch: Batch, grad: Tensor, state: State, hype
     if hyper.weight_decay_mode is not WeightDecayMode.NONE and hyper.weight_decay_mode not in kind.decay_modes:
         raise _fail(op, "decay", hyper.weight_decay_mode.value,
                     f"none or one of {[m.value for m in kind.decay_modes]} for {kind.name!r}")
+    both = copies.overlap(tables, state)
+    if both is not None:
+        a, c = both
+        raise _fail(op, f"tables {a} and {c}", f"at element offsets {tables.offsets[a]} and {tables.offsets[c]} "
+                    f"({tables.rows[a]} x {tables.dims[a]}, {tables.rows[c]} x {tables.dims[c]})",
+                    "disjoint, or one table listed twice (the same offsets, rows and columns, state included)")
     specs = kind.tensor_states
     given = (state.momentum1 is not None, state.momentum2 is not None)
     wants = (len(specs) > 0, len(specs) > 1)
@@ -330,7 +336,10 @@ def _sparse_update(tables: Tables, batch: Batch, grad: Tensor, state: State, hyp
 
 def run_sparse_update(which: Impl, tables: Tables, batch: Batch, grad: Tensor, state: State, hyper: Hyper) -> None:
     """Every table's touched rows (and their state) updated in place by ``which`` (:attr:`Impl.NATIVE` or
-    :attr:`Impl.FBGEMM`)."""
+    :attr:`Impl.FBGEMM`); a table listed twice is updated once with both listings' gradients (:mod:`.copies`:
+    folded on CPU, one ``hash_size_cumsum`` offset on CUDA)."""
+    if tables.storage.device.type == "cpu":
+        tables, batch, grad, state = copies.fold_copies(tables, batch, grad, state)
     kernel = native.kernel() if which is Impl.NATIVE else None
     if kernel is not None:  # one call for every table
         with torch.profiler.record_function(f"tdb::native_update_{hyper.kind.name}"):

@@ -40,7 +40,7 @@ from .. import kernels, tracking
 from ..kernels import Pooling, pool
 from ..optim_kinds import StateKind
 from .gradients import grad_dtensor, table_grads
-from .optimizer_step import Sharing, apply_optimizers
+from .optimizer_step import Sharing, apply_optimizers, by_weight
 from .plan import Block, LookupPlan, Strategy
 from .psw import psw_backward
 
@@ -169,7 +169,11 @@ def fused_update(plans: list[LookupPlan], blocks: list[list[Block]], pieces: lis
     """Backward's fused optimizer step for ``tables`` (each with an optimizer), in place; *collective* when a
     table's update needs other ranks' gradients.
 
-    1. Kinds that count steps (Adam) count this one, before any update (the one-pass kernel reads it).
+    A weight listed for several features of the call is updated once, with their gradients summed (as the
+    unsharded table looked up twice): its listings' blocks go to the same path together.
+
+    1. Kinds that count steps (Adam) count this one, once per weight, before any update (the one-pass kernel
+       reads it).
     2. Every block whose update needs nothing from other ranks (:data:`.optimizer_step.Sharing`) and that a
        kernel can update goes into ONE ``tdb::sparse_update`` per storage (:func:`..kernels.update`); for an
        optimizer that tracks changed rows, the rows it writes are reported (:mod:`..tracking`).
@@ -181,8 +185,8 @@ def fused_update(plans: list[LookupPlan], blocks: list[list[Block]], pieces: lis
     rest: dict[int, Sharing] = {}
     done: dict[int, set[int]] = {}
     exchange = False
-    for t in tables:
-        plan, bind = plans[t], plans[t].optimizer
+    for ts in by_weight(plans, tables):  # a weight listed for several features: one update, their gradients summed
+        plan, bind = plans[ts[0]], plans[ts[0]].optimizer
         assert bind is not None
         if bind.hyper.kind.counts_steps:
             bind.table.step += 1
@@ -192,16 +196,20 @@ def fused_update(plans: list[LookupPlan], blocks: list[list[Block]], pieces: lis
         copies = Counter(s.box for s in layout.shards if s.numel)
         everyone = plan.table.strategy.sums_every_rank(plan)
         share = (everyone, column_cut, copies)
-        if everyone or column_cut or any(c > 1 for c in copies.values()):  # its copies need the exchange
-            exchange = True
-            rest[t] = share
-        for k, b in enumerate(blocks[t]):
-            if not everyone and not column_cut and copies[plan.mine[b.index].box] == 1 and _one_pass(plan, b):
-                one_pass.append(_request(plan, b, pieces[t][k]))
-                done.setdefault(t, set()).add(b.index)
-                if bind.table.track_changed_rows:
-                    written += [(x, b.ids) for x in (one_pass[-1].shard, *one_pass[-1].state)]
-            else:
+        alone = not everyone and not column_cut
+        needs = not alone or any(c > 1 for c in copies.values())  # its copies need the exchange
+        exchange = exchange or needs
+        # a block goes through one kernel pass when every listing of it can (the kernel layer sums the listings)
+        one = {b.index for b in blocks[ts[0]] if alone and copies[plan.mine[b.index].box] == 1
+               and all(_one_pass(plans[t], c) for t in ts for c in blocks[t] if c.index == b.index)}
+        for t in ts:
+            for k, b in enumerate(blocks[t]):
+                if b.index in one:
+                    one_pass.append(_request(plans[t], b, pieces[t][k]))
+                    done.setdefault(t, set()).add(b.index)
+                    if bind.table.track_changed_rows:
+                        written += [(x, b.ids) for x in (one_pass[-1].shard, *one_pass[-1].state)]
+            if needs or len(one) < len(blocks[t]):
                 rest[t] = share
     before = tracking.before_writes(x for x, _ in written) if written else {}
     kernels.update(one_pass)  # one kernel call per storage

@@ -6,7 +6,8 @@ state and the update math. For the other blocks of the tables it is given, in th
 
 1. Every block turns its output gradient into a sparse
    gradient: its touched rows (sorted unique ids, padding excluded) and one
-   summed gradient row each - O(batch), no dense gradient.
+   summed gradient row each - O(batch), no dense gradient; a weight listed for
+   several features of the call sums its listings' (:func:`by_weight`): one update.
 2. ONE exchange for all tables that need one (an ``all_gather`` of the sizes,
    then an ``all_to_all`` of the float64 payloads): replicated tables publish each rank's sparse
    gradient (every replica applies the sum of all ranks'), replicated blocks
@@ -31,7 +32,7 @@ from ..collectives import share_flat
 from ..optim.update import apply_elementwise, apply_rowwise, row_square_sums
 from .plan import Block, LookupPlan
 
-__all__ = ["Sharing", "apply_optimizers", "sparse_grad"]
+__all__ = ["Sharing", "apply_optimizers", "by_weight", "sparse_grad"]
 
 
 class _What(enum.IntEnum):
@@ -93,29 +94,44 @@ class _Table:
     column_cut: bool
 
 
-def _prepare(plan: LookupPlan, t: int, blocks: list[Block], pieces: list[torch.Tensor],
-             wins: list[torch.Tensor] | None, sharing: Sharing, done: set[int]) -> tuple[_Table, list[_Segment]]:
+def _prepare(plans: list[LookupPlan], ts: list[int], blocks: list[list[Block]], pieces: list[list[torch.Tensor]],
+             wins: list[list[torch.Tensor] | None], sharing: Sharing, done: set[int]) -> tuple[_Table, list[_Segment]]:
+    """One weight's sparse gradients, from every listing ``ts`` of it in the call (a weight looked up for several
+    features is updated once, with their gradients summed), and the segments it publishes."""
+    t, plan = ts[0], plans[ts[0]]
     bind = plan.optimizer
     assert isinstance(bind, Binding)
     keys = {s.box: k for k, s in enumerate(plan.table.layout.unique_shards()) if s.numel}
     everyone, column_cut, copies = sharing
     table = _Table(t, plan, bind, {}, everyone, copies, keys, column_cut)
+    for u in ts:
+        win = wins[u]
+        for k, b in enumerate(blocks[u]):
+            if b.index in done:  # updated in one kernel pass
+                continue
+            got = sparse_grad(plans[u], b, pieces[u][k], None if win is None else win[k])
+            have = table.local.get(b.index)
+            table.local[b.index] = got if have is None else _add_sparse(have, got)
     segments = []
-    for k, b in enumerate(blocks):
-        if b.index in done:  # updated in one kernel pass
-            continue
-        spec = plan.mine[b.index]
-        rows, grad = sparse_grad(plan, b, pieces[k], None if wins is None else wins[k])
-        table.local[b.index] = (rows, grad)
+    for i, (rows, grad) in table.local.items():
+        spec = plan.mine[i]
         r0 = spec.offsets[0]
         if everyone:
             segments.append(_Segment(t, -1, _What.GRAD, rows + r0, grad))
         elif copies[spec.box] > 1:
             segments.append(_Segment(t, keys[spec.box], _What.GRAD, rows + r0, grad))
         if column_cut:
-            sq = row_square_sums(bind.hyper, plan.table.shards[b.index], rows, grad)
+            sq = row_square_sums(bind.hyper, plan.table.shards[i], rows, grad)
             segments.append(_Segment(t, keys[spec.box], _What.ROW_SQUARES, rows + r0, sq.unsqueeze(1)))
     return table, segments
+
+
+def _add_sparse(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of two sparse gradients of one block (touched rows sorted and unique, one gradient row each)."""
+    rows, inverse = torch.unique(torch.cat([a[0], b[0]]), sorted=True, return_inverse=True)
+    values = torch.cat([a[1], b[1]])
+    return rows, values.new_zeros(rows.numel(), values.shape[1]).index_add_(0, inverse, values)
 
 
 def _exchange(segments: list[_Segment], group: dist.ProcessGroup | None, device: torch.device) -> list[_Segment]:
@@ -217,11 +233,22 @@ def apply_optimizers(
     (some table needs other ranks' gradients: one exchange for all tables, entered by every rank, since the
     tables' sharing is the same on every rank)."""
     prepared, segments = [], []
-    for t, share in tables.items():
-        table, segs = _prepare(plans[t], t, blocks[t], pieces[t], wins[t], share, done.get(t, set()))
+    for ts in by_weight(plans, list(tables)):
+        table, segs = _prepare(plans, ts, blocks, pieces, wins, tables[ts[0]], done.get(ts[0], set()))
         prepared.append(table)
         segments += segs
     p0 = plans[next(iter(tables))]
     got = _exchange(segments, p0.group, p0.batch.bags.ids.device) if exchange else []
     for table in prepared:
         _apply(table, got)
+
+
+def by_weight(plans: list[LookupPlan], tables: list[int]) -> list[list[int]]:
+    """``tables`` grouped by the weight they update (its optimizer state), in call order: a weight listed for
+    several features of one call is one group."""
+    groups: dict[int, list[int]] = {}
+    for t in tables:
+        bind = plans[t].optimizer
+        assert bind is not None
+        groups.setdefault(id(bind.table), []).append(t)
+    return list(groups.values())
