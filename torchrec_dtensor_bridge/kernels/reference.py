@@ -1,8 +1,9 @@
 """torch's ops behind the kernel ops: the pooled sum and the dense weight gradient, one table at a time.
 
 What runs where neither C kernel can (on a device fbgemm's kernels cannot read, with ``TDB_KERNELS=torch``,
-or for a rank that lacks both), and the math the others are tested against. Any device; the pooled sum adds
-in id order, as fbgemm's forward and this package's C kernels do. There is no fused update here: a kind
+or for a rank that lacks both), and the math the others are tested against. Any device and weights' dtype;
+the pooled sum adds in id order and in fp32 (half-precision rows widened), as fbgemm's forward and this
+package's C kernels do. There is no fused update here: a kind
 without a one-pass kernel is updated by its torch-op math in :mod:`..optim.update`, on the touched rows.
 """
 
@@ -44,10 +45,20 @@ def pool_sum(tables: Tables, batch: Batch) -> torch.Tensor:
     out = torch.empty(bags, starts[-1], dtype=torch.float32, device=tables.storage.device)
     for t in range(n):
         mine = batch.table(t, bags)
-        sums = torch.embedding_bag(tables.view(t), mine.ids, mine.offsets[:-1], False, 0, False,
-                                   mine.per_sample_weights, False)[0]
-        out[:, starts[t] : starts[t + 1]].copy_(sums)
+        out[:, starts[t] : starts[t + 1]].copy_(_bag_sums(tables.view(t), mine))
     return out
+
+
+def _bag_sums(rows: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """One table's bag sums in fp32, as the other kernels pool (and the ops take fp32 per-sample weights):
+    ``torch.embedding_bag`` on the table itself when it is fp32; for half-precision rows, on the rows looked up,
+    widened to fp32 first (``torch.embedding_bag`` takes weights of its table's dtype only, and would add in it)."""
+    starts = batch.offsets[:-1]
+    if rows.dtype == torch.float32:
+        return torch.embedding_bag(rows, batch.ids, starts, False, 0, False, batch.per_sample_weights, False)[0]
+    looked_up = rows.index_select(0, batch.ids).to(torch.float32)
+    at = torch.arange(batch.ids.numel(), device=batch.ids.device)
+    return torch.embedding_bag(looked_up, at, starts, False, 0, False, batch.per_sample_weights, False)[0]
 
 
 def dense_grad(grad: torch.Tensor, dims: Sequence[int], rows: Sequence[int], batch: Batch) -> torch.Tensor:
