@@ -113,8 +113,10 @@ def _dmp(cfg: dict):
 
 
 def _gen_bytes(path: Path) -> tuple[int, int]:
-    """(all bytes, digest bytes) of the files of the generation ``path`` links to."""
-    gen = path.resolve()
+    """(all bytes, digest bytes) of the files of the generation committed at ``path``."""
+    from torchrec_dtensor_bridge.checkpoint.commit import resolve
+
+    gen = Path(resolve(path))
     files = [f for f in gen.iterdir() if f.is_file()]
     return sum(f.stat().st_size for f in files), sum(f.stat().st_size for f in files if f.name.startswith("digests_"))
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Shard, distribute_tensor
 
 import torchrec_dtensor_bridge as tdb
+from torchrec_dtensor_bridge.checkpoint.commit import resolve
 from torchrec_dtensor_bridge.convert.placements import world_mesh
 
 ROWS = 4096
@@ -33,7 +34,7 @@ def main(root: str, rounds: int) -> None:
         tdb.checkpoint.save({"w": w}, path)
         dist.barrier()
         if rank == 0:
-            data = sorted(path.resolve().glob("*.distcp"))[0]
+            data = sorted(Path(resolve(path)).glob("*.distcp"))[0]  # the committed generation's
             with open(data, "r+b") as f:
                 f.seek(64)
                 f.write(b"\xff" * 16)
