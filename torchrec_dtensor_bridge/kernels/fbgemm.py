@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -64,13 +65,35 @@ POOL_SUM = 0  # fbgemm_gpu PoolingMode.SUM
 OUTPUT_FP32 = 0  # fbgemm_gpu SparseType.FP32.as_int()
 HOST = 3  # fbgemm_gpu EmbeddingLocation.HOST
 DEVICE = 0  # fbgemm_gpu EmbeddingLocation.DEVICE
+
+log = logging.getLogger(__name__)
+
+
 @functools.lru_cache(maxsize=1)
 def _module() -> ModuleType | None:
+    """fbgemm_gpu, imported once; ``None`` when it is not installed, or installed but does not load.
+
+    A build of fbgemm_gpu for another torch or CUDA fails inside its import: its ``torch.ops.load_library``
+    raises ``OSError`` (an undefined symbol, a missing ``libcudart``) or ``RuntimeError``. The lookups then run
+    ours and torch's kernels, as without fbgemm_gpu, and say why once, here."""
     try:
         import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm
-    except ImportError:
+    except ModuleNotFoundError as e:
+        if e.name == "fbgemm_gpu":  # not installed: nothing to say
+            return None
+        _unusable(e)
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure of its import: fall back, never fail a lookup
+        _unusable(e)
         return None
     return fbgemm_gpu
+
+
+def _unusable(e: BaseException) -> None:
+    log.warning("torchrec_dtensor_bridge: fbgemm_gpu is installed but cannot be loaded (%s: %s); its kernels "
+                "are not used, this package's and torch's run instead. Install the fbgemm-gpu build made for "
+                "torch %s (CUDA %s): docs/gpu.md", type(e).__name__, str(e).strip().splitlines()[0] if str(e) else "",
+                torch.__version__, torch.version.cuda or "none")
 
 
 @functools.lru_cache(maxsize=1)
@@ -126,7 +149,8 @@ def table_args(offsets: tuple[int, ...], dims: tuple[int, ...], rows: tuple[int,
     """:class:`TableArgs` of tables at element ``offsets`` with ``dims`` columns and ``rows`` rows (and
     fbgemm_gpu's ops registered)."""
     if _module() is None:
-        raise RuntimeError("fbgemm_gpu is not installed (pip install fbgemm-gpu-cpu, or fbgemm-gpu for CUDA)")
+        raise RuntimeError("fbgemm_gpu is not installed or cannot be loaded (pip install fbgemm-gpu-cpu, or fbgemm-gpu "
+                           "for CUDA: docs/gpu.md)")
     return _table_args(tuple(offsets), tuple(dims), tuple(rows), str(device))
 
 
