@@ -3,8 +3,8 @@
 The public lookups (:mod:`.functional`, :mod:`.tables`) and ``shard_module``'s collection forward all go
 through here, in this order, on every rank (the same order on all ranks, so nothing can hang):
 
-1. :func:`..groups.call_group` and :func:`resolve_table` - the call's group (the weights' meshes, or
-   ``process_group``) and each weight resolved once (layout in the group's ranks, local shards, its
+1. :func:`lookup_group` and :func:`resolve_table` - the call's group (the weights' meshes, or
+   ``process_group``; its collectives' tensors on the tables' device) and each weight resolved once (layout in the group's ranks, local shards, its
    strategy, picked by :func:`pick_strategy`); collective-free;
 2. (the caller's argument checks, :mod:`.arguments`, recording - not raising - a failure);
 3. :func:`agree_and_route` - each table's route (its strategy's ``route``: which ids go to which rank),
@@ -46,8 +46,8 @@ from .renorm import renormalize
 from .strategies import COLUMNS, ROWS, WHOLE
 
 __all__ = [
-    "FIRST_MESSAGE_TABLES", "InputKind", "agree", "agree_and_route", "finish", "gather_bags", "make_plan",
-    "pick_strategy", "psw_grad", "refuse", "resolve_routes", "resolve_table", "run_tables",
+    "FIRST_MESSAGE_TABLES", "InputKind", "agree", "agree_and_route", "finish", "gather_bags", "lookup_group",
+    "make_plan", "on_device", "pick_strategy", "psw_grad", "refuse", "resolve_routes", "resolve_table", "run_tables",
 ]
 
 
@@ -66,6 +66,27 @@ class InputKind(enum.Enum):
 _HEADER = 4  # number of tables, input kind, input digest, kernel choices (kernels.choice_code)
 FIRST_MESSAGE_TABLES = 16
 """Tables whose sizes and options travel in the agreement's first (fixed-size) message."""
+
+
+def lookup_group(fn: str, weights: Sequence[object], process_group: dist.ProcessGroup | None,
+                 input_mesh_group: CommGroup | None) -> CommGroup:
+    """The call's group (:func:`..groups.call_group`) with its collectives' tensors on the weights' device.
+
+    A group of CUDA meshes names ``cuda:torch.cuda.current_device()``: in a process that never called
+    ``torch.cuda.set_device``, ``cuda:0``, whatever GPU its tables live on. The lookups put their collectives'
+    tensors where the tables' shards are (the first weight whose local tensor is of the group's device type),
+    which is where their batches and outputs already live."""
+    group = call_group(fn, weights, process_group, input_mesh_group)
+    return on_device(group, [w.device for w in weights if isinstance(w, DTensor)])
+
+
+def on_device(group: CommGroup, devices: Sequence[torch.device]) -> CommGroup:
+    """``group`` with its collectives' device the first of ``devices`` of its device type (``group`` itself
+    when none is, or it is that device already)."""
+    for d in devices:
+        if d.type == group.device.type:
+            return group if d == group.device else dataclasses.replace(group, device=d)
+    return group
 
 
 def pick_strategy(layout: ShardLayout, world: int) -> Strategy:
@@ -238,7 +259,7 @@ def refuse(fn: str, weights: Sequence[object], process_group: dist.ProcessGroup 
     (a caller that found its input bad before it could call the lookup); raises ``error`` on every rank."""
     tables = [w for w in weights if isinstance(w, DTensor)]
     if tables:
-        agree(fn, error, None, [], call_group(fn, tables, process_group, None))
+        agree(fn, error, None, [], lookup_group(fn, tables, process_group, None))
     raise error.problem.error()
 
 

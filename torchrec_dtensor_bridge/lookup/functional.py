@@ -39,8 +39,7 @@ from . import dtensor_input
 from .arguments import TableCodes
 from .entry import InputKind
 from .arguments import Bags, TableOptions, bags_for_embedding, bags_from_input, bind_optimizer, check_options
-from ..groups import call_group
-from .entry import agree_and_route, finish, psw_grad, resolve_table, run_tables
+from .entry import agree_and_route, finish, lookup_group, psw_grad, resolve_table, run_tables
 from .plan import ResolvedTable
 
 __all__ = ["sharded_embedding", "sharded_embedding_bag"]
@@ -72,7 +71,7 @@ def _edge(fn: str, weight: object, input: object, process_group: dist.ProcessGro
             kind, input_group = dtensor_input.input_kind(fn, input)
         except RejectedArguments as e:
             error = e
-    group = call_group(fn, [weight], process_group, input_group)
+    group = lookup_group(fn, [weight], process_group, input_group)
     mesh = input.device_mesh if isinstance(input, DTensor) else None
     table = None
     if error is None:

@@ -39,8 +39,7 @@ from ..optim.state import Binding
 from .arguments import TableCodes
 from .arguments import (Bags, RejectedArguments, TableOptions, ValueCheck, bags_from_input, bind_optimizer,
                         check_options, check_values)
-from ..groups import call_group
-from .entry import agree_and_route, finish, psw_grad, refuse, resolve_table, run_tables
+from .entry import agree_and_route, finish, lookup_group, psw_grad, refuse, resolve_table, run_tables
 from .plan import ResolvedTable
 
 __all__ = ["refuse_lookup", "sharded_embedding_bags"]
@@ -185,7 +184,7 @@ def sharded_embedding_bags(
         listed = _weights(weights)
     except RejectedArguments as e:
         error = e
-    group = call_group(_FN, listed, process_group, None)
+    group = lookup_group(_FN, listed, process_group, None)
     if error is None:
         try:
             tables, bags, options, codes, binds = _validate(
