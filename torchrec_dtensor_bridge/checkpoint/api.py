@@ -232,6 +232,11 @@ def save(
             problems.append(problem_from(e, f"base {base}"))
     rows = Rows(state_dict, dist.get_rank() if dist.is_initialized() else 0, base_ck)
     signature = _signature(state_dict)
+    if not problems:  # before the agreement, so that it is the save's only one of its own
+        try:
+            problems += rows.compute()
+        except Exception as e:  # reported to every rank
+            problems.append(problem_from(e, "row digests"))
     if rank == 0 and not problems:
         try:
             check_target(loc)
@@ -261,15 +266,7 @@ def save(
                 _discard(loc, gen, lock)
             raise_gathered(what + " refused, nothing was written", [e[1] for e in everyone], g, disagree)
         rows.own([e[5] for e in everyone], rank or 0)
-        try:
-            mine = rows.compute(save_id)
-        except Exception as e:  # reported to every rank
-            mine = [problem_from(e, "row digests")]
-        found = gather_objects(mine, g)  # the base's digests of this rank's blocks: readable?
-        if any(found):
-            if rank == 0:
-                _discard(loc, gen, lock)
-            raise_gathered(what + " refused, nothing was written", found, g)
+        rows.mark(save_id)
         state: Mapping[str, Any] = state_dict
         if base_ck is not None:  # the tensors go to row files; what DCP writes is a copy when asynchronous
             state = without_tensors(state_dict)

@@ -261,10 +261,10 @@ class Rows:
                 first.setdefault(tuple(key), r)  # type: ignore[arg-type]
         self.blocks = [b for b in self.blocks if first.get((b.fqn, b.offsets, b.sizes)) == me]
 
-    def compute(self, save_id: str) -> list[Problem]:
+    def compute(self) -> list[Problem]:
         """Digests of this rank's blocks; with a base, the rows that differ from it, copied out. A block whose
-        writes were reported since its base was saved (:mod:`..tracking`) digests only the rows written; every
-        tracked block is marked as saved by ``save_id``."""
+        writes were reported since its base was saved (:mod:`..tracking`) digests only the rows written. Runs
+        before :meth:`own` (so that a save agrees once): a block several ranks hold is digested by each."""
         problems: list[Problem] = []
         for blk in self.blocks:
             t = _rows(blk.tensor.detach())
@@ -279,10 +279,13 @@ class Rows:
                     assert self.base is not None
                     problems.append(problem_from(e, f"base {self.base.path}"))
                     continue
-            if tracking.is_tracked(blk.tensor):
-                assert blk.digests is not None
-                tracking.mark(blk.tensor, save_id, key, blk.digests)
         return problems
+
+    def mark(self, save_id: str) -> None:
+        """Every tracked block of this rank is marked as saved by ``save_id`` (:mod:`..tracking`)."""
+        for blk in self.blocks:
+            if tracking.is_tracked(blk.tensor) and blk.digests is not None:
+                tracking.mark(blk.tensor, save_id, (blk.fqn, blk.offsets, blk.sizes), blk.digests)
 
     def _from_scan(self, blk: _Block, t: torch.Tensor) -> None:
         """Every row digested; with a base, compared with its digests (read from its files)."""

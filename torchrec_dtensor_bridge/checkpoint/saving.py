@@ -5,13 +5,16 @@ nothing written), then hands a :class:`Job` its state: the generation, its locks
 and what to write. :meth:`Job.run` does, on every rank (*collective* on the job's
 group):
 
-1. :func:`write_generation`: ``dcp.save`` into the generation, then this rank's
-   row digest (and, incremental, changed-row) files, each hashed as written and
-   fsynced;
-2. gather every rank's checksums and records;
-3. rank 0: :func:`commit_generation`: the manifest written durably, the path's
-   link swapped to the generation (the commit point), older generations swept;
-4. every rank learns the outcome; the locks are released.
+1. ``dcp.save`` into the generation through :class:`~.writer.ChecksummingWriter`:
+   each rank's data files, then its row digest (and, incremental, changed-row)
+   file, each hashed as written and durable when closed;
+2. every rank's checksums and records reach rank 0 with DCP's own write results
+   (no collective of the save's own);
+3. rank 0, inside DCP's ``finish``: :func:`commit_generation`: the manifest,
+   the commit record replaced (the commit point, :mod:`.commit`), older
+   generations swept;
+4. every rank learns the outcome from DCP's own last step (an error on rank 0
+   is every rank's); the locks are released.
 
 An asynchronous save (:func:`start`) runs the same job on a thread, on a gloo
 group of the same ranks of its own (created once per set of ranks, by those
@@ -20,7 +23,7 @@ caller's group; the caller's next save waits for it first. What the job writes
 was copied before :func:`~.api.save` returned (an incremental save's changed rows
 and digests, its non-tensor values; a full save's every value, :func:`staged_copy`),
 so training may change the tables at once.
-The commit stays the one rename by rank 0: a process killed while the job runs
+The commit stays rank 0's one atomic step: a process killed while the job runs
 leaves the previous checkpoint in force, as for a synchronous save.
 """
 
@@ -42,12 +45,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .._compat import ShardedTensor
-from ..agreement import gather_objects
 from ..convert import to_dtensor
 from ..groups import CommGroup, of_group
-from .agree import Kind, Problem, from_rank0, problem_from, raise_gathered
+from .agree import problem_from, raise_gathered
 from .commit import SaveTarget, commit, prune, sweep
-from .common import dcp_failures, dcp_quietly
+from .common import dcp_quietly
 from .errors import CheckpointBusyError, CheckpointError
 from .incremental import BaseCheckpoint, Rows, manifest_records
 from .manifest import write_manifest
@@ -55,48 +57,18 @@ from .storage import Loc, Lock
 from .validate import MAX_METADATA_BYTES, parse_metadata
 from .writer import ChecksummingWriter
 
-__all__ = ["Job", "commit_generation", "side_group", "staged_copy", "start", "wait_pending", "write_generation"]
+__all__ = ["Job", "commit_generation", "side_group", "staged_copy", "start", "wait_pending"]
 
-_BUSY = "busy: "  # an outcome that is a lost race to commit, raised as CheckpointBusyError
 _side_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _pending: concurrent.futures.Future[str] | None = None
 _pending_lock = threading.Lock()
 
 
-def write_generation(state_dict: Mapping[str, Any], gen: Loc, g: CommGroup, what: str, rows: Rows,
-                      ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """``dcp.save`` into ``gen``, then this rank's row files (:meth:`.incremental.Rows.write`); on failure every
-    rank raises with every rank's OS errors (errno named) and rank 0 removes ``gen``. Returns this rank's file
-    checksums and its row digest and piece records."""
-    writer = ChecksummingWriter(gen)
-    problems: list[Problem] = []
-    out: tuple[dict[str, Any], dict[str, Any], dict[str, Any]] = ({}, {}, {})
-    try:
-        with dcp_quietly():
-            dcp.save(state_dict, storage_writer=writer, process_group=g.group)
-        sums, digests, pieces = rows.write(gen, g.rank or 0)
-        out = ({**writer.file_sums, **sums}, digests, pieces)
-    except CheckpointException as e:
-        local = writer.os_errors
-        problems += [problem_from(err, f"writing {name}") for name, err in local]
-        if not local:
-            failures = dcp_failures(e)
-            oserr = [f for f in failures if isinstance(f, OSError)]
-            problems.append(problem_from(oserr[0]) if oserr else Problem(Kind.IO, f"dcp.save failed: {e}"))
-    except Exception as e:  # the row files: reported to every rank
-        problems.append(problem_from(e, "writing row files"))
-    everyone = gather_objects(problems, g)
-    if any(everyone):
-        if g.rank == 0:
-            gen.delete_tree()
-        raise_gathered(f"{what} failed, the previous checkpoint is intact and {gen.name} was removed", everyone, g)
-    return out
-
-
 def commit_generation(path: Loc, gen: Loc, sums: list[Any], world: int, keep_spare: bool, target: SaveTarget,
-                      gen_lock: Lock | None, records: dict[str, Any], stage: Callable[[str], None]) -> str | None:
-    """Rank 0: manifest, commit, sweep (steps 3-5 of :mod:`.commit`); the failure message or ``None``. Releases
-    ``gen_lock`` once committed."""
+                      gen_lock: Lock | None, records: dict[str, Any], stage: Callable[[str], None]) -> None:
+    """Rank 0: manifest, commit, sweep (steps 3-5 of :mod:`.commit`); raises :class:`.CheckpointError` (its
+    subclass :class:`.CheckpointBusyError` for a lost race to commit), the generation removed unless committed.
+    Releases ``gen_lock`` once committed."""
     committed = False
     try:
         md_bytes = (gen / ".metadata").get(MAX_METADATA_BYTES + 1)
@@ -116,15 +88,16 @@ def commit_generation(path: Loc, gen: Loc, sums: list[Any], world: int, keep_spa
         stage("committed")
         _plain_metadata(path, gen, md)
         sweep(path, keep=gen.name, spare=previous if keep_spare else None)
-        return None
-    except Exception as e:  # reported to every rank
+    except CheckpointBusyError as e:
+        gen.delete_tree()
+        raise CheckpointBusyError(f"{e}; the previous checkpoint is intact") from None
+    except Exception as e:
         p = problem_from(e)
         if not committed:
             gen.delete_tree()
-            if isinstance(e, CheckpointBusyError):
-                return f"{_BUSY}{p.message}; the previous checkpoint is intact"
-            return f"commit of {gen} as {path} failed, the previous checkpoint is intact: {p.message}"
-        return f"{path} was committed, but removing older generations failed: {p.message}"
+            raise CheckpointError(f"commit of {gen} as {path} failed, the previous checkpoint is intact: "
+                                  f"{p.message}") from None
+        raise CheckpointError(f"{path} was committed, but removing older generations failed: {p.message}") from None
     finally:
         if gen_lock is not None:
             gen_lock.release()
@@ -160,27 +133,51 @@ class Job:
     def run(self, stage: Callable[[str], None]) -> str:
         """Steps 1-4 of the module docstring; the save id. Releases the locks however it ends."""
         g = self.group
+        committed: list[bool] = []
+
+        def finish(parts: list[Any]) -> None:  # rank 0, inside dcp.save, holding every rank's part
+            stage("checksummed")
+            assert self.lock is not None, "rank 0 holds the save lock"
+            records = manifest_records(self.base, self.signatures, [(p["digests"], p["pieces"]) for p in parts])
+            commit_generation(self.path, self.gen, [p["sums"] for p in parts], g.size, self.keep_spare,
+                              self.lock, self.gen_lock, {**self.records, **records}, stage)
+            self.gen_lock = None
+            committed.append(True)
+
+        writer = ChecksummingWriter(self.gen, rows=self.rows, rank=g.rank or 0, stage=stage,
+                                    finisher=finish if g.rank == 0 else None)
         try:
             stage("prepared")
-            local = write_generation(self.state, self.gen, g, self.what, self.rows)
-            stage("dcp_saved")
-            sums = gather_objects(local, g)
-            stage("checksummed")
-            outcome: str | None = None
-            if g.rank == 0:
-                records = manifest_records(self.base, self.signatures, [(d, p) for _, d, p in sums])
-                assert self.lock is not None, "rank 0 holds the save lock"
-                outcome = commit_generation(self.path, self.gen, [s for s, _, _ in sums], g.size, self.keep_spare,
-                                            self.lock, self.gen_lock, {**self.records, **records}, stage)
-                self.gen_lock = None
-            outcome = from_rank0(outcome, g)
-            if outcome and outcome.startswith(_BUSY):
-                raise CheckpointBusyError(outcome[len(_BUSY):])
-            if outcome:
-                raise CheckpointError(outcome)
+            try:
+                with dcp_quietly():
+                    dcp.save(self.state, storage_writer=writer, process_group=g.group)
+            except CheckpointException as e:
+                if g.rank == 0 and not committed:
+                    self.gen.delete_tree()
+                raise self._failure(e) from None
+            except BaseException:
+                if g.rank == 0 and not committed:
+                    self.gen.delete_tree()
+                raise
+            stage("checksummed")  # the other ranks: every part reached rank 0, which committed
             return self.save_id
         finally:
             self.release()
+
+    def _failure(self, e: CheckpointException) -> BaseException:
+        """What every rank raises for a failed ``dcp.save``: a commit's own error as itself, else every rank's
+        error (the OS's, errno named) in one message."""
+        failures = {r: (f[0] if isinstance(f, tuple) else f) for r, f in e.failures.items()}
+        ours = [f for f in failures.values() if isinstance(f, CheckpointError)]
+        if ours:
+            return type(ours[0])(*ours[0].args)
+        everyone = [[problem_from(failures[r], "writing")] if r in failures else [] for r in range(self.group.size)]
+        try:
+            raise_gathered(f"{self.what} failed, the previous checkpoint is intact and {self.gen.name} was removed",
+                           everyone, self.group)
+        except CheckpointError as err:
+            return err
+        return CheckpointError(f"{self.what} failed: {e}")
 
     def release(self) -> None:
         self.rows.close()

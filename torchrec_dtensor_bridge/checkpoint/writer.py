@@ -19,11 +19,14 @@ import threading
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemBase
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from .manifest import BlockHasher, FileSums
 from .storage import Loc
@@ -127,9 +130,22 @@ class _HashingFileSystem(FileSystemBase):
         return cast(Loc, path).list()
 
 
+PART = "__tdb_rank_part__"
+"""The key of the write result each rank adds to DCP's: its files' checksums and its row records."""
+
+Part = dict[str, Any]
+Finisher = Callable[[list[Part]], None]
+
+
 class ChecksummingWriter(dcp.FileSystemWriter):
     """DCP's writer into a generation (:class:`~.storage.Loc`), whose :attr:`file_sums` after ``dcp.save`` hold
     this rank's block checksums. Each object is durable when its stream closes (the storage's ``create``).
+
+    A save's own records travel with DCP's write results, so that the save needs no collective of its own
+    after ``dcp.save``'s: each rank writes its row file (``rows``) after DCP's data and adds one result, its
+    :data:`PART` (checksums, row digest and piece records); on the coordinator, ``finish`` writes ``.metadata``
+    and hands every rank's part to ``finisher`` (the manifest and the commit), whose exception DCP reports to
+    every rank.
 
     Example::
 
@@ -138,12 +154,38 @@ class ChecksummingWriter(dcp.FileSystemWriter):
         >>> w.file_sums  # {"__0_0.distcp": FileSums(...)}
     """
 
-    def __init__(self, gen: Loc, **kwargs: Any) -> None:
+    def __init__(self, gen: Loc, *, rows: Any = None, rank: int = 0, finisher: Finisher | None = None,
+                 stage: Callable[[str], None] | None = None, **kwargs: Any) -> None:
         super().__init__(str(gen), sync_files=False, **kwargs)  # durability: the storage's, as each stream closes
         self._hashing = _HashingFileSystem()
         self.fs = self._hashing  # type: ignore[assignment]  # DCP types it as its local FileSystem
         self.path = gen
         self._shown = Path(gen.key) if gen.local else str(gen)
+        self._rows, self._rank, self._finisher, self._stage = rows, rank, finisher, stage
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            results = super().write_data(plan, planner).wait()
+            part: Part = {"sums": self.file_sums, "digests": {}, "pieces": {}}
+            if self._rows is not None:
+                sums, part["digests"], part["pieces"] = self._rows.write(self.path, self._rank)
+                part["sums"] = {**part["sums"], **sums}
+        except Exception as e:
+            if self.os_errors:  # torch.save's zip writer reports a full disk as "unexpected pos": the OS's error
+                raise self.os_errors[0][1] from e
+            raise
+        if self._stage is not None:
+            self._stage("dcp_saved")
+        results.append(WriteResult(index=MetadataIndex(PART, index=self._rank), size_in_bytes=0, storage_data=part))
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        parts = [r.storage_data for rs in results for r in rs if r.index.fqn == PART]
+        super().finish(metadata, [[r for r in rs if r.index.fqn != PART] for rs in results])
+        if self._finisher is not None:
+            self._finisher(parts)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self._shown, save_id=self.save_id)
