@@ -390,3 +390,47 @@ def _plain_dcp_reads_ours(rank, world_size, path):
 
 def test_plain_dcp_load_reads_our_checkpoints(pool, tmp_path):
     pool.run(_plain_dcp_reads_ours, str(tmp_path / "ck"))
+
+
+_OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
+
+
+def _count_object_collectives(rank, world_size, path, incremental):
+    """Object collectives of a save, by who called them: this package (the save's own) or DCP."""
+    import inspect
+
+    import torch.distributed.distributed_c10d as c10d
+
+    counts = {"ours": 0, "dcp": 0}
+    originals = {name: getattr(c10d, name) for name in _OBJECT_COLLECTIVES}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            callers = [f.filename for f in inspect.stack()[1:8]]
+            who = next((c for c in callers if "torchrec_dtensor_bridge" in c or "checkpoint/utils.py" in c), "")
+            counts["ours" if "torchrec_dtensor_bridge" in who else "dcp"] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    sd, _ = _state(rank, seed=1)
+    if incremental:
+        tdb.checkpoint.save(sd, path + "-base")
+    for name in _OBJECT_COLLECTIVES:
+        setattr(c10d, name, counting(name))
+        setattr(dist, name, getattr(c10d, name))
+    try:
+        tdb.checkpoint.save(sd, path, base=path + "-base" if incremental else None)
+    finally:
+        for name, fn in originals.items():
+            setattr(c10d, name, fn)
+            setattr(dist, name, fn)
+    return counts
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_save_runs_one_object_collective_of_its_own(pool, tmp_path, incremental):
+    """Everything a save agrees on is agreed once, before anything is written; checksums, records and the
+    commit's outcome travel with DCP's own collectives."""
+    for counts in pool.run(_count_object_collectives, str(tmp_path / "ck"), incremental):
+        assert counts["ours"] <= 1, counts
+        assert counts["dcp"] >= 2, counts  # the count sees DCP's too: it can fail
