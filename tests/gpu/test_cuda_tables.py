@@ -11,6 +11,8 @@ table (``F.embedding_bag``, autograd, the textbook updates of ``tests/distribute
   ``F.embedding_bag``, and two fused-optimizer steps against the unsharded reference optimizer.
 * Strided (non-contiguous) per-sample weights: the output, ``weight.grad``, the per-sample weights' gradient
   and a fused update all equal those of the same weights made contiguous (and ``F.embedding_bag``'s).
+* A table in unified memory (fbgemm's managed and host-mapped allocations, as TorchRec's ``MANAGED`` /
+  ``MANAGED_CACHING`` tables): refused, naming the table.
 """
 
 from __future__ import annotations
@@ -170,3 +172,25 @@ def test_strided_per_sample_weights_equal_contiguous(groups, name, kind):
     ref = F.embedding_bag(ids, table(layout.global_shape, 7).to(CUDA), offsets, mode="sum",
                           per_sample_weights=contiguous.detach())
     torch.testing.assert_close(got["out"], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("memory", ["managed", "host_mapped"])
+def test_table_in_unified_memory_refused(groups, memory):
+    """A table whose rows fbgemm allocated in unified memory (TorchRec's ``EmbeddingLocation.MANAGED`` /
+    ``MANAGED_CACHING``): fbgemm's ``is_uvm_tensor`` finds it, and the lookup refuses it, naming the table."""
+    from torchrec_dtensor_bridge import kernels
+    from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
+    from torchrec_dtensor_bridge.kernels import fbgemm
+
+    if not fbgemm.cuda_available():
+        pytest.skip("fbgemm_gpu's CUDA build is not installed")
+    shape = (20, 8)
+    prototype = torch.empty(0, device=CUDA)
+    rows = (torch.ops.fbgemm.new_managed_tensor(prototype, list(shape)) if memory == "managed"
+            else torch.ops.fbgemm.new_unified_tensor(prototype, list(shape), True))
+    rows.copy_(table(shape, 3).to(CUDA))
+    assert kernels.in_unified_memory(rows) and not kernels.in_unified_memory(rows.clone())
+    weight = dtensor_from_local_shards(ShardLayout.table_wise(shape, 0).with_name("uvm_table"), [rows])
+    ids, offsets = batch(shape[0], 2, CUDA)
+    with pytest.raises(NotImplementedError, match="table 'uvm_table' has rows in CUDA unified memory"):
+        tdb.sharded_embedding_bag(ids, weight, offsets, mode="sum")

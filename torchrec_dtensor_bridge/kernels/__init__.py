@@ -27,11 +27,13 @@ from . import ops  # noqa: F401 - registers torch.ops.tdb
 from .args import Batch, State, Tables
 from .calls import Pooling, Update, accepts, pool, update, update_supported, weight_grad, weight_grads
 from .choose import Impl, calibrated, choice_code, dense_impl, pool_impl, settle, update_impl
+from .fbgemm import in_unified_memory
 from .reference import add_bag_grads
 
 __all__ = [
     "Batch", "Impl", "Pooling", "State", "Tables", "Update", "accepts", "add_bag_grads", "calibrated",
-    "choice_code", "dense_impl", "pool", "pool_impl", "settle", "update", "update_impl", "update_supported",
+    "choice_code", "dense_impl", "in_unified_memory", "pool", "pool_impl", "settle", "update", "update_impl",
+    "update_supported",
     "weight_grad",
     "weight_grads",
 ]

@@ -57,7 +57,7 @@ from .copies import feature_table_map
 
 __all__ = [
     "TableArgs", "available", "backward_op", "backward_values", "call_by_name", "constant", "cuda_available",
-    "dense_grad", "device_dense_grad", "flat_batch", "lookup_args", "lookup_forward", "pool_sum", "run_backward_op",
+    "dense_grad", "device_dense_grad", "flat_batch", "in_unified_memory", "lookup_args", "lookup_forward", "pool_sum", "run_backward_op",
     "run_forward", "table_args", "update", "weights_list",
 ]
 
@@ -110,6 +110,16 @@ def cuda_available() -> bool:
     CUDA forward kernel op is what only the CUDA build defines.
     """
     return _module() is not None and hasattr(torch.ops.fbgemm, "split_embedding_codegen_forward_unweighted_cuda")
+
+
+def in_unified_memory(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in CUDA unified memory (fbgemm's managed or host-mapped allocations: the rows of a
+    TorchRec table placed in ``EmbeddingLocation.MANAGED`` or ``MANAGED_CACHING``, compute kernels
+    ``fused_uvm`` and ``fused_uvm_caching``), by fbgemm's own ``is_uvm_tensor``; ``False`` off CUDA and without
+    fbgemm_gpu (which every such allocation comes from)."""
+    if t.device.type != "cuda" or _module() is None or not hasattr(torch.ops.fbgemm, "is_uvm_tensor"):
+        return False
+    return bool(torch.ops.fbgemm.is_uvm_tensor(t))
 
 
 def flat_batch(batch: Batch) -> Batch:

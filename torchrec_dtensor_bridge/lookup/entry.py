@@ -142,9 +142,28 @@ def resolve_table(fn: str, weight: object, group: CommGroup) -> ResolvedTable:
             f"{fn}: rank {group.members[rank]} holds local tensors of shapes {[list(t.shape) for t in shards]} "
             f"but the weight's layout gives it blocks {[list(s.sizes) for s in mine]}",
         )
+    refuse_unified_memory(fn, whole, shards)
     return ResolvedTable(
         weight, whole, layout, tuple(shards), group, pick_strategy(layout, group.size), layout.digest()
     )
+
+
+def refuse_unified_memory(fn: str, layout: ShardLayout, shards: Sequence[torch.Tensor]) -> None:
+    """Raises :class:`..agreement.Rejected` naming the table when a shard lives in CUDA unified memory.
+
+    TorchRec keeps a table placed in ``EmbeddingLocation.MANAGED`` or ``MANAGED_CACHING`` in unified memory
+    (``MANAGED_CACHING`` with a cache of its rows in device memory that its own module reads and writes back).
+    The lookups read and update the shards' storage directly, as device memory: past that cache, whose rows
+    are newer than the storage's. Both are refused, since a shard alone does not tell them apart."""
+    for s in shards:
+        if kernels.in_unified_memory(s):
+            raise Rejected(
+                NotImplementedError,
+                f"{fn}: table {layout.name!r} has rows in CUDA unified memory (TorchRec's EmbeddingLocation.MANAGED or "
+                "MANAGED_CACHING, compute kernels fused_uvm / fused_uvm_caching); the lookups read and update "
+                "device memory directly, past MANAGED_CACHING's cache: place the table in EmbeddingLocation.DEVICE "
+                "(compute_kernel='fused') or HOST",
+            )
 
 
 def resolve_routes(planned: Sequence[Route | PendingRoute | None]) -> list[Route | None]:
