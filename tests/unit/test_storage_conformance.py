@@ -260,3 +260,27 @@ def test_copies_of_a_checkpoint_are_complete_checkpoints_and_bases(tmp_path, how
     dest = _blank()
     tdb.checkpoint.load(dest, tmp_path / "b" / "inc2")
     assert _same(dest, s)
+
+
+def test_a_link_at_one_percent_changed_holds_little_more_than_the_changed_rows(where):
+    """An incremental link writes the changed rows, their ids and their digests, not every row's digest (the
+    chain holds the others'): its bytes <= 1.1 x (changed rows + their optimizer state + their digests) + 1 MiB;
+    and the next link, found against the chain's digests, is as small."""
+    g = torch.Generator().manual_seed(0)
+    rows, dim = 200_000, 32
+    s = {"w": torch.randn(rows, dim, generator=g), "state": torch.rand(rows, generator=g)}
+    tdb.checkpoint.save(s, f"{where}/l0")
+    want = s["w"].clone(), s["state"].clone()
+    for k in (1, 2):
+        changed = torch.randperm(rows, generator=g)[: rows // 100]
+        s["w"][changed] += 1
+        s["state"][changed] += 1
+        tdb.checkpoint.save(s, f"{where}/l{k}", base=f"{where}/l{k - 1}")
+        root = protocol.resolve(locate(f"{where}/l{k}"))
+        size = sum(root.storage.size(root.storage.join(root.key, n)) or 0 for n in root.list())
+        payload = changed.numel() * (dim * 4 + 4 + 2 * 8)  # rows, their state, a digest of each
+        assert size <= 1.1 * payload + (1 << 20), (k, size, payload)
+        dest = {"w": torch.zeros(rows, dim), "state": torch.zeros(rows)}
+        tdb.checkpoint.load(dest, f"{where}/l{k}")
+        assert torch.equal(dest["w"], s["w"]) and torch.equal(dest["state"], s["state"])
+    assert not torch.equal(want[0], s["w"])

@@ -160,9 +160,10 @@ def save(
     before anything is written). One save per path at a time: a second job
     saving to the same path raises :class:`.CheckpointBusyError` at once.
 
-    Every save records a digest of every row it writes (8 bytes a row; rows of at most 8 bytes are their own
-    digest). With ``base``, the save is *incremental*: per tensor block, only the rows whose digest differs
-    from the base's are written, the rest refer to the base (see :mod:`.incremental`); a load follows the
+    A full save records a digest of every row (8 bytes a row; rows of at most 8 bytes are their own digest).
+    With ``base``, the save is *incremental*: per tensor block, only the rows whose digest differs from the
+    base's (the newest in its chain) are written, with their digests; the rest refer to the base (see
+    :mod:`.incremental`); a load follows the
     chain of bases back to a full checkpoint (:mod:`.chain`), and :func:`~.compact.compact` makes a chain one
     self-contained checkpoint again.
 
@@ -230,7 +231,7 @@ def save(
             problems.append(Problem(Kind.VALUE, str(e)))
         except Exception as e:  # reported to every rank
             problems.append(problem_from(e, f"base {base}"))
-    rows = Rows(state_dict, dist.get_rank() if dist.is_initialized() else 0, base_ck)
+    rows = Rows(state_dict, dist.get_rank() if dist.is_initialized() else 0, base_ck, tuple(g.members))
     signature = _signature(state_dict)
     if not problems:  # before the agreement, so that it is the save's only one of its own
         try:

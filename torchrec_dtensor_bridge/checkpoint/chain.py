@@ -36,8 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from .errors import BrokenChainError, CorruptCheckpointError
-from .incremental import LINK, ROW_DIGESTS
-from .manifest import check_file_name, read_manifest
+from .manifest import LINK, ROW_DIGESTS, check_file_name, read_manifest
 from .storage import Loc, Lock
 from .validate import read_metadata
 

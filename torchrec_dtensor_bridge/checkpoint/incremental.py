@@ -53,18 +53,14 @@ from .common import leaves
 from .digests import DIGEST_BYTES, digest_width, row_digests
 from .errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
 from .keylists import Wording, key_problems
-from .manifest import BlockHasher, Checksums, FileSums, read_manifest
+from .chain import Chain, Link, open_chain
+from .manifest import LINK, ROW_DIGESTS, BlockHasher, Checksums, FileSums, read_manifest
 from .reader import BadData, VerifiedFile
+from .validate import read_metadata
 from .storage import Loc, Lock
 
 __all__ = ["ALIGN", "BaseCheckpoint", "LINK", "ROW_DIGESTS", "Rows", "local_blocks", "open_base"]
 
-ROW_DIGESTS = "row_digests"
-"""The manifest's record of the row digests: ``tensors`` (key -> [shape, dtype]) and ``blocks`` (key ->
-[[offsets, sizes, file, offset, width], ...])."""
-LINK = "link"
-"""An incremental checkpoint's manifest record: ``base`` (``name``, ``generation``, ``save_id``), ``depth``
-(links down to a full checkpoint) and ``pieces`` (key -> [[offsets, sizes, file, offset, count, all], ...])."""
 ALIGN = 64
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -117,9 +113,9 @@ class BaseCheckpoint:
     lock: Lock
     manifest: dict[str, Any]
     tensors: dict[str, tuple[list[int], str]]
-    digests: dict[str, list[list[Any]]]
+    chain: Chain  # the base and its own bases, newest first (locked below the base, whose lock is ``lock``)
     depth: int
-    _files: dict[str, VerifiedFile] = field(default_factory=dict)
+    _files: dict[tuple[int, str], VerifiedFile] = field(default_factory=dict)
 
     @property
     def save_id(self) -> str:
@@ -130,35 +126,67 @@ class BaseCheckpoint:
         gen = self.root.name if self.root != self.path else ""  # "": the base's directory holds it itself
         return {"name": self.path.name, "generation": gen, "save_id": self.save_id}
 
+    def _read(self, i: int, link: Link, rel: str, start: int, end: int, who: str) -> torch.Tensor:
+        vf = self._files.get((i, rel))
+        if vf is None:
+            vf = self._files[(i, rel)] = VerifiedFile(link.root, rel, Checksums(link.manifest))
+        return torch.frombuffer(bytearray(vf.read(start, end, who)), dtype=torch.uint8)
+
     def digests_of(self, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...], row_bytes: int,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The base's digests of rows ``offsets[0] .. + sizes[0]`` of the block (the same columns), and which
-        rows it has one for (a base saved under another column cut has none: those rows count as changed)."""
+        rows it has one for (a base saved under another column cut has none: those rows count as changed).
+
+        The chain's links are read oldest first, each newer one's digests over the older ones': a full
+        checkpoint holds every row's, an incremental link those of the rows it wrote (:data:`ROW_DIGESTS`)."""
         n = sizes[0] if sizes else 1
         r0 = offsets[0] if offsets else 0
         known = torch.zeros(n, dtype=torch.bool)
         raw, width = row_bytes <= DIGEST_BYTES, digest_width(row_bytes)
         out = torch.zeros((n, width) if raw else n, dtype=torch.uint8 if raw else torch.int64)
-        for e_off, e_sizes, rel, at, w in self.digests.get(fqn, []):
-            if tuple(e_off[1:]) != offsets[1:] or tuple(e_sizes[1:]) != sizes[1:] or w != width:
-                continue
-            e0, en = (e_off[0], e_sizes[0]) if e_off else (0, 1)
-            a, b = max(r0, e0), min(r0 + n, e0 + en)
-            if a >= b:
-                continue
-            vf = self._files.get(rel)
-            if vf is None:
-                vf = self._files[rel] = VerifiedFile(self.root, rel, Checksums(self.manifest))
-            data = vf.read(at + (a - e0) * w, at + (b - e0) * w, f"row digests of key {fqn!r} in {self.path}")
-            got = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            out[a - r0 : b - r0] = got.view(b - a, w) if raw else got.view(torch.int64)
-            known[a - r0 : b - r0] = True
+        who = f"row digests of key {fqn!r} in {self.path}"
+        for i in reversed(range(len(self.chain.links))):
+            link = self.chain.links[i]
+            for rec in link.manifest[ROW_DIGESTS]["blocks"].get(fqn, []):
+                e_off, e_sizes, rel, at, w = rec[:5]
+                if tuple(e_off[1:]) != offsets[1:] or tuple(e_sizes[1:]) != sizes[1:] or w != width:
+                    continue
+                e0, en = (e_off[0], e_sizes[0]) if e_off else (0, 1)
+                if len(rec) > 5 and rec[5] != en:  # the digests of the rows the link's piece holds
+                    ids = self._piece_ids(i, link, fqn, tuple(e_off), tuple(e_sizes), rec[5], who)
+                    inside = (ids >= r0 - e0) & (ids < r0 + n - e0)
+                    if not bool(inside.any()):
+                        continue
+                    got = self._read(i, link, rel, at, at + rec[5] * w, who)
+                    got = got.view(rec[5], w) if raw else got.view(torch.int64)
+                    out[ids[inside] + e0 - r0] = got[inside]
+                    known[ids[inside] + e0 - r0] = True
+                    continue
+                a, b = max(r0, e0), min(r0 + n, e0 + en)
+                if a >= b:
+                    continue
+                got = self._read(i, link, rel, at + (a - e0) * w, at + (b - e0) * w, who)
+                out[a - r0 : b - r0] = got.view(b - a, w) if raw else got.view(torch.int64)
+                known[a - r0 : b - r0] = True
         return out, known
+
+    def _piece_ids(self, i: int, link: Link, fqn: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                   count: int, who: str) -> torch.Tensor:
+        """The rows (of the block) whose digests an incremental link's record holds: its piece's ids."""
+        for p in link.pieces.get(fqn, []):
+            if p.offsets == offsets and p.sizes == sizes and p.count == count and not p.every:
+                ids = self._read(i, link, p.file, p.at, p.at + 8 * count, who).view(torch.int64)
+                if bool(((ids < 0) | (ids >= (sizes[0] if sizes else 1))).any()):
+                    raise BadData(f"{who}: row ids outside the block in {link.label}")
+                return ids
+        raise BadData(f"{who}: {link.label} records digests of {count} rows of the block at {list(offsets)} "
+                      "without a piece holding them")
 
     def close(self) -> None:
         for vf in self._files.values():
             vf.close()
         self._files.clear()
+        self.chain.release()
         self.lock.release()
 
 
@@ -200,10 +228,32 @@ def open_base(base: Loc, path: Loc) -> BaseCheckpoint:
         link = manifest.get(LINK)
         depth = int(link.get("depth", 1)) if isinstance(link, dict) else 0
         tensors = {k: (list(v[0]), str(v[1])) for k, v in rec["tensors"].items()}
-        return BaseCheckpoint(b, root, lock, manifest, tensors, rec["blocks"], depth)
+        chain = open_chain(root, manifest, read_metadata(root, manifest), b.name)  # the links below, locked
+        return BaseCheckpoint(b, root, lock, manifest, tensors, chain, depth)
     except BaseException:
         lock.release()
         raise
+
+
+def _first_holders(value: torch.Tensor, members: tuple[int, ...]) -> dict[Box, int]:
+    """Of the boxes several ranks of the group (``members``, global ranks in group order) hold, the rank
+    holding each first, as far as ``value``'s layout tells without communication (a plain tensor: every rank
+    holds it, the first member digests it); :meth:`Rows.own` settles the rest after the agreement."""
+    if len(members) < 2:
+        return {}
+    if not isinstance(value, (DTensor, ShardedTensor)):
+        whole = ((0,) * value.dim(), tuple(value.shape))
+        return {whole: members[0]}
+    try:
+        lay = layout_of(value)
+    except Exception:  # noqa: BLE001 - no layout to tell: every block is digested, own() keeps the first
+        return {}
+    order = {m: i for i, m in enumerate(members)}
+    first: dict[Box, int] = {}
+    for s in lay.shards:
+        if s.rank in order and (s.box not in first or order[s.rank] < order[first[s.box]]):
+            first[s.box] = s.rank
+    return first
 
 
 @dataclass
@@ -223,12 +273,15 @@ class _Block:
 class Rows:
     """One rank's row records of a save (the steps of the module docstring)."""
 
-    def __init__(self, state_dict: Mapping[str, Any], rank: int, base: BaseCheckpoint | None) -> None:
+    def __init__(self, state_dict: Mapping[str, Any], rank: int, base: BaseCheckpoint | None,
+                 members: tuple[int, ...] = ()) -> None:
         self.base = base
         self.blocks: list[_Block] = []
         for fqn, v in leaves(state_dict):
             if isinstance(v, torch.Tensor):
-                self.blocks += [_Block(fqn, o, t) for o, t in local_blocks(v, rank) if t.numel() or not t.dim()]
+                first = _first_holders(v, members)
+                self.blocks += [_Block(fqn, o, t) for o, t in local_blocks(v, rank) if (t.numel() or not t.dim())
+                                and first.get((o, tuple(t.shape)), rank) == rank]
 
     def check(self, signature: Mapping[str, tuple[str, tuple[int, ...], str]]) -> list[Problem]:
         """This rank's tensors against the base's: the same keys, shapes and dtypes (``signature``: key ->
@@ -338,8 +391,12 @@ class Rows:
             for blk in self.blocks:
                 assert blk.digests is not None
                 width = blk.digests.shape[1] if blk.digests.dim() > 1 else 8
-                digests.setdefault(blk.fqn, []).append([list(blk.offsets), list(blk.sizes), rel, f.put(blk.digests),
-                                                        width])
+                rec = [list(blk.offsets), list(blk.sizes), rel]
+                if self.base is None or blk.ids is None:  # every row's
+                    digests.setdefault(blk.fqn, []).append([*rec, f.put(blk.digests), width])
+                elif blk.ids.numel():  # a link: those of the rows it writes (the chain holds the others')
+                    picked = blk.digests.index_select(0, blk.ids.to(blk.digests.device))
+                    digests.setdefault(blk.fqn, []).append([*rec, f.put(picked), width, int(blk.ids.numel())])
         return {rel: f.sums}, digests, pieces
 
     def written_bytes(self) -> int:

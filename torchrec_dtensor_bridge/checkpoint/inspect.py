@@ -11,8 +11,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from .chain import Chain, describe, is_incremental, metadata_for_checks, open_chain
 from .commit import resolve
 from .common import format_bytes, format_mib, tensor_bytes
-from .incremental import ROW_DIGESTS
-from .manifest import read_manifest
+from .manifest import ROW_DIGESTS, read_manifest
 from .storage import Loc, locate
 from .validate import read_metadata
 

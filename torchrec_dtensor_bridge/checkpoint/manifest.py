@@ -62,6 +62,8 @@ from .storage import Loc, NotAnObject, locate
 
 __all__ = [
     "BLOCK",
+    "LINK",
+    "ROW_DIGESTS",
     "FORMAT",
     "MANIFEST",
     "MAX_MANIFEST_BYTES",
@@ -81,6 +83,15 @@ __all__ = [
 
 MANIFEST = "tdb_manifest.json"
 FORMAT = 3
+ROW_DIGESTS = "row_digests"
+"""The manifest's record of the row digests: ``tensors`` (key -> [shape, dtype]) and ``blocks`` (key ->
+[[offsets, sizes, file, offset, width], ...] for every row of each block; in an incremental link,
+[offsets, sizes, file, offset, width, count]: the digests of the ``count`` rows its piece of that block holds,
+in the piece's order; a block of the link with no changed row has none: the chain's older links hold them)."""
+LINK = "link"
+"""An incremental checkpoint's manifest record: ``base`` (``name``, ``generation``, ``save_id``), ``depth``
+(links down to a full checkpoint) and ``pieces`` (key -> [[offsets, sizes, file, offset, count, all], ...])."""
+
 MAX_MANIFEST_BYTES = 2 << 30
 """Larger manifests are refused before being read (a 1 TiB checkpoint's is ~70 MB)."""
 _HEADER = b"TDBMANIFEST"
