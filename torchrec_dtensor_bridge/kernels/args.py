@@ -44,7 +44,7 @@ class Tables:
     def view(self, t: int) -> torch.Tensor:
         """Table ``t`` as a ``(rows, dim)`` view of the storage."""
         at, rows, dim = self.offsets[t], self.rows[t], self.dims[t]
-        return self.storage[at : at + rows * dim].view(rows, dim)
+        return self.storage.narrow(0, at, rows * dim).view(rows, dim)
 
 
 @dataclass(frozen=True)
@@ -67,10 +67,11 @@ class Batch:
 
     def table(self, t: int, bags: int) -> Batch:
         """Table ``t``'s bags alone: its ids, its ``bags + 1`` boundaries counted from its first id, its weights."""
-        cut = self.offsets[t * bags : (t + 1) * bags + 1]
-        lo, hi = int(cut[0]), int(cut[-1])
+        cut = self.offsets.narrow(0, t * bags, bags + 1)
+        lo, hi = int(cut[0]), int(cut[-1])  # two reads: a host path's (the device paths do without)
         psw = self.per_sample_weights
-        return Batch(self.ids[lo:hi], cut - lo, None if psw is None else psw[lo:hi], self.ids_checked)
+        return Batch(self.ids.narrow(0, lo, hi - lo), cut - lo, None if psw is None else psw.narrow(0, lo, hi - lo),
+                     self.ids_checked)
 
 
 @dataclass(frozen=True)

@@ -274,9 +274,8 @@ def dense_grad(grad: torch.Tensor, dims: Sequence[int], rows: Sequence[int], bat
     args = table_args(tuple(packed[:-1]), tuple(dims), tuple(rows), grad.device)
     if not args.on_host:
         return device_dense_grad(grad, args, batch, packed[-1])
-    scratch = torch.empty(packed[-1], dtype=torch.float32, device=grad.device)  # shape and dtype only: never read
     return torch.ops.fbgemm.split_embedding_backward_codegen_dense_cpu(
-        grad, scratch, args.weights_offsets, args.d_offsets, args.total_d, args.hash_size_cumsum, args.hash_bits,
+        grad, _shape_only(packed[-1], grad.device), args.weights_offsets, args.d_offsets, args.total_d, args.hash_size_cumsum, args.hash_bits,
         batch.ids, batch.offsets, POOL_SUM, batch.per_sample_weights,
     )
 
@@ -462,18 +461,25 @@ def lookup_forward(weights: torch.Tensor, args: TableArgs, batch: Batch) -> torc
                        lookup_args(weights, args, batch, placeholder))
 
 
+def _shape_only(numel: int, device: torch.device) -> torch.Tensor:
+    """A 1-D fp32 tensor of ``numel`` elements that owns one: what fbgemm's dense backward takes as the weights,
+    of which it reads the shape, dtype and device alone (its result is ``zeros_like`` of it, a tensor of its
+    own: an expanded tensor's ``zeros_like`` is contiguous). No second buffer the size of the tables."""
+    return torch.zeros((), dtype=torch.float32, device=device).expand(numel)
+
+
 def device_dense_grad(grad: torch.Tensor, packed: TableArgs, batch: Batch, numel: int) -> torch.Tensor:
     """Every table's dense weight gradient, back to back at ``packed``'s offsets, through fbgemm's CUDA dense
     backward (``split_embedding_backward_codegen_dense_{unweighted,weighted}_exact_cuda``, the op its dense
-    module's autograd calls): no forward. ``dev_weights`` is a scratch of ``numel`` elements it takes its
-    shape from and never reads."""
+    module's autograd calls): no forward. ``dev_weights`` gives it the result's shape (:func:`_shape_only`:
+    no buffer of that size)."""
     batch = flat_batch(batch)
     psw = batch.per_sample_weights
     which = "unweighted" if psw is None else "weighted"
     op = getattr(torch.ops.fbgemm, f"split_embedding_backward_codegen_dense_{which}_exact_cuda")
     values = {
         "grad_output": grad.contiguous(),  # rows back to back, as fbgemm's module hands its output gradients
-        "dev_weights": torch.empty(numel, dtype=torch.float32, device=grad.device),
+        "dev_weights": _shape_only(numel, grad.device),
         "weights_offsets": packed.weights_offsets, "D_offsets": packed.d_offsets, "max_D": packed.max_d,
         "mixed_D": True, "hash_size_cumsum": packed.hash_size_cumsum, "total_hash_size_bits": packed.hash_bits,
         "indices": batch.ids, "offsets": batch.offsets, "pooling_mode": POOL_SUM, "indice_weights": psw,
