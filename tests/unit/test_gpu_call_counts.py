@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import torchrec_dtensor_bridge as tdb
-from torchrec_dtensor_bridge.kernels import fbgemm
+from torchrec_dtensor_bridge.kernels import choose, fbgemm
 
 from ..gpu.tables import batch, dtensors, storages, table
 from ..gpu.test_cuda_lookup import HYPER, LAYOUTS, WIDE
@@ -34,6 +34,14 @@ def one_rank():
         yield
     finally:
         dist.destroy_process_group()
+
+@pytest.fixture(autouse=True)
+def _own_kernel_choices(monkeypatch):
+    """The kernel choices this module's lookups settle (their agreements, some under a forced implementation)
+    stay in this module: later tests' direct op calls choose afresh."""
+    monkeypatch.setattr(choose, "_agreed", {})
+    monkeypatch.setattr(choose, "_settled", {})
+
 
 
 def _profiled(kind: str | None, shared: bool) -> Counter[str]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import torchrec_dtensor_bridge as tdb
-from torchrec_dtensor_bridge.kernels import fbgemm
+from torchrec_dtensor_bridge.kernels import choose, fbgemm
 from torchrec_dtensor_bridge.layout import ShardLayout
 
 from ..gpu.tables import batch, dtensors, exact_table, scale
@@ -40,6 +40,14 @@ def one_rank():
         yield
     finally:
         dist.destroy_process_group()
+
+@pytest.fixture(autouse=True)
+def _own_kernel_choices(monkeypatch):
+    """The kernel choices this module's lookups settle (their agreements, some under a forced implementation)
+    stay in this module: later tests' direct op calls choose afresh."""
+    monkeypatch.setattr(choose, "_agreed", {})
+    monkeypatch.setattr(choose, "_settled", {})
+
 
 
 @pytest.mark.parametrize("impl", ["torch", "native", "fbgemm"])

@@ -42,6 +42,14 @@ def one_rank():
     finally:
         dist.destroy_process_group()
 
+@pytest.fixture(autouse=True)
+def _own_kernel_choices(monkeypatch):
+    """The kernel choices this module's lookups settle (their agreements, some under a forced implementation)
+    stay in this module: later tests' direct op calls choose afresh."""
+    monkeypatch.setattr(choose, "_agreed", {})
+    monkeypatch.setattr(choose, "_settled", {})
+
+
 
 CASES = [("row_blocks", False), ("row_blocks", True), ("column_blocks", False)]  # True: every block in one storage
 
@@ -75,8 +83,6 @@ def test_op_folds_a_table_listed_twice(monkeypatch, impl):
     if impl == "fbgemm" and not fbgemm.available():
         pytest.skip("needs fbgemm_gpu")
     monkeypatch.setenv("TDB_KERNELS", impl)
-    monkeypatch.setattr(choose, "_agreed", {})  # no lookup's agreement (an earlier test's) decides for the op
-    monkeypatch.setattr(choose, "_settled", {})
     g = torch.Generator().manual_seed(3)
     rows, dim, bags = 12, 4, 3
     storage = torch.randn(2 * rows * dim, generator=g)
