@@ -1,6 +1,6 @@
 """A resharded load on paper: what every rank of a load reads, from layouts alone.
 
-Runs the loader's own planning code (:mod:`torchrec_dtensor_bridge.checkpoint.plan`:
+Runs the loader's own planning code (:mod:`torchrec_dtensor_bridge.checkpoint.format.plan`:
 DCP's read requests, the reader's byte ranges, zip records, checksum blocks and
 staging choice) on a checkpoint that exists only as layouts — no tensors, no
 files, no processes — and prints per load rank: bytes needed, bytes read
@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.metadata import (  # noqa: E402
 )
 
 from torchrec_dtensor_bridge.checkpoint.api import DEFAULT_STAGING_BYTES  # noqa: E402
-from torchrec_dtensor_bridge.checkpoint.manifest import BLOCK  # noqa: E402
-from torchrec_dtensor_bridge.checkpoint.plan import (  # noqa: E402
+from torchrec_dtensor_bridge.checkpoint.format.manifest import BLOCK  # noqa: E402
+from torchrec_dtensor_bridge.checkpoint.format.plan import (  # noqa: E402
     ItemPlace,
     block_span,
     read_requests,
@@ -46,8 +46,8 @@ from torchrec_dtensor_bridge.checkpoint.plan import (  # noqa: E402
     staged_bytes,
     zip_spans,
 )
-from torchrec_dtensor_bridge.checkpoint.reader import _SCRATCH  # noqa: E402
-from torchrec_dtensor_bridge.checkpoint.savedtensor import parse_layout  # noqa: E402
+from torchrec_dtensor_bridge.checkpoint.format.reader import _SCRATCH  # noqa: E402
+from torchrec_dtensor_bridge.checkpoint.format.savedtensor import parse_layout  # noqa: E402
 from torchrec_dtensor_bridge.layout import ShardLayout  # noqa: E402
 
 
@@ -108,8 +108,8 @@ def saved_row_wise(tables: dict[str, tuple[int, int]], ranks: int, dtype: torch.
 
 def saved_from_checkpoint(root: str | Path) -> SavedCheckpoint:
     """The layout of a real checkpoint directory: its metadata (read safely) and each chunk's zip layout."""
-    from torchrec_dtensor_bridge.checkpoint.manifest import read_manifest
-    from torchrec_dtensor_bridge.checkpoint.validate import read_metadata
+    from torchrec_dtensor_bridge.checkpoint.format.manifest import read_manifest
+    from torchrec_dtensor_bridge.checkpoint.format.validate import read_metadata
 
     root = Path(root)
     md = read_metadata(root, read_manifest(root))

@@ -1,6 +1,6 @@
 """Checkpoint writers the tests need and the package does not: old manifest formats, damaged records.
 
-The package writes only format-3 manifests (:func:`~torchrec_dtensor_bridge.checkpoint.manifest.write_manifest`)
+The package writes only format-3 manifests (:func:`~torchrec_dtensor_bridge.checkpoint.format.manifest.write_manifest`)
 and hashes data files as it writes them. The tests also write what older
 releases wrote (format 1: one checksum per storage item, plain JSON), rewrite
 a manifest's body with its header checksum recomputed (as a faulty or hostile
@@ -23,7 +23,7 @@ from typing import Any
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from torchrec_dtensor_bridge.checkpoint.manifest import (
+from torchrec_dtensor_bridge.checkpoint.format.manifest import (
     BLOCK,
     MANIFEST,
     BlockHasher,

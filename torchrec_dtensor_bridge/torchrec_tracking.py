@@ -47,7 +47,7 @@ from torch import nn
 
 from . import tracking
 from .checkpoint.common import leaves
-from .checkpoint.incremental import local_blocks
+from .checkpoint.incremental.rows import local_blocks
 
 __all__ = ["QUALIFIED", "FusedTracking", "track_changed_rows"]
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import torchrec_dtensor_bridge as tdb
-from torchrec_dtensor_bridge.checkpoint import manifest as mf
+from torchrec_dtensor_bridge.checkpoint.format import manifest as mf
 from torchrec_dtensor_bridge.layout import ShardLayout
 
 from ..checkpoint_writers import rewrite_manifest

@@ -301,7 +301,7 @@ def test_format1_manifest_still_loads(pool, tmp_path):
     """A checkpoint with a format-1 manifest (one checksum per item) loads, whole items verified."""
     import torch.distributed.checkpoint as dcp
 
-    from torchrec_dtensor_bridge.checkpoint import manifest
+    from torchrec_dtensor_bridge.checkpoint.format import manifest
 
     path = str(tmp_path / "ck")
     pool.run(_save_rows, path)
@@ -349,7 +349,7 @@ def test_bad_staging_bytes_refused_on_every_rank(pool, tmp_path):
 
 def test_spare_rewritten_in_place_is_cut_to_the_new_size(tmp_path):
     """A spare generation's files are overwritten in place; a smaller save must not leave stale bytes counted."""
-    from torchrec_dtensor_bridge.checkpoint.manifest import read_manifest
+    from torchrec_dtensor_bridge.checkpoint.format.manifest import read_manifest
 
     path = tmp_path / "ck"
     big, small = reference_table((4096, 64), seed=1), reference_table((100, 64), seed=2)

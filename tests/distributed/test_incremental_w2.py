@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge import cli
 from tests.layout import committed
-from torchrec_dtensor_bridge.checkpoint.manifest import read_manifest
+from torchrec_dtensor_bridge.checkpoint.format.manifest import read_manifest
 from torchrec_dtensor_bridge.layout import ShardLayout
 
 from .checks import reference_table
@@ -329,7 +329,7 @@ def _known(state, rank, base_id):
     """Per key of ``state``, whether every block of this rank is known to the tracker since save ``base_id``."""
     from torchrec_dtensor_bridge import tracking
     from torchrec_dtensor_bridge.checkpoint.common import leaves
-    from torchrec_dtensor_bridge.checkpoint.incremental import local_blocks
+    from torchrec_dtensor_bridge.checkpoint.incremental.rows import local_blocks
 
     out = {}
     for fqn, v in leaves(state):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import xxhash
 
-from torchrec_dtensor_bridge.checkpoint import manifest, savedtensor
+from torchrec_dtensor_bridge.checkpoint.format import manifest, savedtensor
 
 from ..checkpoint_writers import file_sums
 

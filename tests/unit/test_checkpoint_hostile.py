@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import torchrec_dtensor_bridge as tdb
-from torchrec_dtensor_bridge.checkpoint import manifest as mf
-from torchrec_dtensor_bridge.checkpoint.validate import parse_metadata
+from torchrec_dtensor_bridge.checkpoint.format import manifest as mf
+from torchrec_dtensor_bridge.checkpoint.format.validate import parse_metadata
 
 from ..checkpoint_writers import rewrite_manifest
 from ..distributed.checks import reference_table

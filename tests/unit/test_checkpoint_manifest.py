@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.checkpoint import api, errors
 from torchrec_dtensor_bridge.checkpoint.errors import CheckpointError, CorruptCheckpointError
-from torchrec_dtensor_bridge.checkpoint.manifest import (
+from torchrec_dtensor_bridge.checkpoint.format.manifest import (
     MANIFEST,
     BlockHasher,
     parse_manifest,

@@ -15,7 +15,7 @@ import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge import cli
 from torchrec_dtensor_bridge.checkpoint import errors
 from torchrec_dtensor_bridge.checkpoint.common import format_bytes, format_mib
-from torchrec_dtensor_bridge.checkpoint.reader import ReadStats
+from torchrec_dtensor_bridge.checkpoint.format.reader import ReadStats
 
 from ..distributed.checks import reference_table
 from tests.layout import committed

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import torchrec_dtensor_bridge as tdb
-from torchrec_dtensor_bridge.checkpoint import digests
+from torchrec_dtensor_bridge.checkpoint.incremental import digests
 from tests.layout import committed
-from torchrec_dtensor_bridge.checkpoint.manifest import read_manifest
+from torchrec_dtensor_bridge.checkpoint.format.manifest import read_manifest
 
 from ..checkpoint_writers import rewrite_manifest
 from ..distributed.checks import reference_table
@@ -68,7 +68,7 @@ def resolve_name(body):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_malformed_link_refused_with_nothing_modified(tmp_path, case, monkeypatch):
-    from torchrec_dtensor_bridge.checkpoint import chain
+    from torchrec_dtensor_bridge.checkpoint.incremental import chain
 
     monkeypatch.setattr(chain, "MAX_LINKS", 20)
     _chain(tmp_path)
@@ -86,7 +86,7 @@ def test_ids_out_of_order_refused(tmp_path):
     data[piece[3] : piece[3] + 16] = torch.tensor([17, 3]).numpy().tobytes()  # descending ids
     f.write_bytes(bytes(data))
     body = read_manifest(root)  # re-checksummed blocks: the bytes are "valid", their meaning is not
-    from torchrec_dtensor_bridge.checkpoint.manifest import BlockHasher
+    from torchrec_dtensor_bridge.checkpoint.format.manifest import BlockHasher
 
     h = BlockHasher(body["block"])
     h.update(bytes(data))

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import torchrec_dtensor_bridge as tdb
-from torchrec_dtensor_bridge.checkpoint.validate import parse_metadata
+from torchrec_dtensor_bridge.checkpoint.format.validate import parse_metadata
 
 from ..distributed.checks import reference_table
 

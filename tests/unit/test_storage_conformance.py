@@ -170,7 +170,7 @@ def test_an_interrupted_generation_is_collected_and_never_loaded(where):
 
 def test_hostile_names_are_refused(where):
     """A link record naming a base outside the checkpoint's directory is refused before anything is read."""
-    from torchrec_dtensor_bridge.checkpoint.manifest import encode_manifest, read_manifest
+    from torchrec_dtensor_bridge.checkpoint.format.manifest import encode_manifest, read_manifest
 
     s = _state(1)
     tdb.checkpoint.save(s, f"{where}/l0")
@@ -191,7 +191,7 @@ def _as_earlier_release(path):
     import os
     from pathlib import Path
 
-    from torchrec_dtensor_bridge.checkpoint.manifest import encode_manifest, read_manifest
+    from torchrec_dtensor_bridge.checkpoint.format.manifest import encode_manifest, read_manifest
 
     path = Path(path)
     gen = json.loads((path / "tdb_commit.json").read_text())["generation"]

@@ -145,7 +145,7 @@ def test_the_record_follows_the_backward_and_stops_with_remove():
     absorb them); a write through torch voids the record; after ``remove()`` nothing is recorded, not even by
     the backward of a forward run before it."""
     from torchrec_dtensor_bridge import tracking
-    from torchrec_dtensor_bridge.checkpoint.digests import row_digests
+    from torchrec_dtensor_bridge.checkpoint.incremental.digests import row_digests
 
     tbe = _tbe("EXACT_ROWWISE_ADAGRAD", "NONE")
     model = _Sharded(tbe)

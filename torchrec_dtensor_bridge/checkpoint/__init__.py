@@ -17,7 +17,7 @@ a ``torch.optim`` optimizer, a ``FusedOptimizer``): see :mod:`.stateful`.
 from .api import load, save
 from .commit import collect as _collect
 from .storage import locate
-from .compact import compact
+from .tools.compact import compact
 from .errors import (
     BrokenChainError,
     CheckpointBusyError,
@@ -26,9 +26,9 @@ from .errors import (
     IncompleteCheckpointError,
     NotACheckpointError,
 )
-from .export import FORMATS, ExportSummary, export
-from .inspect import format_report, inspect
-from .migrate import migrate
+from .tools.export import FORMATS, ExportSummary, export
+from .tools.inspect import format_report, inspect
+from .tools.migrate import migrate
 
 __all__ = [
     "BrokenChainError",

@@ -64,16 +64,16 @@ import torch.distributed.checkpoint as dcp
 from ..agreement import gather_objects
 from ..groups import CommGroup
 from .agree import Kind, Problem, member_group, problem_from, raise_gathered
-from .chainread import load_chain
+from .incremental.chainread import load_chain
 from .commit import SaveTarget, check_target, generation, prepare_generation, save_lock, writable_parent
 from .common import default_process_group, dtype_of, global_shape, leaves, object_summary, run_dcp
 from .errors import CheckpointError
-from .incremental import BaseCheckpoint, Rows, open_base, without_tensors
+from .incremental.rows import BaseCheckpoint, Rows, open_base, without_tensors
 from .keyed import ROW_STATE_COLUMNS, combine_row_states
-from .keylists import Wording, key_problems
+from .agree import Wording, key_problems
 from .loading import SafeObjectPlanner, open_agreed
-from .manifest import Checksums
-from .reader import ReadStats, VerifiedReader
+from .format.manifest import Checksums
+from .format.reader import ReadStats, VerifiedReader
 from .saving import Job, side_group, staged_copy, start, wait_pending
 from .stateful import Expanded, expand
 from .storage import Loc, Lock, locate

@@ -53,7 +53,7 @@ import time
 from typing import Any
 
 from .errors import CheckpointBusyError, CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, NotACheckpointError
-from .manifest import MANIFEST
+from .format.manifest import MANIFEST
 from .storage import Conflict, Loc, Lock, NotAnObject, locate
 
 __all__ = [

@@ -44,16 +44,16 @@ from ..convert import layout_of
 from ..groups import CommGroup
 from ..wrapper import LocalShardsWrapper
 from .agree import Kind, Problem, from_rank0, problem_from, raise_gathered
-from .chain import Chain, is_incremental, metadata_for_checks, open_chain
+from .incremental.chain import Chain, is_incremental, metadata_for_checks, open_chain
 from .commit import committed_name, lock_generation, root_of
 from .common import dtype_of, global_shape, leaves
 from .errors import CheckpointError, CorruptCheckpointError
-from .manifest import MANIFEST, item_key, item_record, read_manifest
-from .plan import needed_chunks
+from .format.manifest import MANIFEST, item_key, item_record, read_manifest
+from .format.plan import needed_chunks
 from .keyed import Hint, recorded_widths
-from .keylists import Wording, key_problems
+from .agree import Wording, key_problems
 from .storage import Loc, Lock, NotAnObject
-from .validate import read_metadata
+from .format.validate import read_metadata
 
 __all__ = ["Opened", "SafeObjectPlanner", "open_agreed"]
 

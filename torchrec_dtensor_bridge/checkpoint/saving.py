@@ -51,11 +51,11 @@ from .agree import problem_from, raise_gathered
 from .commit import SaveTarget, commit, prune, sweep
 from .common import dcp_quietly
 from .errors import CheckpointBusyError, CheckpointError
-from .incremental import BaseCheckpoint, Rows, manifest_records
-from .manifest import write_manifest
+from .incremental.rows import BaseCheckpoint, Rows, manifest_records
+from .format.manifest import write_manifest
 from .storage import Loc, Lock
-from .validate import MAX_METADATA_BYTES, parse_metadata
-from .writer import ChecksummingWriter
+from .format.validate import MAX_METADATA_BYTES, parse_metadata
+from .format.writer import ChecksummingWriter
 
 __all__ = ["Job", "commit_generation", "side_group", "staged_copy", "start", "wait_pending"]
 

@@ -302,7 +302,16 @@ class S3Storage(Storage):
 
     def list(self, key: str) -> list[str]:
         prefix = f"{key.rstrip('/')}/" if key else ""
-        return sorted({k[len(prefix):].rstrip("/") for k, _ in self._keys(prefix, "/")} - {""})
+        names = set()
+        for k, folder in self._keys(prefix, "/"):
+            if folder and not self._holds_objects(k):
+                continue  # a folder some stores keep after its last object went
+            names.add(k[len(prefix):].rstrip("/"))
+        return sorted(names - {""})
+
+    def _holds_objects(self, prefix: str) -> bool:
+        r = self.client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1)
+        return bool(r.get("KeyCount", 0))
 
     def kind(self, key: str) -> str | None:
         if self.size(key) is not None:
@@ -314,7 +323,7 @@ class S3Storage(Storage):
         self.client.delete_object(Bucket=self.bucket, Key=key)
 
     def delete_tree(self, key: str) -> None:
-        keys = [k for k, _ in self._keys(f"{key.rstrip('/')}/", None)]
+        keys = [k for k, _ in self._keys(f"{key.rstrip('/')}/", None)] + [f"{key.rstrip('/')}/"]  # and its folder
         for i in range(0, len(keys), 1000):
             self.client.delete_objects(Bucket=self.bucket,
                                        Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True})

@@ -43,21 +43,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import tracking
-from .._compat import ShardedTensor
-from ..convert import layout_of
-from ..wrapper import LocalShardsWrapper
-from .agree import Problem, problem_from
-from .commit import committed_name, lock_generation, root_of
-from .common import leaves
+from ... import tracking
+from ..._compat import ShardedTensor
+from ...convert import layout_of
+from ...wrapper import LocalShardsWrapper
+from ..agree import Problem, problem_from
+from ..commit import committed_name, lock_generation, root_of
+from ..common import leaves
 from .digests import DIGEST_BYTES, digest_width, row_digests
-from .errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
-from .keylists import Wording, key_problems
+from ..errors import CheckpointError, IncompleteCheckpointError, NotACheckpointError
+from ..agree import Wording, key_problems
 from .chain import Chain, Link, open_chain
-from .manifest import LINK, ROW_DIGESTS, BlockHasher, Checksums, FileSums, read_manifest
-from .reader import BadData, VerifiedFile
-from .validate import read_metadata
-from .storage import Loc, Lock
+from ..format.manifest import LINK, ROW_DIGESTS, BlockHasher, Checksums, FileSums, read_manifest
+from ..format.reader import BadData, VerifiedFile
+from ..format.validate import read_metadata
+from ..storage import Loc, Lock
 
 __all__ = ["ALIGN", "BaseCheckpoint", "LINK", "ROW_DIGESTS", "Rows", "local_blocks", "open_base"]
 

@@ -8,12 +8,12 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from .chain import Chain, describe, is_incremental, metadata_for_checks, open_chain
-from .commit import resolve
-from .common import format_bytes, format_mib, tensor_bytes
-from .manifest import ROW_DIGESTS, read_manifest
-from .storage import Loc, locate
-from .validate import read_metadata
+from ..incremental.chain import Chain, describe, is_incremental, metadata_for_checks, open_chain
+from ..commit import resolve
+from ..common import format_bytes, format_mib, tensor_bytes
+from ..format.manifest import ROW_DIGESTS, read_manifest
+from ..storage import Loc, locate
+from ..format.validate import read_metadata
 
 __all__ = ["format_report", "inspect"]
 

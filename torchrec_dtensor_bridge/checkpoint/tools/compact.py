@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .api import load, save
+from ..api import load, save
 from .inspect import inspect
 
 __all__ = ["compact"]

@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .errors import BrokenChainError, CorruptCheckpointError
-from .manifest import LINK, ROW_DIGESTS, check_file_name, read_manifest
-from .storage import Loc, Lock
-from .validate import read_metadata
+from ..errors import BrokenChainError, CorruptCheckpointError
+from ..format.manifest import LINK, ROW_DIGESTS, check_file_name, read_manifest
+from ..storage import Loc, Lock
+from ..format.validate import read_metadata
 
 __all__ = ["MAX_LINKS", "Chain", "Link", "Piece", "is_incremental", "metadata_for_checks", "open_chain"]
 

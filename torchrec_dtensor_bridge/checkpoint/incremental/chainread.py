@@ -32,15 +32,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from .agree import Kind, Problem, raise_if_any
+from ..agree import Kind, Problem, raise_if_any
 from .chain import Chain, Link, Piece
-from .common import leaves, run_dcp
-from .errors import CheckpointError
-from .incremental import ALIGN, local_blocks
-from .manifest import BLOCK, Checksums
-from .loading import SafeObjectPlanner
-from .reader import BadData, ItemView, ReadStats, VerifiedFile, VerifiedReader, read_buffer
-from .savedtensor import Unreadable, parse_layout
+from ..common import leaves, run_dcp
+from ..errors import CheckpointError
+from .rows import ALIGN, local_blocks
+from ..format.manifest import BLOCK, Checksums
+from ..loading import SafeObjectPlanner
+from ..format.reader import BadData, ItemView, ReadStats, VerifiedFile, VerifiedReader, read_buffer
+from ..format.savedtensor import Unreadable, parse_layout
 
 __all__ = ["GAP_BYTES", "SPAN_BYTES", "ChainReader", "load_chain"]
 

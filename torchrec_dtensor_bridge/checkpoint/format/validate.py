@@ -43,10 +43,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from .._compat import DcpMemFormat, DcpStorageInfo
-from .errors import CorruptCheckpointError
+from ..._compat import DcpMemFormat, DcpStorageInfo
+from ..errors import CorruptCheckpointError
 from .manifest import check_file_name
-from .storage import Loc, NotAnObject, locate
+from ..storage import Loc, NotAnObject, locate
 
 __all__ = [
     "MAX_METADATA_BYTES",

@@ -36,10 +36,10 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from ..wrapper import LocalShardsWrapper
-from .api import DEFAULT_STAGING_BYTES, load
+from ...wrapper import LocalShardsWrapper
+from ..api import DEFAULT_STAGING_BYTES, load
 from .inspect import inspect
-from .common import progress_bar
+from ..common import progress_bar
 
 __all__ = ["DEFAULT_BUFFER_BYTES", "FORMATS", "ExportSummary", "export"]
 

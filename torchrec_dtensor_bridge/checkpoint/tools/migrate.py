@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._compat import (
+from ..._compat import (
     ChunkShardingSpec,
     EnumerableShardingSpec,
     RemoteDevice,
@@ -54,14 +54,14 @@ from .._compat import (
     ShardedTensorShard,
     ShardMetadata,
 )
-from ..convert import state_dict_to_dtensor
-from .api import save
-from .commit import check_target, commit, generation, resolve, save_lock, sweep, writable_parent
-from .common import progress_bar, tensor_bytes
-from .errors import CheckpointError, CorruptCheckpointError
-from .manifest import BlockHasher, FileSums, check_file_name, read_manifest, write_manifest
-from .storage import Loc, NotAnObject, locate
-from .validate import read_metadata
+from ...convert import state_dict_to_dtensor
+from ..api import save
+from ..commit import check_target, commit, generation, resolve, save_lock, sweep, writable_parent
+from ..common import progress_bar, tensor_bytes
+from ..errors import CheckpointError, CorruptCheckpointError
+from ..format.manifest import BlockHasher, FileSums, check_file_name, read_manifest, write_manifest
+from ..storage import Loc, NotAnObject, locate
+from ..format.validate import read_metadata
 
 __all__ = ["migrate", "rank_files"]
 

@@ -47,13 +47,13 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from .agree import Kind, Problem, raise_if_any
-from .common import format_bytes
-from .errors import CheckpointError
+from ..agree import Kind, Problem, raise_if_any
+from ..common import format_bytes
+from ..errors import CheckpointError
 from .manifest import BLOCK, Checksums
 from .plan import ItemPlace, request_span, staged_bytes, zip_spans
 from .savedtensor import Unreadable, parse_layout
-from .storage import Loc, NotAnObject
+from ..storage import Loc, NotAnObject
 from .validate import read_metadata as read_checked_metadata
 
 __all__ = ["BadData", "ItemView", "ReadStats", "VerifiedFile", "VerifiedReader", "read_buffer"]

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels import build
+from ...kernels import build
 
 __all__ = ["DIGEST_BYTES", "digest_width", "row_digests"]
 

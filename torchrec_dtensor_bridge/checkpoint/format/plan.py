@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..layout import boxes_overlap
+from ...layout import boxes_overlap
 
 __all__ = [
     "ItemPlace",

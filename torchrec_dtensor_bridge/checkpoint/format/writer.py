@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .manifest import BlockHasher, FileSums
-from .storage import Loc
+from ..storage import Loc
 
 __all__ = ["ChecksummingWriter"]
 

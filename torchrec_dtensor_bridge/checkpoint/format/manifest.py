@@ -56,9 +56,9 @@ from typing import Any
 import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 from .plan import block_span
-from .storage import Loc, NotAnObject, locate
+from ..storage import Loc, NotAnObject, locate
 
 __all__ = [
     "BLOCK",
