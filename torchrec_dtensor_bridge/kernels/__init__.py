@@ -13,8 +13,8 @@ Steps of a kernel call from a lookup:
 
 1. The caller asks :func:`accepts` whether a shard can go through the ops (fp32, contiguous, on CPU, or on
    CUDA with fbgemm's CUDA build and within its kernels' limits: at most 2048 columns, rows of a multiple of
-   4 columns 16-byte aligned, int32-sized batches - :func:`.limits.misfit`), and :func:`update_supported`
-   whether its fused update can; MAX pooling and other shards use torch directly, before anything runs.
+   4 columns aligned for its vector loads (16 bytes fp32, 8 fp16), int32-sized batches -
+   :func:`.limits.misfit`), and :func:`update_supported` whether its fused update can; MAX pooling and other shards use torch directly, before anything runs.
 2. It hands its requests to :func:`pool`, :func:`weight_grad` and :func:`update`, which call
    ``torch.ops.tdb.pool_sum`` / ``pool_sum_backward`` / ``sparse_update`` once per storage.
 3. The op groups and checks its arguments (ids only for direct callers: the lookups checked them at their

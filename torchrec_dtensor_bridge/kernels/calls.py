@@ -13,8 +13,8 @@ not check them again (on CUDA, a device synchronisation per op and storage). A d
 ``torch.ops.tdb`` keeps the ops' own check.
 
 1. :func:`accepts` - whether a shard can go through the ops at all (2-D, contiguous, fp32, fp16 or bf16; on
-   CPU, or on CUDA with fbgemm's CUDA build and rows its kernels can read: 16-byte aligned, at most
-   :data:`.limits.MAX_D` columns). The ops pool half-precision rows into fp32; a request's output and
+   CPU, or on CUDA with fbgemm's CUDA build and rows its kernels can read: aligned for their vector loads
+   (:data:`.limits.VECTOR_BYTES`), at most :data:`.limits.MAX_D` columns). The ops pool half-precision rows into fp32; a request's output and
    dense gradient come back in its shard's dtype (as ``torch.embedding_bag``'s would).
 2. :func:`pool` - :class:`Pooling` requests whose shard the ops accept, with int64 ids and offsets, and that
    sum are grouped by storage (and batch size, and whether they carry per-sample weights); each group is
@@ -55,7 +55,7 @@ _Member = TypeVar("_Member")
 
 def accepts(shard: torch.Tensor) -> bool:
     """Whether ``shard`` can be looked up and updated through the ops (whatever runs underneath): on CUDA,
-    only where fbgemm's CUDA kernels can take it whatever the batch (:func:`.limits.fits`: 16-byte aligned
+    only where fbgemm's CUDA kernels can take it whatever the batch (:func:`.limits.fits`: vector-aligned
     rows of 1 to :data:`.limits.MAX_D` columns); fp32, fp16 or bf16 (on CPU, what runs is
     :func:`.choose.for_weights`'s: bf16 only on ours)."""
     if shard.dim() != 2 or not shard.is_contiguous() or shard.dtype not in native.DTYPES:

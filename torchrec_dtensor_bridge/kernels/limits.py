@@ -11,10 +11,19 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["ALIGN", "MAX_D", "MAX_NUMEL", "batch_misfit", "fits", "misfit"]
+__all__ = ["ALIGN", "MAX_D", "MAX_NUMEL", "VECTOR_BYTES", "batch_misfit", "fits", "misfit"]
 
 ALIGN = 4
-"""fbgemm's CUDA kernels read fp32 rows four at a time: dims, element offsets and (in bytes) 4 x this."""
+"""fbgemm's CUDA kernels read and write rows four elements at a time (its ``Vec4T``): every table's columns a
+multiple of this (its training module: ``assert embedding_dim % 4 == 0``; its forward: ``TORCH_CHECK(total_D % 4
+== 0)``)."""
+VECTOR_BYTES = {torch.float32: 16, torch.float16: 8, torch.bfloat16: 2}
+"""How many bytes of a row of each weights' dtype fbgemm's CUDA kernels load or store at once, the alignment
+each table's first element needs (rows then keep it: ``ALIGN`` columns are a whole number of loads). From
+``fbgemm_gpu/include/fbgemm_gpu/utils/vec4.cuh``, the ``Vec4T`` its kernels' rows are read into and written from:
+fp32 as one ``float4`` (``*((const float4*)p)``, 16 bytes); fp16 as two 32-bit words (``ld.global.v2.u32``, and
+``Half4::store``'s ``st.v2.u32``: 8 bytes); bf16 element by element (``acc.x = p[0]; ... p[3]``: 2 bytes, its
+own size)."""
 MAX_D = 2048
 """The widest table fbgemm's CUDA kernels take (``max_embedding_dim`` of its code generator)."""
 MAX_NUMEL = 2**31 - 1
@@ -40,18 +49,25 @@ def misfit(weights: torch.Tensor | None, offsets: Sequence[int], dims: Sequence[
 
         >>> misfit(None, [0], [4096])
         'a table of 4096 columns (fbgemm: max_D <= 2048)'
+        >>> misfit(torch.empty(12, dtype=torch.float16)[4:], [0], [8])  # 8 bytes in: fp16 rows read 8 at once
     """
     total = sum(dims)
     if total <= 0:  # forward: TORCH_CHECK_GT(total_D, 0)
         return f"no columns (fbgemm: total_D > 0, got {total})"
     if max(dims) > MAX_D:  # forward and backward: TORCH_CHECK_LE(max_D, {{ max_embedding_dim }}), 2048
         return f"a table of {max(dims)} columns (fbgemm: max_D <= {MAX_D})"
-    # forward: TORCH_CHECK_EQ(total_D % 4, 0); every kernel loads rows as Vec4T (16 bytes) from
-    # weights_offsets[t] + idx * D: each table's columns and first element a multiple of 4, the buffer aligned
-    if (any(d % ALIGN for d in dims) or any(o % ALIGN for o in offsets)
-            or (weights is not None and weights.data_ptr() % (4 * ALIGN))):
-        return (f"rows not 16-byte aligned (dims {list(dims)}, element offsets {list(offsets)}: multiples of "
-                f"{ALIGN}, and an aligned buffer)")
+    # every kernel loads and stores rows as Vec4T from weights + weights_offsets[t] + idx * D: the columns a
+    # multiple of 4, and each table's first element at a multiple of the dtype's vector width (VECTOR_BYTES)
+    if weights is None:  # a buffer the caller allocates (fp32, aligned): the offsets alone
+        width, starts, where = VECTOR_BYTES[torch.float32], [o * 4 for o in offsets], "an aligned fp32 buffer"
+    else:
+        width = VECTOR_BYTES.get(weights.dtype, VECTOR_BYTES[torch.float32])
+        starts = [weights.data_ptr() + o * weights.element_size() for o in offsets]
+        where = f"a {weights.dtype} buffer at byte {weights.data_ptr() % 64} mod 64"
+    if any(d % ALIGN for d in dims) or any(a % width for a in starts):
+        return (f"rows not {width}-byte aligned (fbgemm reads {width} bytes of a row at once: dims {list(dims)} "
+                f"must be multiples of {ALIGN} and each table's first element {width}-byte aligned, got element "
+                f"offsets {list(offsets)} of {where})")
     return batch_misfit(len(dims), 0 if bags is None else bags, 0 if ids is None else ids)
 
 
@@ -72,5 +88,5 @@ def batch_misfit(tables: int, bags: int, ids: int) -> str | None:
 
 def fits(weights: torch.Tensor, offsets: Sequence[int], dims: Sequence[int]) -> bool:
     """Whether fbgemm's CUDA kernels can take the tables of ``weights`` at element ``offsets`` with ``dims``
-    columns, whatever the batch (:func:`misfit`: 16-byte aligned rows, at most :data:`MAX_D` columns)."""
+    columns, whatever the batch (:func:`misfit`: rows aligned for its vector loads, at most :data:`MAX_D` columns)."""
     return misfit(weights, offsets, dims) is None

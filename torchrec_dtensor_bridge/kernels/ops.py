@@ -29,8 +29,8 @@ A custom op's schema takes flat tensors and scalars. Below it, Python passes the
    (:meth:`.native.NativeKernel.ids_valid`; when the C kernels run, in their own pass), on CUDA on the device
    (one synchronisation).
 3. The implementation is :mod:`.choose`'s decision (remembered once the ranks of a lookup settled it), then
-   what the call allows: fbgemm's CUDA kernels take 16-byte aligned rows of at most 2048 columns and batches
-   whose ids and bag boundaries an int32 counts (:func:`.limits.misfit`), ours tables of at most
+   what the call allows: fbgemm's CUDA kernels take rows aligned for their vector loads
+   (:data:`.limits.VECTOR_BYTES`), of at most 2048 columns, and batches whose ids and bag boundaries an int32 counts (:func:`.limits.misfit`), ours tables of at most
    :data:`.native.MAX_DIM` columns (:func:`.native.fits`); pooling and the dense gradient fall back to
    torch's ops (:mod:`.reference`) otherwise, an update refuses before anything runs (the lookups send such
    shards to the torch-op math: :func:`.calls.update_supported`).
