@@ -368,6 +368,14 @@ class S3Storage(Storage):
         now = parsedate_to_datetime(date) if date else datetime.now(timezone.utc)
         return (now - h["LastModified"]).total_seconds(), h["ETag"]
 
+    def _holders_lease(self, key: str) -> float:
+        """The lease its holder took (recorded in the lease object; this store's own if unreadable)."""
+        try:
+            body = json.loads(self.get(key, 4096))
+            return float(body["lease_seconds"])
+        except Exception:  # noqa: BLE001 - gone or damaged: judged by this store's lease
+            return self.lease_seconds
+
     def lock(self, key: str, *, exclusive: bool) -> Lock | None:
         if not exclusive:
             return _Granted()
@@ -378,7 +386,7 @@ class S3Storage(Storage):
             if not _precondition(e):
                 raise
         held = self.server_age(key)
-        if held is None or held[0] < self.lease_seconds:
+        if held is None or held[0] < self._holders_lease(key):
             return None
         try:  # expired: its holder died; take it over unless someone else just did
             r = self.client.put_object(Bucket=self.bucket, Key=key, Body=self.lease_body(), IfMatch=held[1])
