@@ -20,6 +20,8 @@ ranks, so the runs differ only in summation order.
 from __future__ import annotations
 
 import contextlib
+import os
+import uuid
 import warnings
 from typing import Any
 
@@ -282,6 +284,36 @@ def saved(pool, tmp_path_factory):
 def test_dlrm_resumes_on_three_ranks_under_another_plan_in_one_call(pool, saved):
     path, tensors, losses = saved
     pool.run(_resume, path, tensors, losses)
+
+
+def _in_env(rank: int, world: int, env: dict[str, str], fn: Any, *args: Any) -> Any:
+    """``fn`` run with ``env`` set (the S3 server's variables, for ranks the pool started before the server)."""
+    os.environ.update(env)
+    return fn(rank, world, *args)
+
+
+@pytest.fixture(scope="module")
+def saved_on_s3(pool, s3_server):
+    bucket = f"tdb-dlrm-{uuid.uuid4().hex[:12]}"
+    s3_server.client().create_bucket(Bucket=bucket)
+    path = f"s3://{bucket}/jobs/latest"
+    saved, losses = pool.run(_in_env, s3_server.env, _train_and_save, path)[0]
+    return path, saved, losses, s3_server.env
+
+
+def test_dlrm_saved_to_an_object_store_resumes_on_three_ranks_and_loads_in_one_process(pool, saved_on_s3):
+    """The same job saved on 2 ranks to S3 (a real SeaweedFS): resumed on 3 ranks under another plan, and loaded
+    in this one process into plain tensors, every value equal to the saved one."""
+    path, tensors, losses, env = saved_on_s3
+    pool.run(_in_env, env, _resume, path, tensors, losses)
+    info = tdb.checkpoint.inspect(path)
+    plain = {k: torch.zeros(rec["shape"], dtype=getattr(torch, rec["dtype"])) for k, rec in info.items()
+             if rec["type"] == "tensor"}
+    tdb.checkpoint.load(plain, path)
+    shared = sorted(set(plain) & set(tensors))
+    assert len(shared) >= len(TABLES), sorted(plain)
+    for key in shared:
+        assert torch.equal(plain[key], tensors[key]), key
 
 
 def test_a_plain_torch_adam_before_its_first_step_resumes_on_three_ranks_under_another_plan(pool, saved):
