@@ -9,7 +9,8 @@ second optimizer step for the stateful kinds, and on CUDA two segments of one ro
 updates): fbgemm's backward groups the ids by ``hash_size_cumsum[t] + id``.
 
 * :func:`feature_table_map` - per table of a call, the physical table it is (fbgemm's ``feature_table_map``);
-  on CUDA the copies share one ``hash_size_cumsum`` offset (:func:`.fbgemm.table_args`), as in fbgemm's module;
+  on CUDA the copies share one ``hash_size_cumsum`` offset (:func:`hash_size_cumsum`, for
+  :func:`.fbgemm.table_args`), as in fbgemm's module;
 * :func:`fold_copies` - on CPU, where the kernels walk the tables one after the other: the call with each
   physical table once, its copies' bags stacked (table ``t``'s ``k``-th copy's bags at bags ``k * B`` to
   ``(k + 1) * B``, empty bags after a table's last copy), the output gradient likewise. Every CPU kernel
@@ -25,7 +26,7 @@ import torch
 
 from .args import Batch, State, Tables
 
-__all__ = ["feature_table_map", "fold_copies", "overlap"]
+__all__ = ["feature_table_map", "fold_copies", "hash_size_cumsum", "overlap"]
 
 
 def feature_table_map(offsets: Sequence[int], dims: Sequence[int], rows: Sequence[int],
@@ -43,6 +44,28 @@ def feature_table_map(offsets: Sequence[int], dims: Sequence[int], rows: Sequenc
     keys = [tuple(k) for k in zip(offsets, dims, rows, *(s for s in state_offsets if len(s)))]
     number = {k: p for p, k in enumerate(sorted(set(keys)))}
     return [number[k] for k in keys]
+
+
+def hash_size_cumsum(offsets: Sequence[int], dims: Sequence[int], rows: Sequence[int], *, copies: bool) -> list[int]:
+    """fbgemm's ``hash_size_cumsum`` of a call: per table, the rows of the tables before it, then every table's rows.
+    With ``copies``, as fbgemm's module builds it from its ``feature_table_map``
+    (``[cumsum[t] for t in feature_table_map] + [total]``): a table listed again is the SAME table
+    (:func:`feature_table_map`), its rows counted once. fbgemm's CUDA backward sorts the ids by
+    ``hash_size_cumsum[t] + id`` and updates each run once: two offsets for one table would be two runs writing
+    its rows at once. Without ``copies`` (fbgemm's CPU kernels, which find a shared table only as adjacent tables
+    of one offset), every table its own: the ops fold copies before the CPU kernels (:func:`fold_copies`).
+
+    Example::
+
+        >>> hash_size_cumsum([64, 0, 64], [4, 4, 4], [10, 16, 10], copies=True)
+        [16, 0, 16, 26]
+    """
+    if not copies:
+        return list(itertools.accumulate(rows, initial=0))
+    fmap = feature_table_map(offsets, dims, rows)
+    first = {p: t for t, p in reversed(list(enumerate(fmap)))}
+    before = list(itertools.accumulate((rows[first[p]] for p in range(len(first))), initial=0))
+    return [before[p] for p in fmap] + [before[-1]]
 
 
 def _state_offsets(state: State | None) -> tuple[Sequence[int], ...]:

@@ -36,7 +36,7 @@ Tensors built here are cached per device: build them outside any ``FakeTensorMod
 one, the kernel ops' fakes stand in for the implementations and nothing here runs). The caller
 (:mod:`.ops`) has checked shapes, dtypes and devices, and that the call is within the limits of fbgemm's
 CUDA kernels (:func:`.limits.misfit`); the ids, bag boundaries and per-sample weights are handed over contiguous
-(:func:`flat_batch`: fbgemm's CUDA kernels read them as flat arrays).
+(:meth:`.args.Batch.flat`: fbgemm's CUDA kernels read them as flat arrays).
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ import torch
 
 from ..optim_kinds import ADAGRAD, ADAM, ROWWISE_ADAGRAD, SGD, Hyper, OptimKind
 from .args import Batch, State, Tables
-from .copies import feature_table_map
+from .copies import hash_size_cumsum
 
 __all__ = [
     "TableArgs", "available", "backward_op", "backward_values", "call_by_name", "constant", "cuda_available",
-    "dense_grad", "device_dense_grad", "flat_batch", "in_unified_memory", "lookup_args", "lookup_forward", "pool_sum", "run_backward_op",
-    "run_forward", "table_args", "update", "weights_list",
+    "dense_grad", "device_dense_grad", "in_unified_memory", "lookup_args", "lookup_forward", "pool_sum",
+    "run_backward_op", "run_forward", "table_args", "update", "weights_list",
 ]
 
 POOL_SUM = 0  # fbgemm_gpu PoolingMode.SUM
@@ -78,18 +78,14 @@ def _module() -> ModuleType | None:
     ours and torch's kernels, as without fbgemm_gpu, and say why once, here."""
     try:
         import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm
-    except ModuleNotFoundError as e:
-        if e.name == "fbgemm_gpu":  # not installed: nothing to say
-            return None
-        _unusable(e)
-        return None
     except Exception as e:  # noqa: BLE001 - any failure of its import: fall back, never fail a lookup
-        _unusable(e)
+        if not (isinstance(e, ModuleNotFoundError) and e.name == "fbgemm_gpu"):  # not installed: nothing to say
+            _unusable(e)
         return None
     return fbgemm_gpu
 
 
-def _unusable(e: BaseException) -> None:
+def _unusable(e: Exception) -> None:
     log.warning("torchrec_dtensor_bridge: fbgemm_gpu is installed but cannot be loaded (%s: %s); its kernels "
                 "are not used, this package's and torch's run instead. Install the fbgemm-gpu build made for "
                 "torch %s (CUDA %s): docs/gpu.md", type(e).__name__, str(e).strip().splitlines()[0] if str(e) else "",
@@ -122,24 +118,6 @@ def in_unified_memory(t: torch.Tensor) -> bool:
     return bool(torch.ops.fbgemm.is_uvm_tensor(t))
 
 
-def flat_batch(batch: Batch) -> Batch:
-    """``batch`` with its ids, bag boundaries and per-sample weights contiguous (``batch`` itself when they are):
-    fbgemm's CUDA kernels read them through ``data_ptr``, as flat arrays, whatever their strides (its weighted
-    backward sorts ``indice_weights.data_ptr()`` by row; its forward for tables wider than 1024 columns reads
-    the ids, boundaries and weights so)."""
-    psw = batch.per_sample_weights
-    if batch.ids.is_contiguous() and batch.offsets.is_contiguous() and (psw is None or psw.is_contiguous()):
-        return batch
-    return Batch(_contiguous(batch.ids), _contiguous(batch.offsets), None if psw is None else _contiguous(psw),
-                 batch.ids_checked)
-
-
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
-    """``t.contiguous()``, as a ``clone``: the same copy, and one FakeTensor also traces for a device this build
-    of torch has no runtime for."""
-    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
-
-
 @dataclass(frozen=True)
 class TableArgs:
     """The tables of one call, in fbgemm's form (tensors on the tables' device)."""
@@ -168,7 +146,7 @@ def table_args(offsets: tuple[int, ...], dims: tuple[int, ...], rows: tuple[int,
 def _table_args(offsets: tuple[int, ...], dims: tuple[int, ...], rows: tuple[int, ...], device: str) -> TableArgs:
     d_offsets = list(itertools.accumulate(dims, initial=0))
     on_host = torch.device(device).type == "cpu"
-    cum = _hash_size_cumsum(offsets, dims, rows, copies=not on_host)
+    cum = hash_size_cumsum(offsets, dims, rows, copies=not on_host)
     return TableArgs(
         torch.tensor(offsets, dtype=torch.int64, device=device),
         torch.tensor(d_offsets, dtype=torch.int32, device=device),
@@ -179,23 +157,6 @@ def _table_args(offsets: tuple[int, ...], dims: tuple[int, ...], rows: tuple[int
         torch.full((len(dims),), HOST if on_host else DEVICE, dtype=torch.int32, device=device),
         on_host,
     )
-
-
-def _hash_size_cumsum(offsets: Sequence[int], dims: Sequence[int], rows: Sequence[int], *, copies: bool,
-                      ) -> list[int]:
-    """fbgemm's ``hash_size_cumsum``: per table, the rows of the tables before it, then every table's rows. With
-    ``copies``, as fbgemm's module builds it from its ``feature_table_map``: a table listed again (the same
-    element offset, columns and rows: :func:`.copies.feature_table_map`) is the SAME table, at its first
-    listing's offset, its rows counted once. fbgemm's CUDA backward sorts the ids by ``hash_size_cumsum[t] +
-    id`` and updates each run once: two offsets for one table would be two runs writing its rows at once.
-    Without ``copies`` (fbgemm's CPU kernels, which find a shared table as adjacent tables of one offset), every
-    table its own (the ops fold copies before the CPU kernels: :func:`.copies.fold_copies`)."""
-    if not copies:
-        return list(itertools.accumulate(rows, initial=0))
-    fmap = feature_table_map(offsets, dims, rows)
-    first = {p: t for t, p in reversed(list(enumerate(fmap)))}
-    before = list(itertools.accumulate((rows[first[p]] for p in range(len(first))), initial=0))
-    return [before[p] for p in fmap] + [before[-1]]
 
 
 @functools.lru_cache(maxsize=256)
@@ -257,7 +218,7 @@ def _bag_bits(args: TableArgs, batch: Batch) -> tuple[int, int]:
 
 def pool_sum(tables: Tables, batch: Batch) -> torch.Tensor:
     """``(bags, total_d)``: every table's bag sums side by side (fbgemm's forward, one call)."""
-    batch = flat_batch(batch)
+    batch = batch.flat()
     args = table_args(tuple(tables.offsets), tuple(tables.dims), tuple(tables.rows), tables.storage.device)
     if not args.on_host:
         return lookup_forward(tables.storage, args, batch)
@@ -269,7 +230,7 @@ def pool_sum(tables: Tables, batch: Batch) -> torch.Tensor:
 
 def dense_grad(grad: torch.Tensor, dims: Sequence[int], rows: Sequence[int], batch: Batch) -> torch.Tensor:
     """Every table's dense weight gradient, back to back (table ``t``'s ``rows[t] x dims[t]``)."""
-    batch = flat_batch(batch)
+    batch = batch.flat()
     packed = list(itertools.accumulate([r * d for r, d in zip(rows, dims)], initial=0))
     args = table_args(tuple(packed[:-1]), tuple(dims), tuple(rows), grad.device)
     if not args.on_host:
@@ -284,7 +245,7 @@ def update(tables: Tables, batch: Batch, grad: torch.Tensor, state: State, hyper
     """The fused update of every table, in place, with ``hyper.kind`` (whose record says ``fbgemm_cpu`` on CPU,
     ``fbgemm_cuda`` on CUDA): fbgemm's backward alone (:func:`backward_values`), no forward.
     ``grad``: ``(bags, total_d)`` with unit column stride (rows may be strided on CPU)."""
-    batch = flat_batch(batch)
+    batch = batch.flat()
     device = tables.storage.device
     args = table_args(tuple(tables.offsets), tuple(tables.dims), tuple(tables.rows), device)
     m1 = state.momentum1
@@ -419,7 +380,7 @@ def lookup_args(weights: torch.Tensor, args: TableArgs, batch: Batch, placeholde
                 lr: float = 0.0, step: int = 0) -> dict[str, Any]:
     """The keyword arguments every ``split_embedding_codegen_lookup_*_function_pt2`` takes (``step``: the
     optimizer's iteration, read by Adam's bias correction)."""
-    batch = flat_batch(batch)
+    batch = batch.flat()
     bits, mask = _bag_bits(args, batch)
     return {
         "placeholder_autograd_tensor": placeholder,
@@ -455,7 +416,7 @@ def run_forward(op: Callable[..., torch.Tensor], kwargs: dict[str, Any]) -> torc
 
 def lookup_forward(weights: torch.Tensor, args: TableArgs, batch: Batch) -> torch.Tensor:
     """``(bags, total_d)`` through fbgemm's lookup function (no update: under ``no_grad``)."""
-    batch = flat_batch(batch)
+    batch = batch.flat()
     placeholder = torch.empty(0, dtype=torch.float32, device=weights.device)
     return run_forward(torch.ops.fbgemm.split_embedding_codegen_lookup_sgd_function_pt2,
                        lookup_args(weights, args, batch, placeholder))
@@ -473,7 +434,7 @@ def device_dense_grad(grad: torch.Tensor, packed: TableArgs, batch: Batch, numel
     backward (``split_embedding_backward_codegen_dense_{unweighted,weighted}_exact_cuda``, the op its dense
     module's autograd calls): no forward. ``dev_weights`` gives it the result's shape (:func:`_shape_only`:
     no buffer of that size)."""
-    batch = flat_batch(batch)
+    batch = batch.flat()
     psw = batch.per_sample_weights
     which = "unweighted" if psw is None else "weighted"
     op = getattr(torch.ops.fbgemm, f"split_embedding_backward_codegen_dense_{which}_exact_cuda")

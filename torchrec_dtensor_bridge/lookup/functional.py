@@ -2,7 +2,7 @@
 
 Order of work on every rank (the same on all ranks, so nothing can hang):
 
-0. resolve the weight once (:func:`.entry.resolve_table`: layout, local shards,
+0. resolve the weight once (:func:`.resolve.resolve_table`: layout, local shards,
    the call's group - the weight's mesh, its sharding axis on a 2-D mesh, or
    ``process_group`` - and strategy), collective-free;
 1. validate the arguments locally (:mod:`.arguments`), recording - not raising - a failure;
@@ -36,10 +36,11 @@ from ..agreement import RejectedArguments
 from ..groups import CommGroup
 from ..optim import FusedOptimizer
 from . import dtensor_input
-from .arguments import TableCodes
+from .codes import TableCodes
 from .entry import InputKind
 from .arguments import Bags, TableOptions, bags_for_embedding, bags_from_input, bind_optimizer, check_options
-from .entry import agree_and_route, finish, lookup_group, psw_grad, resolve_table, run_tables
+from .entry import agree_and_route, finish, psw_grad, run_tables
+from .resolve import lookup_group, resolve_table
 from .plan import ResolvedTable
 
 __all__ = ["sharded_embedding", "sharded_embedding_bag"]

@@ -2,14 +2,14 @@
 
 Types only (frozen dataclasses and one abstract class), so that reading a plan runs no code here:
 
-1. :class:`ResolvedTable` - a weight resolved once at the API edge (:func:`.entry.resolve_table`): its
+1. :class:`ResolvedTable` - a weight resolved once at the API edge (:func:`.resolve.resolve_table`): its
    layout in the call group's ranks, this rank's shards, the group, its :class:`Strategy`;
 2. :class:`Route` - where this rank's ids of a table go (each strategy routes its own: :meth:`Strategy.route`);
 3. :class:`BatchPlan` and :class:`PoolOptions` - the bags this rank computes and how they are pooled;
 4. :class:`LookupPlan` - the three above with this rank's blocks: the whole plan of one table;
 5. :class:`Block` - one computed block's pooled output and what its backward needs;
 6. :class:`Strategy` - how the partial results of a layout family's blocks combine across ranks. One
-   module per strategy (:mod:`.strategies`); :func:`.entry.pick_strategy` is the one place that picks one.
+   module per strategy (:mod:`.strategies`); :func:`.resolve.pick_strategy` is the one place that picks one.
 
 Ranks inside a plan (``rank``, the layout's, ``num_bags``' order) are ranks of the call's group.
 """

@@ -36,10 +36,11 @@ import torch.distributed as dist
 from ..groups import CommGroup
 from ..optim import FusedOptimizer
 from ..optim.state import Binding
-from .arguments import TableCodes
+from .codes import TableCodes
 from .arguments import (Bags, RejectedArguments, TableOptions, ValueCheck, bags_from_input, bind_optimizer,
                         check_options, check_values)
-from .entry import agree_and_route, finish, lookup_group, psw_grad, refuse, resolve_table, run_tables
+from .entry import agree_and_route, finish, psw_grad, refuse, run_tables
+from .resolve import lookup_group, resolve_table
 from .plan import ResolvedTable
 
 __all__ = ["refuse_lookup", "sharded_embedding_bags"]
