@@ -2,6 +2,7 @@
 a damaged record read by one rank only; ranks that disagree on a key's shape at save;
 process groups other than WORLD; a bare LocalShardsWrapper round trip."""
 
+import os
 import threading
 from pathlib import Path
 
@@ -115,6 +116,27 @@ def test_two_jobs_saving_to_one_path(pool, pool_b, tmp_path):
     assert busy_a[0] == busy_a[1] and busy_b[0] == busy_b[1], "ranks of one job disagreed on a save's outcome"
     assert busy_a[0] + busy_b[0] > 0, "the savers never met"
     steps = pool.run(_load_one, path)
+    assert steps[0] == steps[1]
+
+
+def _in_env(rank, world_size, env, fn, *args):
+    """``fn`` with ``env`` set (the S3 server's variables, for ranks the pools started before the server)."""
+    os.environ.update(env)
+    return fn(rank, world_size, *args)
+
+
+def test_two_jobs_saving_to_one_object_store_name(pool, pool_b, s3_server, s3_bucket, tmp_path):
+    """The same on S3 (a real SeaweedFS): the save lock is a lease object, the commit a conditional put."""
+    path, stop, env = f"s3://{s3_bucket}/jobs/ck", str(tmp_path / "never"), s3_server.env
+    a, out_a = _in_thread(pool.run, _in_env, env, _save_loop, path, stop, 1, 8)
+    b, out_b = _in_thread(pool_b.run, _in_env, env, _save_loop, path, stop, 101, 8)
+    a.join(timeout=240)
+    b.join(timeout=240)
+    assert "error" not in out_a and "error" not in out_b, (out_a.get("error"), out_b.get("error"))
+    busy_a, busy_b = out_a["value"], out_b["value"]
+    assert busy_a[0] == busy_a[1] and busy_b[0] == busy_b[1], "ranks of one job disagreed on a save's outcome"
+    assert busy_a[0] + busy_b[0] > 0, "the savers never met"
+    steps = pool.run(_in_env, env, _load_one, path)
     assert steps[0] == steps[1]
 
 

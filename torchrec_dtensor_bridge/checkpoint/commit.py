@@ -345,8 +345,8 @@ def commit(path: Loc, gen: Loc, target: SaveTarget) -> str | None:
     try:
         (path / COMMIT).swap_pointer(json.dumps(rec).encode(), target.token)
     except Conflict:
-        raise CheckpointBusyError(f"another save committed to {path} while this one ran (its lock had expired); "
-                                  f"this save's generation {gen.name} was not committed") from None
+        raise CheckpointBusyError(f"another save to {path} committed while this one ran (this one's lock had "
+                                  f"expired); this save's generation {gen.name} was not committed") from None
     target.record, target.token = rec, None
     return previous
 
