@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from torchrec_dtensor_bridge.groups import CommGroup
-from torchrec_dtensor_bridge.lookup.resolve import on_device
+from torchrec_dtensor_bridge.lookup.functional import on_device
 
 ROOT = Path(__file__).resolve().parents[2]
 MARK = "DEVICE-INDEX-RESULTS:"

@@ -10,27 +10,31 @@ input on one rank never leaves the others waiting in a collective.
 3. :func:`check_values` - every table's value checks read in one host synchronisation;
 4. :func:`bind_optimizer` - the fused optimizer's binding of the weight, its state checked;
 5. :func:`table_fields` - one table's part of the agreement's message: its batch sizes, then what every rank
-   must agree on (:mod:`.codes`: :class:`.codes.TableCodes`, compared by :func:`.codes.check_same_codes`).
+   must agree on (:class:`TableCodes`: one table's options, shape, dtype, layout and optimizer as integers, the
+   same in every process - digests of names and hyper-parameters, IEEE bits of floats, dtypes by their index in
+   :data:`DTYPES`), compared by :func:`.entry.check_same_codes` (the difference's message: :mod:`.codes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..agreement import RejectedArguments
+from ..agreement import RejectedArguments, float_code
 from ..optim import FusedOptimizer
 from ..optim.state import Binding
-from .codes import CODE_WIDTH, MODES, RankInfo, TableCodes, check_same_codes
+from ..optim_kinds import Hyper
 
 __all__ = [
-    "CODE_WIDTH", "MODES", "Bags", "RankInfo", "RejectedArguments", "TableCodes", "TableOptions", "ValueCheck",
-    "bags_for_embedding", "bags_from_input", "bind_optimizer", "check_options", "check_same_codes", "check_values",
-    "read_together", "table_fields",
+    "CODE_FIELDS", "CODE_WIDTH", "DTYPES", "MODES", "SIZES", "Bags", "RankInfo", "RejectedArguments", "TableCodes",
+    "TableOptions", "ValueCheck", "bags_for_embedding", "bags_from_input", "bind_optimizer", "check_options",
+    "check_values", "name_code", "read_together", "table_fields",
 ]
 
 
@@ -297,7 +301,100 @@ class TableOptions:
 
 def table_fields(bags: Bags | None, codes: TableCodes, sends: Sequence[int] | None, world: int) -> list[int]:
     """One table's fields in the agreement's message: this rank's batch sizes (bags, ids, whether weighted), its
-    :class:`.codes.TableCodes`, and how many ids it sends to each rank (``-1`` each when not routed)."""
+    :class:`TableCodes`, and how many ids it sends to each rank (``-1`` each when not routed)."""
     sizes = [0, 0, 0] if bags is None else [bags.num_bags, int(bags.ids.numel()), int(bags.weights is not None)]
     routed = [-1] * world if sends is None else [int(c) for c in sends]
     return sizes + codes.values() + routed
+
+
+MODES = ("sum", "mean", "max")
+"""The pooling modes, in the order their codes number them."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """What one rank reported in the agreement step."""
+
+    num_bags: int
+    num_ids: int
+    has_weights: bool
+    sends: tuple[int, ...] | None = None
+    """How many of its ids this rank sends to each rank (:mod:`.route`), when routed."""
+
+
+# Weight dtypes travel as their index in this (process-independent) order.
+DTYPES: tuple[torch.dtype, ...] = tuple(sorted(
+    {v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str
+))
+
+
+@dataclass(frozen=True)
+class TableCodes:
+    """What every rank must agree on for one table, as exact integers.
+
+    Attributes:
+        op: which public lookup (0 ``embedding_bag``, 1 ``embedding``, 2 ``embedding_bags``).
+        mode: index in :data:`MODES` (-1: invalid).
+        padding_idx: non-negative padding row, -1 for none.
+        max_norm: IEEE bits of ``max_norm`` (0 for none).
+        norm_type: IEEE bits of ``norm_type``.
+        num_embeddings, embedding_dim: the weight's shape (-1: not 2-D).
+        dtype: index of the weight's dtype in :data:`DTYPES`.
+        layout: ``ShardLayout.digest()`` of the weight's layout in the group (-1: unknown).
+        optimizer: a digest of the fused optimizer's kind's name (-1: none).
+        psw_grad: 1 when backward computes the per-sample weights' gradient.
+        hyper: a digest of the fused optimizer's hyper-parameters (lr, eps, weight decay and its
+            mode, betas, rounding; 0: none): ranks stepping with different ones would part ways silently.
+        out_dtype: index of the output's dtype in :data:`DTYPES` (-1: the weight's).
+    """
+
+    op: int
+    mode: int
+    padding_idx: int
+    max_norm: int
+    norm_type: int
+    num_embeddings: int
+    embedding_dim: int
+    dtype: int
+    layout: int
+    optimizer: int = -1
+    psw_grad: int = 0
+    hyper: int = 0
+    out_dtype: int = -1
+
+    @classmethod  # every rank builds its own, from its arguments; ranks compare them in the agreement step
+    def of(cls, op: int, mode: str, padding: int | None, max_norm: float | None, norm_type: float,
+           shape: tuple[int, ...], dtype: torch.dtype | None, layout: int = -1, *, optimizer: Binding | None = None,
+           psw_grad: bool = False, out_dtype: torch.dtype | None = None) -> TableCodes:
+        two_d = len(shape) == 2
+        return cls(
+            op, MODES.index(mode) if mode in MODES else -1, -1 if padding is None else int(padding),
+            0 if max_norm is None else float_code(max_norm),
+            float_code(norm_type) if isinstance(norm_type, (int, float)) else -1,
+            int(shape[0]) if two_d else -1, int(shape[1]) if two_d else -1,
+            DTYPES.index(dtype) if dtype in DTYPES else -1, layout,
+            -1 if optimizer is None else name_code(optimizer.hyper.kind.name), int(psw_grad),
+            0 if optimizer is None else _hyper_code(optimizer.hyper),
+            DTYPES.index(out_dtype) if out_dtype in DTYPES else -1,
+        )
+
+    def values(self) -> list[int]:
+        return [getattr(self, f.name) for f in CODE_FIELDS]
+
+
+CODE_FIELDS = dataclasses.fields(TableCodes)
+SIZES = 3  # num_bags, num_ids, has_weights
+CODE_WIDTH = SIZES + len(CODE_FIELDS)
+"""How many fields :func:`table_fields` gives a table before its routed counts."""
+
+
+def _hyper_code(hyper: Hyper) -> int:
+    """A digest of an optimizer's hyper-parameters, the same in every process, never 0 ("no optimizer")."""
+    values = [hyper.lr, hyper.eps, hyper.weight_decay, float(hyper.weight_decay_mode.value), hyper.beta1, hyper.beta2,
+              float(hyper.stochastic_rounding)]
+    return name_code(struct.pack(f"<{len(values)}d", *values))
+
+
+def name_code(data: str | bytes) -> int:
+    """A digest of ``data`` (a kind's name), the same in every process: CRC-32 of its bytes, plus 1."""
+    return zlib.crc32(data.encode() if isinstance(data, str) else data) + 1

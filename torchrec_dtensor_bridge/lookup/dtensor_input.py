@@ -59,8 +59,7 @@ from ..groups import CommGroup, comm_group
 from ..layout import ShardLayout, chunk_sizes, contiguous_strides
 from ..optim.state import Binding
 from .entry import InputKind, agree
-from .arguments import Bags
-from .codes import TableCodes
+from .arguments import Bags, TableCodes
 from .entry import finish, make_plan
 from .function import pooled_lookup
 from .plan import BatchPlan, PoolOptions, ResolvedTable

@@ -3,7 +3,7 @@
 The public lookups (:mod:`.functional`, :mod:`.tables`) and ``shard_module``'s collection forward all go
 through here, in this order, on every rank (the same order on all ranks, so nothing can hang):
 
-1. :func:`.resolve.lookup_group` and :func:`.resolve.resolve_table` - the call's group (the weights' meshes,
+1. :func:`.functional.lookup_group` and :func:`.functional.resolve_table` - the call's group (the weights' meshes,
    or ``process_group``; its collectives' tensors on the tables' device) and each weight resolved once
    (layout in the group's ranks, local shards, its strategy); collective-free;
 2. (the caller's argument checks, :mod:`.arguments`, recording - not raising - a failure);
@@ -15,7 +15,7 @@ through here, in this order, on every rank (the same order on all ranks, so noth
    the autograd Function runs (:func:`.function.pooled_lookup`);
 5. :func:`finish` - ``mean`` divides by the true bag size, ``max``'s empty bags give 0.
 
-A weight the lookups cannot take (a shards wrapper without a layout, rows in unified memory: :mod:`.resolve`)
+A weight the lookups cannot take (a shards wrapper without a layout, rows in unified memory: :func:`.functional.resolve_table`)
 is refused with a clear error on every rank, through the agreement step.
 """
 
@@ -34,16 +34,15 @@ from ..agreement import RejectedArguments, timeouts_named
 from ..collectives import all_to_all_jagged
 from ..groups import CommGroup
 from ..optim.state import Binding
-from .arguments import Bags, TableOptions, read_together, table_fields
-from .codes import CODE_WIDTH, RankInfo, TableCodes, check_same_codes
+from .arguments import CODE_WIDTH, SIZES, Bags, RankInfo, TableCodes, TableOptions, read_together, table_fields
+from .codes import name_the_difference
 from .function import AFTER_AGREEMENT, pooled_lookup
 from .plan import ALL, NONE, BatchPlan, LookupPlan, PendingRoute, PoolOptions, ResolvedTable, Route
 from .renorm import renormalize
-from .resolve import lookup_group
 
 __all__ = [
     "FIRST_MESSAGE_TABLES", "InputKind", "agree", "agree_and_route", "finish", "gather_bags", "make_plan", "psw_grad",
-    "refuse", "resolve_routes", "run_tables",
+    "check_same_codes", "resolve_routes", "run_tables",
 ]
 
 
@@ -151,6 +150,14 @@ def agree(
     return [check_same_codes(fn, [t[i * nf : (i + 1) * nf] for t in tables], i if n > 1 else None) for i in range(n)]
 
 
+def check_same_codes(fn: str, rows: list[list[int]], table: int | None) -> list[RankInfo]:
+    """Compare one table's codes across ranks (``rows``: per rank, its :func:`.arguments.table_fields`); raises the
+    ``ValueError`` naming the first difference; else every rank's sizes."""
+    if any(r[SIZES:CODE_WIDTH] != rows[0][SIZES:CODE_WIDTH] for r in rows):
+        name_the_difference(fn, rows, table)
+    return [RankInfo(r[0], r[1], bool(r[2]), None if r[CODE_WIDTH] < 0 else tuple(r[CODE_WIDTH:])) for r in rows]
+
+
 def agree_and_route(
     fn: str, error: RejectedArguments | None, tables: list[ResolvedTable], bags: list[Bags] | None,
     options: list[TableOptions], codes: list[TableCodes], group: CommGroup, *,
@@ -168,16 +175,6 @@ def agree_and_route(
     sends = [None if r is None else r.counts for r in routes] if routes else None
     infos = agree(fn, error, bags, codes, group, sends=sends, kind=kind, digest=digest)
     return infos, routes
-
-
-def refuse(fn: str, weights: Sequence[object], process_group: dist.ProcessGroup | None,
-           error: RejectedArguments) -> NoReturn:
-    """Join, as a failing rank, the agreement step of the lookup of ``weights`` the other ranks are entering
-    (a caller that found its input bad before it could call the lookup); raises ``error`` on every rank."""
-    tables = [w for w in weights if isinstance(w, DTensor)]
-    if tables:
-        agree(fn, error, None, [], lookup_group(fn, tables, process_group, None))
-    raise error.problem.error()
 
 
 def run_tables(

@@ -40,11 +40,11 @@ from .. import kernels, tracking
 from ..kernels import Pooling, pool
 from ..optim_kinds import StateKind
 from .gradients import grad_dtensor, table_grads
-from .optimizer_step import Sharing, apply_optimizers, by_weight
+from .optimizer_step import Sharing, apply_optimizers
 from .plan import Block, LookupPlan, Strategy
 from .psw import psw_backward
 
-__all__ = ["AFTER_AGREEMENT", "IN_BACKWARD", "pooled_lookup"]
+__all__ = ["AFTER_AGREEMENT", "IN_BACKWARD", "by_weight", "pooled_lookup"]
 
 
 def _select(plan: LookupPlan, i: int) -> tuple[Pooling, torch.Tensor, torch.Tensor | None]:
@@ -216,7 +216,7 @@ def fused_update(plans: list[LookupPlan], blocks: list[list[Block]], pieces: lis
     if written:  # (the other paths' writes void the records: tracking's version check)
         tracking.after_writes(before, written)
     if rest:
-        apply_optimizers(plans, blocks, pieces, wins, rest, done, exchange=exchange)
+        apply_optimizers(plans, blocks, pieces, wins, rest, by_weight(plans, list(rest)), done, exchange=exchange)
 
 
 def _one_pass(plan: LookupPlan, block: Block) -> bool:
@@ -243,3 +243,14 @@ def _request(plan: LookupPlan, block: Block, grad: torch.Tensor) -> kernels.Upda
                   for s in bind.hyper.kind.tensor_states)
     return kernels.Update(plan.table.shards[i], block.ids, block.offsets, block.weights, grad, bind.hyper, state,
                           int(table.step))
+
+
+def by_weight(plans: list[LookupPlan], tables: list[int]) -> list[list[int]]:
+    """``tables`` grouped by the weight they update (its optimizer state), in call order: a weight listed for
+    several features of one call is one group."""
+    groups: dict[int, list[int]] = {}
+    for t in tables:
+        bind = plans[t].optimizer
+        assert bind is not None
+        groups.setdefault(id(bind.table), []).append(t)
+    return list(groups.values())

@@ -7,7 +7,7 @@ state and the update math. For the other blocks of the tables it is given, in th
 1. Every block turns its output gradient into a sparse
    gradient: its touched rows (sorted unique ids, padding excluded) and one
    summed gradient row each - O(batch), no dense gradient; a weight listed for
-   several features of the call sums its listings' (:func:`by_weight`): one update.
+   several features of the call sums its listings' (:func:`.function.by_weight`): one update.
 2. ONE exchange for all tables that need one (an ``all_gather`` of the sizes,
    then an ``all_to_all`` of the float64 payloads): replicated tables publish each rank's sparse
    gradient (every replica applies the sum of all ranks'), replicated blocks
@@ -32,7 +32,7 @@ from ..collectives import share_flat
 from ..optim.update import apply_elementwise, apply_rowwise, row_square_sums
 from .plan import Block, LookupPlan
 
-__all__ = ["Sharing", "apply_optimizers", "by_weight", "sparse_grad"]
+__all__ = ["Sharing", "apply_optimizers", "sparse_grad"]
 
 
 class _What(enum.IntEnum):
@@ -225,15 +225,16 @@ every rank), whether a row-wise kind's rows are cut into column pieces, and each
 
 def apply_optimizers(
     plans: list[LookupPlan], blocks: list[list[Block]], pieces: list[list[torch.Tensor]],
-    wins: list[list[torch.Tensor] | None], tables: dict[int, Sharing], done: dict[int, set[int]], *,
-    exchange: bool,
+    wins: list[list[torch.Tensor] | None], tables: dict[int, Sharing], groups: list[list[int]],
+    done: dict[int, set[int]], *, exchange: bool,
 ) -> None:
-    """Update the blocks of ``tables`` (each with its :data:`Sharing`) not ``done`` (per table, the block
+    """Update the blocks of ``tables`` (each with its :data:`Sharing`; ``groups``: ``tables`` by the weight they
+    update, :func:`.function.by_weight`) not ``done`` (per table, the block
     indices updated in one kernel pass) in place from their output gradients; *collective* when ``exchange``
     (some table needs other ranks' gradients: one exchange for all tables, entered by every rank, since the
     tables' sharing is the same on every rank)."""
     prepared, segments = [], []
-    for ts in by_weight(plans, list(tables)):
+    for ts in groups:
         table, segs = _prepare(plans, ts, blocks, pieces, wins, tables[ts[0]], done.get(ts[0], set()))
         prepared.append(table)
         segments += segs
@@ -241,14 +242,3 @@ def apply_optimizers(
     got = _exchange(segments, p0.group, p0.batch.bags.ids.device) if exchange else []
     for table in prepared:
         _apply(table, got)
-
-
-def by_weight(plans: list[LookupPlan], tables: list[int]) -> list[list[int]]:
-    """``tables`` grouped by the weight they update (its optimizer state), in call order: a weight listed for
-    several features of one call is one group."""
-    groups: dict[int, list[int]] = {}
-    for t in tables:
-        bind = plans[t].optimizer
-        assert bind is not None
-        groups.setdefault(id(bind.table), []).append(t)
-    return list(groups.values())

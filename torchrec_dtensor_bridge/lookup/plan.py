@@ -9,7 +9,7 @@ Types only (frozen dataclasses and one abstract class), so that reading a plan r
 4. :class:`LookupPlan` - the three above with this rank's blocks: the whole plan of one table;
 5. :class:`Block` - one computed block's pooled output and what its backward needs;
 6. :class:`Strategy` - how the partial results of a layout family's blocks combine across ranks. One
-   module per strategy (:mod:`.strategies`); :func:`.resolve.pick_strategy` is the one place that picks one.
+   module per strategy (:mod:`.strategies`); :func:`.functional.pick_strategy` is the one place that picks one.
 
 Ranks inside a plan (``rank``, the layout's, ``num_bags``' order) are ranks of the call's group.
 """

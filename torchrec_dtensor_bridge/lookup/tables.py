@@ -36,11 +36,10 @@ import torch.distributed as dist
 from ..groups import CommGroup
 from ..optim import FusedOptimizer
 from ..optim.state import Binding
-from .codes import TableCodes
-from .arguments import (Bags, RejectedArguments, TableOptions, ValueCheck, bags_from_input, bind_optimizer,
+from .arguments import (Bags, RejectedArguments, TableCodes, TableOptions, ValueCheck, bags_from_input, bind_optimizer,
                         check_options, check_values)
-from .entry import agree_and_route, finish, psw_grad, refuse, run_tables
-from .resolve import lookup_group, resolve_table
+from .entry import agree, agree_and_route, finish, psw_grad, run_tables
+from .functional import lookup_group, resolve_table
 from .plan import ResolvedTable
 
 __all__ = ["refuse_lookup", "sharded_embedding_bags"]
@@ -206,4 +205,7 @@ def refuse_lookup(weights: Sequence[object], error: RejectedArguments, *,
     """Join, as a failing rank, the :func:`sharded_embedding_bags` call the other ranks make with ``weights``
     (a caller that found its own input bad before it could build the call): every rank raises ``error``;
     *collective*. ``shard_module``'s collection forward uses it for an input it cannot read."""
-    refuse(_FN, weights, process_group, error)
+    tables = [w for w in weights if isinstance(w, DTensor)]
+    if tables:
+        agree(_FN, error, None, [], lookup_group(_FN, tables, process_group, None))
+    raise error.problem.error()

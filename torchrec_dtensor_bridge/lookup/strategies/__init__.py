@@ -5,10 +5,11 @@
 * :mod:`.columns` - every block spans all rows (table-wise, column-wise, table-column-wise): each
   (bag, column) is computed by one rank; one ``all_to_all`` hands every rank its bags' columns.
 * :mod:`.rows` - rows are cut (row-wise, table-row-wise, grid): a bag's sum is spread over ranks; ids
-  are routed to the rank holding their row (:mod:`.row_route`), the partial sums reduce-scattered.
+  are routed to the rank holding their row, the partial sums reduce-scattered (max pooling: :mod:`.row_max`;
+  a route by masks where the rows do not partition the table: :mod:`.row_route`).
 
 :mod:`.copies` holds what the last two share: replicated blocks (several copies of one box) keep equal
-gradients. :func:`..resolve.pick_strategy` picks a table's strategy from its layout.
+gradients. :func:`..functional.pick_strategy` picks a table's strategy from its layout.
 """
 
 from .columns import COLUMNS

@@ -1,14 +1,14 @@
 """The row strategy: rows are cut (row-wise, table-row-wise, grid), so a bag's sum is spread over ranks.
 
-1. route (:func:`.row_route.plan_route`): a rank needs only the ids inside its blocks' rows (as TorchRec's
+1. route (:func:`plan_route`): a rank needs only the ids inside its blocks' rows (as TorchRec's
    row-wise input distribution), so every id crosses the wire once instead of once per computing rank, and
    the receiver pools without filtering most of them out; a row partition groups the ids by destination in
-   one pass;
+   one pass (:func:`_partition`), other row ranges take one mask per destination (:func:`.row_route.mask_route`);
 2. forward, sum (:class:`ReduceMessage`): each row-cut table's partial sums of ALL ranks' bags go into one
    message (with one batch size, the pooling kernel's own output: nothing copied); ONE reduce-scatter for
    every such table of the call (an ``all_to_all`` of the partials, then a local sum:
    :func:`..collectives.reduce_rows`) leaves each rank its own bags' sums;
-3. forward, max (:func:`reduce_max`): one ``all_reduce(MAX)`` per table, and where this rank's blocks win
+3. forward, max (:func:`.row_max.reduce_max`): one ``all_reduce(MAX)`` per table, and where this rank's blocks win
    (ties to the lowest rank), so backward sends gradient only to the winning rows;
 4. backward (:func:`gather_grads`): ONE all-gather of the output gradients of every such table (an
    ``all_to_all``: :func:`..collectives.share_flat`); each block reads its columns of every rank's bags;
@@ -33,9 +33,10 @@ from torch.distributed.tensor.placement_types import Placement
 from ...collectives import common_dtype, reduce_rows, row_starts, share_flat, share_rows, side_by_side, sum_into
 from ...layout import ShardLayout
 from ..arguments import Bags
-from ..plan import Block, LookupPlan, PendingRoute, Route, Strategy
+from ..plan import NONE, Block, LookupPlan, PendingRoute, Route, Strategy
 from .copies import sync_copies
-from .row_route import plan_route
+from .row_max import partial_output, reduce_max
+from .row_route import mask_route
 
 __all__ = ["ROWS", "ReduceMessage", "Rows", "gather_grads", "plan_route", "reduce_max", "reduce_sum"]
 
@@ -94,20 +95,128 @@ class Rows(Strategy):
 ROWS = Rows()
 
 
-def partial_output(plan: LookupPlan, blocks: list[Block], fill: float) -> torch.Tensor:
-    """All bags' partial output at full width: this rank's blocks placed at their columns (``fill`` elsewhere)."""
-    total, dim = plan.batch.bags.num_bags, plan.table.layout.global_shape[1]
-    if len(blocks) == 1 and blocks[0].cols == (0, dim) and not plan.pooling.max_mode:
-        return blocks[0].out
-    partial = torch.full((total, dim), fill, dtype=plan.out_dtype, device=plan.batch.bags.ids.device)
-    for b in blocks:
-        c0, w = b.cols
-        if plan.pooling.max_mode:
-            val = b.out.masked_fill(b.counts.unsqueeze(1) == 0, fill)
-            partial[:, c0 : c0 + w] = torch.maximum(partial[:, c0 : c0 + w], val)
+def _row_ranges(layout: ShardLayout, world: int) -> list[list[tuple[int, int]] | None]:
+    """Per rank: the row ranges of the blocks it computes; ``None`` when one spans every row."""
+    rows = layout.global_shape[0]
+    out: list[list[tuple[int, int]] | None] = [[] for _ in range(world)]
+    for s in layout.unique_shards():
+        if not s.numel or s.rank is None:
+            continue
+        ranges = out[s.rank]
+        if ranges is None:
+            continue
+        if s.sizes[0] == rows:
+            out[s.rank] = None
         else:
-            partial[:, c0 : c0 + w] += b.out
-    return partial
+            ranges.append((s.offsets[0], s.offsets[0] + s.sizes[0]))
+    return out
+
+
+def _cuts(per_rank: list[list[tuple[int, int]] | None], rows: int) -> list[tuple[int, int]] | None:
+    """When the ranks' row ranges are disjoint and cover ``[0, rows)`` (every id goes to exactly one
+    rank): ``(first row, rank)`` of each maximal run of rows one rank holds, in row order; else ``None``."""
+    if any(r is None for r in per_rank):
+        return None
+    ranges = sorted((r0, r1, q) for q, rs in enumerate(per_rank) for r0, r1 in rs or () if r1 > r0)
+    runs: list[tuple[int, int]] = []
+    at = 0
+    for r0, r1, q in ranges:
+        if r0 != at:
+            return None  # a gap or an overlap
+        if not runs or runs[-1][1] != q:
+            runs.append((r0, q))
+        at = r1
+    return runs if at == rows and len(runs) > 1 else None
+
+
+_IOTA: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _iota(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``arange(n)``, a read-only view of one kept tensor (no arange per call)."""
+    key = (dtype, device)
+    have = _IOTA.get(key)
+    if have is None or have.numel() < n:
+        have = _IOTA[key] = torch.arange(max(n, 1024), dtype=dtype, device=device)
+    return have[:n]
+
+
+def _partition(bags: Bags, runs: list[tuple[int, int]], world: int) -> PendingRoute:
+    """The route of a row partition without one mask and one ``nonzero`` per destination (each
+    ``nonzero`` is a pass and a sync): each id's destination, then ONE stable grouping
+    of the ids by destination (a prefix sum for two runs, a stable sort of one byte per id for more).
+    How many ids go where is the one value it needs read (:class:`PendingRoute`)."""
+    ids, n, dev = bags.ids, bags.ids.numel(), bags.ids.device
+    bounds = torch.zeros(bags.num_bags + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(bags.lengths, 0, out=bounds[1:])
+    if len(runs) == 2:
+        (_, low), (cut, high) = runs
+        upper = ids >= cut
+        small = torch.int32 if n < 2**30 else torch.int64  # int32 arithmetic vectorises (int64 mul does not)
+        prefix = torch.zeros(n + 1, dtype=small, device=dev)
+        torch.cumsum(upper, 0, dtype=small, out=prefix[1:])
+
+        def two_runs(read: list[int]) -> Route:
+            n_low = n - read[0]
+            c, i = prefix[1:], _iota(n, small, dev)
+            # each id's place when the low run's ids come first, each run in batch order:
+            # a low id at i goes to i - c[i], a high one to n_low + c[i] - 1
+            slot = c * 2
+            slot += n_low - 1
+            slot -= i
+            slot *= upper
+            slot += i
+            slot -= c
+            perm = torch.empty(n, dtype=torch.int64, device=dev).scatter_(
+                0, slot.long(), _iota(n, torch.int64, dev))
+            high_per_bag = (prefix[bounds[1:]] - prefix[bounds[:-1]]).long()
+            return _route({low: (perm[:n_low], bags.lengths - high_per_bag), high: (perm[n_low:], high_per_bag)},
+                          world)
+
+        return PendingRoute(prefix[-1:].long(), two_runs)
+    starts = torch.tensor([r0 for r0, _ in runs[1:]], dtype=ids.dtype, device=dev)
+    owner = torch.tensor([q for _, q in runs], dtype=torch.int64, device=dev)
+    dest = owner.index_select(0, torch.bucketize(ids, starts, right=True))
+
+    def several_runs(sizes: list[int]) -> Route:
+        perm = torch.sort(dest.to(torch.uint8) if world < 256 else dest, stable=True).indices
+        per = torch.bincount(bags.bag_of_id() * world + dest, minlength=bags.num_bags * world)
+        per = per.view(bags.num_bags, world)
+        got = {}
+        owners = {q for _, q in runs}
+        at = 0
+        for q in range(world):
+            if q in owners:
+                got[q] = (perm[at : at + sizes[q]], per[:, q])
+            at += sizes[q]
+        return _route(got, world)
+
+    return PendingRoute(torch.bincount(dest, minlength=world), several_runs)
+
+
+def _route(got: dict[int, tuple[torch.Tensor, torch.Tensor]], world: int) -> Route:
+    """A partition's route from each destination's (positions, per-bag counts)."""
+    masks: list[bool | torch.Tensor | None] = []
+    positions: list[torch.Tensor | None] = []
+    per_bag: list[torch.Tensor | None] = []
+    for q in range(world):
+        pos, counts = got.get(q, (None, None))
+        masks.append(NONE if pos is None else None)
+        positions.append(pos)
+        per_bag.append(counts)
+    return Route(tuple(masks), tuple(0 if p is None else int(p.numel()) for p in positions), tuple(positions),
+                 True, tuple(per_bag))
+
+
+def plan_route(layout: ShardLayout, bags: Bags, world: int) -> Route | PendingRoute:
+    """Where this rank's ids go: each only to the ranks computing a block holding its row; a partition's
+    route still waits for its counts (:func:`..entry.resolve_routes` reads every table's at once)."""
+    rows = layout.global_shape[0]
+    per_rank = _row_ranges(layout, world)
+    runs = _cuts(per_rank, rows)
+    if runs is not None:
+        return _partition(bags, runs, world)
+    return mask_route(bags, per_rank, rows, world)
 
 
 class ReduceMessage:
@@ -244,37 +353,6 @@ def _pooled_message(blocks: Sequence[list[Block]], dims: list[int], dtype: torch
 
 def _split_flat(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
     return [piece.view(shape) for piece, shape in zip(flat.split([a * b for a, b in shapes]), shapes)]
-
-
-def reduce_max(plan: LookupPlan, blocks: list[Block], track: bool) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """REDUCE with max, one table: the all-reduced max, and (``track``) where this rank's blocks win."""
-    partial = partial_output(plan, blocks, float("-inf"))
-    best = partial.clone()
-    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=plan.group)
-    win = _winners(plan, blocks, partial, best) if track else None
-    start = row_starts(plan.batch.num_bags)[plan.rank]
-    return best[start : start + plan.batch.num_bags[plan.rank]].clone(), win
-
-
-def _winners(plan: LookupPlan, blocks: list[Block], partial: torch.Tensor, best: torch.Tensor) -> list[torch.Tensor]:
-    """Per block, where it holds the max that torch would pick (one row per (bag, column)).
-
-    Ties between ranks go to the lowest rank, ties between blocks of one rank
-    to the first block; -inf (no id anywhere) never wins.
-    """
-    claim = (partial == best) & torch.isfinite(best)
-    who = torch.where(claim, plan.rank, plan.world).to(torch.int32)
-    dist.all_reduce(who, op=dist.ReduceOp.MIN, group=plan.group)
-    mine = who == plan.rank
-    taken = torch.zeros_like(mine)
-    out = []
-    for b in blocks:
-        c0, w = b.cols
-        here = mine[:, c0 : c0 + w] & (b.out == best[:, c0 : c0 + w]) & ~taken[:, c0 : c0 + w]
-        here &= b.counts.unsqueeze(1) > 0
-        taken[:, c0 : c0 + w] |= here
-        out.append(here)
-    return out
 
 
 def gather_grads(
