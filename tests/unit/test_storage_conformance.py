@@ -284,3 +284,32 @@ def test_a_link_at_one_percent_changed_holds_little_more_than_the_changed_rows(w
         tdb.checkpoint.load(dest, f"{where}/l{k}")
         assert torch.equal(dest["w"], s["w"]) and torch.equal(dest["state"], s["state"])
     assert not torch.equal(want[0], s["w"])
+
+
+def test_export_and_compact_of_a_chain(where):
+    """``compact`` of a chain into one checkpoint and ``export`` to one safetensors object, on the same backend;
+    the export's bytes parsed by the format's layout (header, then each tensor's data, nothing after)."""
+    import struct
+
+    s = _state(1)
+    tdb.checkpoint.save(s, f"{where}/l0")
+    s["t"][7] -= 2
+    s["h"][1] += 1
+    tdb.checkpoint.save(s, f"{where}/l1", base=f"{where}/l0")
+    tdb.checkpoint.compact(f"{where}/l1", f"{where}/full")
+    dest = _blank()
+    tdb.checkpoint.load(dest, f"{where}/full")
+    assert _same(dest, s)
+    assert "links" not in tdb.checkpoint.inspect(f"{where}/full")["t"]
+    tdb.checkpoint.export(f"{where}/l1", f"{where}/tables.safetensors", progress=False)
+    raw = locate(f"{where}/tables.safetensors").get(1 << 30)
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    data = raw[8 + n :]
+    assert max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__") == len(data)
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "I64": torch.int64}
+    for key in ("t", "h", "i"):
+        rec = header[key]
+        a, b = rec["data_offsets"]
+        got = torch.frombuffer(bytearray(data[a:b]), dtype=dtypes[rec["dtype"]]).reshape(rec["shape"])
+        assert torch.equal(got, s[key]), key

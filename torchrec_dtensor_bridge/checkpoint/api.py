@@ -87,7 +87,7 @@ DEFAULT_STAGING_BYTES = 256 << 20
 _fault_hook: Callable[[str], None] | None = None
 
 
-def _call(verb: str, state_dict: object, path: str | Path, process_group: dist.ProcessGroup | None,
+def _call(verb: str, state_dict: object, path: str | Path | Loc, process_group: dist.ProcessGroup | None,
           storage_options: Mapping[str, Any] | None = None) -> tuple[Expanded, dist.ProcessGroup | None, Loc, str]:
     """What ``save`` and ``load`` start from: the state_dict with its Statefuls expanded (:mod:`.stateful`),
     the group, the absolute path, and how messages name the call."""
@@ -138,9 +138,9 @@ def _disagreements(signatures: list[dict[str, tuple[str, tuple[int, ...], str]]]
 
 def save(
     state_dict: Mapping[str, Any],
-    path: str | Path,
+    path: str | Path | Loc,
     *,
-    base: str | Path | None = None,
+    base: str | Path | Loc | None = None,
     asynchronous: bool = False,
     keep_spare: bool = True,
     process_group: dist.ProcessGroup | None = None,
@@ -293,7 +293,7 @@ def save(
 # -------------------------------------------------------------------- load
 def load(
     state_dict: Mapping[str, Any],
-    path: str | Path,
+    path: str | Path | Loc,
     *,
     strict: bool = False,
     verify: bool = True,

@@ -24,9 +24,11 @@ from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-from .base import Conflict, Handle, Lock, NotAnObject, Storage
+import numpy as np
 
-__all__ = ["LocalLock", "LocalStorage"]
+from .base import Conflict, Handle, Loc, Lock, NotAnObject, Storage
+
+__all__ = ["LocalLock", "LocalStorage", "Scratch"]
 
 
 def fsync_dir(d: str) -> None:
@@ -164,6 +166,7 @@ class LocalStorage(Storage):
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(src, dst)
+        fsync_dir(os.path.dirname(dst) or ".")
 
     def link_target(self, key: str) -> str | None:
         return os.readlink(key) if os.path.islink(key) else None
@@ -215,3 +218,24 @@ class LocalStorage(Storage):
             lock.release()
             return None
         return lock
+
+
+class Scratch:
+    """A private local directory of scratch files, each mapped into memory copy-on-write (``mapped``: writable,
+    the file kept as its backing), removed with everything in it when the ``with`` block ends."""
+
+    def __init__(self, where: Loc) -> None:
+        self.dir = where.key
+
+    def __enter__(self) -> Scratch:
+        os.makedirs(self.dir, exist_ok=True)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def create(self, name: str) -> BinaryIO:
+        return open(os.path.join(self.dir, name), "wb")
+
+    def mapped(self, name: str, nbytes: int) -> np.ndarray:
+        return np.memmap(os.path.join(self.dir, name), dtype=np.uint8, mode="c", shape=(nbytes,))

@@ -25,21 +25,20 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
-import shutil
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import numpy as np
 import torch
 
 from ...wrapper import LocalShardsWrapper
 from ..api import DEFAULT_STAGING_BYTES, load
 from .inspect import inspect
 from ..common import progress_bar
+from ..storage import Loc, locate
+from ..storage.local import Scratch
 
 __all__ = ["DEFAULT_BUFFER_BYTES", "FORMATS", "ExportSummary", "export"]
 
@@ -74,7 +73,8 @@ class ExportSummary:
 
 def export(src: str | Path, dst: str | Path, *, format: str = "safetensors", keys: Sequence[str] | None = None,
            progress: bool = True, buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-           staging_bytes: int | None = DEFAULT_STAGING_BYTES) -> ExportSummary:
+           staging_bytes: int | None = DEFAULT_STAGING_BYTES,
+           storage_options: Mapping[str, Any] | None = None) -> ExportSummary:
     """Write the tensors of checkpoint ``src`` to ``dst`` as plain, unsharded tensors, in this process alone.
 
     Args:
@@ -85,6 +85,8 @@ def export(src: str | Path, dst: str | Path, *, format: str = "safetensors", key
         progress: show a progress bar (bytes) on stderr.
         buffer_bytes: the rows read at once (one row at least).
         staging_bytes: as for :func:`.api.load`: the most verified bytes held at once.
+        storage_options: for ``s3://`` URLs (``src``, and ``dst`` in safetensors format), as for
+            :func:`.api.save`.
 
     Returns:
         What was written.
@@ -103,8 +105,8 @@ def export(src: str | Path, dst: str | Path, *, format: str = "safetensors", key
         raise ValueError(f"export: format must be one of {list(FORMATS)}, got {format!r}")
     if not isinstance(buffer_bytes, int) or buffer_bytes < 1:
         raise ValueError(f"export: buffer_bytes must be a positive int, got {buffer_bytes!r}")
-    src, dst = Path(src), Path(dst)
-    described = inspect(src)
+    src_loc, out = locate(src, storage_options), locate(dst, storage_options)
+    described = inspect(src_loc)
     tensors = {k: d for k, d in described.items() if d["type"] == "tensor"}
     chosen = _chosen(tensors, keys)
     specs = {k: (torch.Size(tensors[k]["shape"]), getattr(torch, tensors[k]["dtype"])) for k in chosen}
@@ -112,22 +114,27 @@ def export(src: str | Path, dst: str | Path, *, format: str = "safetensors", key
         bad = {k: str(dt) for k, (_, dt) in specs.items() if dt not in _SAFETENSORS_DTYPES}
         if bad:
             raise ValueError(f"export: safetensors cannot name the dtypes of {bad}; use format='torch'")
+    elif not out.local:
+        raise ValueError(f"export: format='torch' writes local files only (it maps its scratch in memory), not "
+                         f"{out}; export format='safetensors' there, or to a local path")
     skipped = sorted(k for k, d in described.items() if d["type"] != "tensor")
     total = sum(_nbytes(*s) for s in specs.values())
-    partial = dst.with_name(f".{dst.name}.partial")
-    scratch = dst.with_name(f".{dst.name}.scratch")
+    # on disk: written beside ``dst`` and renamed over it once whole; an object store shows it once whole
+    partial = out.parent / f".{out.name}.partial" if out.local else out
     try:
         with progress_bar(total, "export", progress) as bar:
-            copy = _Copy(src, buffer_bytes, staging_bytes, bar)
+            copy = _Copy(src_loc, buffer_bytes, staging_bytes, bar)
             if format == "safetensors":
                 _write_safetensors(copy, partial, specs)
             else:
-                _write_torch(copy, partial, scratch, specs)
-        _durable_rename(partial, dst)
+                with Scratch(out.parent / f".{out.name}.scratch") as scratch:
+                    _write_torch(copy, partial, scratch, specs)
+        if partial != out:
+            partial.rename(out)
     finally:
-        partial.unlink(missing_ok=True)
-        shutil.rmtree(scratch, ignore_errors=True)
-    return ExportSummary(dst, list(chosen), total, skipped)
+        if partial != out:
+            partial.delete()
+    return ExportSummary(Path(out.key) if out.local else str(out), list(chosen), total, skipped)  # type: ignore[arg-type]
 
 
 def _chosen(tensors: dict[str, dict[str, Any]], keys: Sequence[str] | None) -> list[str]:
@@ -149,19 +156,19 @@ def _nbytes(shape: torch.Size, dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class _Copy:
-    """Copies tensors of checkpoint ``src`` into files, a run of rows at a time (module docstring, step 3)."""
+    """Copies tensors of checkpoint ``src`` into a stream, a run of rows at a time (module docstring, step 3)."""
 
-    src: Path
+    src: Loc
     buffer_bytes: int
     staging_bytes: int | None
     bar: Any
 
-    def into(self, f: BinaryIO, at: int, key: str, shape: torch.Size, dtype: torch.dtype) -> None:
-        """Write ``key``'s bytes (row-major) into ``f`` from byte ``at`` on."""
+    def into(self, f: BinaryIO, key: str, shape: torch.Size, dtype: torch.dtype) -> None:
+        """Append ``key``'s bytes (row-major) to ``f``."""
         if len(shape) == 0:  # a scalar: one value
             value = torch.empty((), dtype=dtype)
             load({key: value}, self.src, staging_bytes=self.staging_bytes)
-            self._write(f, at, value.reshape(1))
+            self._write(f, value.reshape(1))
             return
         per_row = _nbytes(shape[1:], dtype)
         step = max(1, self.buffer_bytes // max(per_row, 1))
@@ -170,15 +177,14 @@ class _Copy:
             rows = buf[: min(step, shape[0] - r0)]
             offsets = (r0,) + (0,) * (len(shape) - 1)
             load({key: LocalShardsWrapper([rows], [offsets], tuple(shape))}, self.src, staging_bytes=self.staging_bytes)
-            self._write(f, at + r0 * per_row, rows)
+            self._write(f, rows)
 
-    def _write(self, f: BinaryIO, at: int, values: torch.Tensor) -> None:
-        f.seek(at)
+    def _write(self, f: BinaryIO, values: torch.Tensor) -> None:
         f.write(values.reshape(-1).view(torch.uint8).numpy().data)  # no copy
         self.bar.update(values.numel() * values.element_size())
 
 
-def _write_safetensors(copy: _Copy, out: Path, specs: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+def _write_safetensors(copy: _Copy, out: Loc, specs: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     at = 0
     for key, (shape, dtype) in specs.items():
@@ -187,38 +193,20 @@ def _write_safetensors(copy: _Copy, out: Path, specs: dict[str, tuple[torch.Size
         at += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    start = 8 + len(text)
-    with open(out, "wb") as f:
+    with out.create() as f:  # written from its start: the header, then each tensor's rows in order
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
-        f.truncate(start + at)
         for key, (shape, dtype) in specs.items():
-            copy.into(f, start + header[key]["data_offsets"][0], key, shape, dtype)
+            copy.into(f, key, shape, dtype)
 
 
-def _write_torch(copy: _Copy, out: Path, scratch: Path, specs: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
-    scratch.mkdir(exist_ok=True)
+def _write_torch(copy: _Copy, out: Loc, scratch: Scratch, specs: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
     tensors = {}
     for i, (key, (shape, dtype)) in enumerate(specs.items()):
-        path, n = scratch / f"{i}.bin", _nbytes(shape, dtype)
-        with open(path, "wb") as f:
-            f.truncate(n)
-            copy.into(f, 0, key, shape, dtype)
-        if n == 0:
-            tensors[key] = torch.empty(shape, dtype=dtype)
-        else:
-            raw = np.memmap(path, dtype=np.uint8, mode="c", shape=(n,))  # copy-on-write: writable, file kept
-            tensors[key] = torch.from_numpy(raw).view(dtype).view(shape)
-    torch.save(tensors, out)
-
-
-def _durable_rename(partial: Path, dst: Path) -> None:
-    """``partial`` on disk (``fsync``), then renamed to ``dst`` and the rename made durable."""
-    with open(partial, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(partial, dst)
-    fd = os.open(dst.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        n = _nbytes(shape, dtype)
+        with scratch.create(f"{i}.bin") as f:
+            copy.into(f, key, shape, dtype)
+        tensors[key] = torch.empty(shape, dtype=dtype) if n == 0 else torch.from_numpy(
+            scratch.mapped(f"{i}.bin", n)).view(dtype).view(shape)  # copy-on-write: bounded memory
+    with out.create() as f:
+        torch.save(tensors, f)

@@ -18,7 +18,7 @@ from ..format.validate import read_metadata
 __all__ = ["format_report", "inspect"]
 
 
-def inspect(path: str | Path, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+def inspect(path: str | Path | Loc, *, storage_options: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Per saved key: ``type`` (``"tensor"`` or ``"object"``), ``shape``, ``dtype``, ``shards`` (``offsets``,
     ``sizes``) and ``bytes``.
 
@@ -102,7 +102,7 @@ def _recorded_objects(manifest: dict[str, Any] | None) -> dict[str, dict[str, st
     return out
 
 
-def format_report(path: str | Path, *, storage_options: Mapping[str, Any] | None = None) -> str:
+def format_report(path: str | Path | Loc, *, storage_options: Mapping[str, Any] | None = None) -> str:
     """``inspect(path)`` as a table a person reads, with totals (MiB = 2**20 bytes) and the commit state."""
     root = resolve(locate(path, storage_options))
     info = inspect(path, storage_options=storage_options)
