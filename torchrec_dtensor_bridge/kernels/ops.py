@@ -187,7 +187,7 @@ def _check_update(tables: Tables, batch: Batch, grad: Tensor, state: State, hype
     if hyper.weight_decay_mode is not WeightDecayMode.NONE and hyper.weight_decay_mode not in kind.decay_modes:
         raise _fail(op, "decay", hyper.weight_decay_mode.value,
                     f"none or one of {[m.value for m in kind.decay_modes]} for {kind.name!r}")
-    both = copies.overlap(tables, state)
+    both = copies.overlap(tables, state) if len(dims) > 1 else None  # one table overlaps nothing
     if both is not None:
         a, c = both
         raise _fail(op, f"tables {a} and {c}", f"at element offsets {tables.offsets[a]} and {tables.offsets[c]} "
@@ -338,7 +338,7 @@ def run_sparse_update(which: Impl, tables: Tables, batch: Batch, grad: Tensor, s
     """Every table's touched rows (and their state) updated in place by ``which`` (:attr:`Impl.NATIVE` or
     :attr:`Impl.FBGEMM`); a table listed twice is updated once with both listings' gradients (:mod:`.copies`:
     folded on CPU, one ``hash_size_cumsum`` offset on CUDA)."""
-    if tables.storage.device.type == "cpu":
+    if tables.storage.device.type == "cpu" and len(tables.dims) > 1:  # one table is no copy
         tables, batch, grad, state = copies.fold_copies(tables, batch, grad, state)
     kernel = native.kernel() if which is Impl.NATIVE else None
     if kernel is not None:  # one call for every table
