@@ -65,17 +65,6 @@ class Batch:
     per_sample_weights: torch.Tensor | None = None
     ids_checked: bool = False
 
-    def flat(self) -> Batch:
-        """This batch with its ids, bag boundaries and per-sample weights contiguous (itself when they are):
-        fbgemm's CUDA kernels read them through ``data_ptr``, as flat arrays, whatever their strides (its weighted
-        backward sorts ``indice_weights.data_ptr()`` by row; its forward for tables wider than 1024 columns reads
-        the ids, boundaries and weights so)."""
-        psw = self.per_sample_weights
-        if self.ids.is_contiguous() and self.offsets.is_contiguous() and (psw is None or psw.is_contiguous()):
-            return self
-        return Batch(_contiguous(self.ids), _contiguous(self.offsets), None if psw is None else _contiguous(psw),
-                     self.ids_checked)
-
     def table(self, t: int, bags: int) -> Batch:
         """Table ``t``'s bags alone: its ids, its ``bags + 1`` boundaries counted from its first id, its weights."""
         cut = self.offsets.narrow(0, t * bags, bags + 1)
@@ -85,7 +74,7 @@ class Batch:
                      self.ids_checked)
 
 
-def _contiguous(t: torch.Tensor) -> torch.Tensor:
+def contiguous(t: torch.Tensor) -> torch.Tensor:
     """``t.contiguous()``, as a ``clone``: the same copy, and one FakeTensor also traces for a device this build
     of torch has no runtime for."""
     return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)

@@ -1,11 +1,9 @@
 """fbgemm_gpu's table-batched embedding (TBE) kernels: the package's only ``fbgemm_gpu`` import.
 
-Why these entry points: ``SplitTableBatchedEmbeddingBagsCodegen`` (the training TBE)
-owns its weights in one flat buffer of its own; a DTensor's shards live in storage
-it does not own. The kernels under it take that buffer as an argument, with each
-table at an element offset into it (``weights_offsets``), so they run on the
-caller's storage directly: one call for every table of one storage (gaps between
-tables are fine), zero-copy, as TorchRec runs one call per fbgemm buffer.
+Why these entry points: ``SplitTableBatchedEmbeddingBagsCodegen`` (the training TBE) owns its weights in one
+buffer of its own; a DTensor's shards live in storage it does not own. The kernels under it take the buffer as
+an argument, each table at an element offset (``weights_offsets``), so they run on the caller's storage: one
+call for every table of one storage (gaps allowed), zero-copy, as TorchRec runs one call per fbgemm buffer.
 
 On CPU (``fbgemm-gpu-cpu``) and CUDA (``fbgemm-gpu``; not measured on a GPU yet):
 
@@ -25,18 +23,14 @@ On CPU (``fbgemm-gpu-cpu``) and CUDA (``fbgemm-gpu``; not measured on a GPU yet)
 
 Steps of a call (:func:`pool_sum`, :func:`dense_grad`, :func:`update`: the records of :mod:`.args`):
 
-1. :func:`table_args` builds the per-table tensors shared by every call, once per tables and
-   device (cached), on the tables' device: the same code for every device, the device decides
-   only the placements (``HOST`` on CPU, ``DEVICE`` elsewhere).
+1. :func:`table_args` builds the per-table tensors shared by every call, once per tables and device (cached),
+   on the tables' device; the device decides only the placements (``HOST`` on CPU, ``DEVICE`` elsewhere).
 2. :func:`backward_values` (and :func:`lookup_args` for the CUDA forward) name every argument; an op is
    called with the arguments its schema names (:func:`call_by_name`), every tensor on the tables' device but
    ``learning_rate_tensor``, a CPU scalar as fbgemm wants it.
 
-Tensors built here are cached per device: build them outside any ``FakeTensorMode`` (under
-one, the kernel ops' fakes stand in for the implementations and nothing here runs). The caller
-(:mod:`.ops`) has checked shapes, dtypes and devices, and that the call is within the limits of fbgemm's
-CUDA kernels (:func:`.limits.misfit`); the ids, bag boundaries and per-sample weights are handed over contiguous
-(:meth:`.args.Batch.flat`: fbgemm's CUDA kernels read them as flat arrays).
+Tensors built here are cached per device: build them outside any ``FakeTensorMode``. The caller (:mod:`.ops`)
+checked shapes, dtypes, devices and fbgemm's limits (:func:`.limits.misfit`); ids, bags and weights go contiguous.
 """
 
 from __future__ import annotations
@@ -52,14 +46,12 @@ from typing import Any
 import torch
 
 from ..optim_kinds import ADAGRAD, ADAM, ROWWISE_ADAGRAD, SGD, Hyper, OptimKind
-from .args import Batch, State, Tables
+from .args import Batch, State, Tables, contiguous
 from .copies import hash_size_cumsum
 
-__all__ = [
-    "TableArgs", "available", "backward_op", "backward_values", "call_by_name", "constant", "cuda_available",
-    "dense_grad", "device_dense_grad", "in_unified_memory", "lookup_args", "lookup_forward", "pool_sum",
-    "run_backward_op", "run_forward", "table_args", "update", "weights_list",
-]
+__all__ = ["TableArgs", "available", "backward_op", "backward_values", "call_by_name", "constant", "cuda_available",
+           "dense_grad", "device_dense_grad", "in_unified_memory", "lookup_args", "lookup_forward", "pool_sum",
+           "run_backward_op", "run_forward", "table_args", "update", "weights_list"]
 
 POOL_SUM = 0  # fbgemm_gpu PoolingMode.SUM
 OUTPUT_FP32 = 0  # fbgemm_gpu SparseType.FP32.as_int()
@@ -214,11 +206,20 @@ def _bag_bits(args: TableArgs, batch: Batch) -> tuple[int, int]:
     return bits, mask
 
 
+def _flat(batch: Batch) -> Batch:
+    """``batch`` with contiguous ids, boundaries, weights: fbgemm's CUDA kernels read them as flat arrays."""
+    psw = batch.per_sample_weights
+    if batch.ids.is_contiguous() and batch.offsets.is_contiguous() and (psw is None or psw.is_contiguous()):
+        return batch
+    return Batch(contiguous(batch.ids), contiguous(batch.offsets), None if psw is None else contiguous(psw),
+                 batch.ids_checked)
+
+
 # --- the entry points -------------------------------------------------------------------------------------
 
 def pool_sum(tables: Tables, batch: Batch) -> torch.Tensor:
     """``(bags, total_d)``: every table's bag sums side by side (fbgemm's forward, one call)."""
-    batch = batch.flat()
+    batch = _flat(batch)
     args = table_args(tuple(tables.offsets), tuple(tables.dims), tuple(tables.rows), tables.storage.device)
     if not args.on_host:
         return lookup_forward(tables.storage, args, batch)
@@ -230,7 +231,7 @@ def pool_sum(tables: Tables, batch: Batch) -> torch.Tensor:
 
 def dense_grad(grad: torch.Tensor, dims: Sequence[int], rows: Sequence[int], batch: Batch) -> torch.Tensor:
     """Every table's dense weight gradient, back to back (table ``t``'s ``rows[t] x dims[t]``)."""
-    batch = batch.flat()
+    batch = _flat(batch)
     packed = list(itertools.accumulate([r * d for r, d in zip(rows, dims)], initial=0))
     args = table_args(tuple(packed[:-1]), tuple(dims), tuple(rows), grad.device)
     if not args.on_host:
@@ -245,7 +246,7 @@ def update(tables: Tables, batch: Batch, grad: torch.Tensor, state: State, hyper
     """The fused update of every table, in place, with ``hyper.kind`` (whose record says ``fbgemm_cpu`` on CPU,
     ``fbgemm_cuda`` on CUDA): fbgemm's backward alone (:func:`backward_values`), no forward.
     ``grad``: ``(bags, total_d)`` with unit column stride (rows may be strided on CPU)."""
-    batch = batch.flat()
+    batch = _flat(batch)
     device = tables.storage.device
     args = table_args(tuple(tables.offsets), tuple(tables.dims), tuple(tables.rows), device)
     m1 = state.momentum1
@@ -380,7 +381,7 @@ def lookup_args(weights: torch.Tensor, args: TableArgs, batch: Batch, placeholde
                 lr: float = 0.0, step: int = 0) -> dict[str, Any]:
     """The keyword arguments every ``split_embedding_codegen_lookup_*_function_pt2`` takes (``step``: the
     optimizer's iteration, read by Adam's bias correction)."""
-    batch = batch.flat()
+    batch = _flat(batch)
     bits, mask = _bag_bits(args, batch)
     return {
         "placeholder_autograd_tensor": placeholder,
@@ -416,7 +417,7 @@ def run_forward(op: Callable[..., torch.Tensor], kwargs: dict[str, Any]) -> torc
 
 def lookup_forward(weights: torch.Tensor, args: TableArgs, batch: Batch) -> torch.Tensor:
     """``(bags, total_d)`` through fbgemm's lookup function (no update: under ``no_grad``)."""
-    batch = batch.flat()
+    batch = _flat(batch)
     placeholder = torch.empty(0, dtype=torch.float32, device=weights.device)
     return run_forward(torch.ops.fbgemm.split_embedding_codegen_lookup_sgd_function_pt2,
                        lookup_args(weights, args, batch, placeholder))
@@ -434,7 +435,7 @@ def device_dense_grad(grad: torch.Tensor, packed: TableArgs, batch: Batch, numel
     backward (``split_embedding_backward_codegen_dense_{unweighted,weighted}_exact_cuda``, the op its dense
     module's autograd calls): no forward. ``dev_weights`` gives it the result's shape (:func:`_shape_only`:
     no buffer of that size)."""
-    batch = batch.flat()
+    batch = _flat(batch)
     psw = batch.per_sample_weights
     which = "unweighted" if psw is None else "weighted"
     op = getattr(torch.ops.fbgemm, f"split_embedding_backward_codegen_dense_{which}_exact_cuda")
