@@ -313,3 +313,42 @@ def test_export_and_compact_of_a_chain(where):
         a, b = rec["data_offsets"]
         got = torch.frombuffer(bytearray(data[a:b]), dtype=dtypes[rec["dtype"]]).reshape(rec["shape"])
         assert torch.equal(got, s[key]), key
+
+
+def test_the_command_line_on_every_backend(where, capsys):
+    """``inspect``, ``gc``, ``compact`` and ``export`` take an ``s3://`` URL wherever they take a path (the store
+    configured by the standard AWS variables)."""
+    from torchrec_dtensor_bridge.cli import main
+
+    tdb.checkpoint.save(_state(1), f"{where}/ck")
+    stray = protocol.generation(locate(f"{where}/ck"), "d" * 32)
+    stray.make_dir()
+    (stray / "__0_0.distcp").put(b"left by a killed save")
+    capsys.readouterr()
+    assert main(["inspect", f"{where}/ck"]) == 0
+    assert "37x5" in capsys.readouterr().out
+    assert main(["gc", f"{where}/ck", "--dry-run"]) == 0
+    assert f"would remove {stray.name}" in capsys.readouterr().out
+    assert main(["gc", f"{where}/ck"]) == 0
+    assert f"removed {stray.name}" in capsys.readouterr().out and stray.name not in locate(f"{where}/ck").list()
+    assert main(["compact", f"{where}/ck", f"{where}/copy"]) == 0
+    assert main(["export", f"{where}/copy", f"{where}/t.safetensors", "--no-progress"]) == 0
+    assert locate(f"{where}/t.safetensors").size() > 37 * 5 * 4
+    assert main(["gc", f"{where}/nothing-here"]) == 1
+
+
+def test_an_asynchronous_save_writes_what_it_was_given(where):
+    s = _state(1)
+    want = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+    future = tdb.checkpoint.save(s, f"{where}/ck", asynchronous=True)
+    s["t"].add_(1)  # training goes on at once
+    future.result(timeout=120)
+    base = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+    s["t"][0] += 1
+    tdb.checkpoint.save(s, f"{where}/inc", base=f"{where}/ck", asynchronous=True).result(timeout=120)
+    dest = _blank()
+    tdb.checkpoint.load(dest, f"{where}/ck")
+    assert _same(dest, want)
+    dest = _blank()
+    tdb.checkpoint.load(dest, f"{where}/inc")
+    assert _same(dest, s) and not _same(dest, base)
