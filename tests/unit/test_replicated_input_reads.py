@@ -74,18 +74,6 @@ def test_a_replicated_batch_is_digested_under_detail_only(monkeypatch):
     assert digests == [bags] and agreed == [digest(bags)]
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    """A default group of one rank (gloo), for this module's lookups."""
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _lookup_reads(monkeypatch: pytest.MonkeyPatch, run) -> list[str]:
     """The reads ``run()`` makes from this package's code, as ``kind@module:line`` (reads of the device mesh, a
     CPU tensor by DeviceMesh's design, left out)."""

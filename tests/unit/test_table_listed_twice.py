@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torchrec_dtensor_bridge as tdb
-from torchrec_dtensor_bridge.kernels import choose, fbgemm
+from torchrec_dtensor_bridge.kernels import fbgemm
 from torchrec_dtensor_bridge.layout import ShardLayout
 
 from ..distributed.sparse_reference import SparseReference
@@ -31,24 +30,7 @@ KINDS = ["sgd", "rowwise_adagrad", "adagrad", "adam"]
 HYPER = {"lr": 0.1, "eps": 1e-3, "beta1": 0.8, "beta2": 0.9}
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    """A default group of one rank (gloo), for this module's lookups."""
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-@pytest.fixture(autouse=True)
-def _own_kernel_choices(monkeypatch):
-    """The kernel choices this module's lookups settle (their agreements, some under a forced implementation)
-    stay in this module: later tests' direct op calls choose afresh."""
-    monkeypatch.setattr(choose, "_agreed", {})
-    monkeypatch.setattr(choose, "_settled", {})
-
+pytestmark = pytest.mark.usefixtures("own_kernel_choices")
 
 
 CASES = [("row_blocks", False), ("row_blocks", True), ("column_blocks", False)]  # True: every block in one storage

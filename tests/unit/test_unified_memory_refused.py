@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge import kernels
-from torchrec_dtensor_bridge.kernels import choose
 from torchrec_dtensor_bridge.layout import ShardLayout
 
 from ..gpu.tables import batch, dtensors, table
@@ -24,24 +22,7 @@ CPU = torch.device("cpu")
 SHAPE = (20, 8)
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    """A default group of one rank (gloo), for this module's lookups."""
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-@pytest.fixture(autouse=True)
-def _own_kernel_choices(monkeypatch):
-    """The kernel choices this module's lookups settle (their agreements, some under a forced implementation)
-    stay in this module: later tests' direct op calls choose afresh."""
-    monkeypatch.setattr(choose, "_agreed", {})
-    monkeypatch.setattr(choose, "_settled", {})
-
+pytestmark = pytest.mark.usefixtures("own_kernel_choices")
 
 
 @pytest.mark.parametrize("call", ["bag", "bags", "embedding"])
