@@ -32,6 +32,7 @@ bench: setup
 	mkdir -p bench
 	$(PY) scripts/bench_convert.py --out $(BENCH_OUT)
 	$(PY) scripts/bench_checkpoint.py --gib 2 --reps 5 --out $(BENCH_OUT)
+	$(PY) scripts/bench_checkpoint_s3.py --gib 2 --reps 3 --incremental --out $(BENCH_OUT)
 	$(PY) scripts/bench_incremental.py --reps 3 --out $(BENCH_OUT)
 	$(PY) scripts/bench_incremental.py --dmp --tracked --targets 0.01 --reps 3 --out $(BENCH_OUT)
 	$(PY) scripts/bench_lookup.py --reps 5 --out $(BENCH_OUT)
