@@ -125,6 +125,7 @@ def _in_env(rank, world_size, env, fn, *args):
     return fn(rank, world_size, *args)
 
 
+@pytest.mark.slow  # by default: the lock held and the commit race, tests/unit/test_storage_conformance.py
 def test_two_jobs_saving_to_one_object_store_name(pool, pool_b, s3_server, s3_bucket, tmp_path):
     """The same on S3 (a real SeaweedFS): the save lock is a lease object, the commit a conditional put."""
     path, stop, env = f"s3://{s3_bucket}/jobs/ck", str(tmp_path / "never"), s3_server.env

@@ -102,8 +102,8 @@ def _sparse_new():
 
 
 S3_LEASE = 3.0  # seconds: a killed saver's lease on S3 expires this soon after its last renewal
-S3_DEFAULT = {"checksummed", "manifest_written"}  # on S3 by default: a commit a peer's death does not stop, and
-# rank 0 killed holding the lease just before the commit (the rest under -m slow)
+S3_DEFAULT = {"manifest_written"}  # on S3 by default: rank 0 killed holding the lease just before the commit
+# (the rest under -m slow)
 
 
 def _options(path):

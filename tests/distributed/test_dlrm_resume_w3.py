@@ -301,6 +301,7 @@ def saved_on_s3(pool, s3_server):
     return path, saved, losses, s3_server.env
 
 
+@pytest.mark.slow  # a second training job; the S3 paths it takes run by default in tests/unit/test_storage_conformance.py
 def test_dlrm_saved_to_an_object_store_resumes_on_three_ranks_and_loads_in_one_process(pool, saved_on_s3):
     """The same job saved on 2 ranks to S3 (a real SeaweedFS): resumed on 3 ranks under another plan, and loaded
     in this one process into plain tensors, every value equal to the saved one."""
