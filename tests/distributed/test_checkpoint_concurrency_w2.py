@@ -6,6 +6,7 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
