@@ -81,7 +81,14 @@ _GEN = "gen-"
 _GEN_NAME = re.compile(r"gen-[0-9a-f]{32}")
 _OLD_TAG = ".tdb-"
 _SHOWN = 5  # entries of a directory that is not a checkpoint named in the message
-_OURS = (_LOCK, f".{COMMIT}.lock", ".metadata", ".metadata.tmp")  # beside the record and generations
+def _ours(name: str) -> bool:
+    """Whether ``name`` is something a save puts beside the commit record and generations (its lock, the plain
+    ``.metadata``, and the temporary files of a commit in progress: another save may be committing)."""
+    return (name in (_LOCK, ".metadata") or name.startswith((f".{COMMIT}", "..metadata"))
+            or _GEN_NAME.fullmatch(name) is not None)
+
+
+
 _MARKERS = (".metadata", MANIFEST)  # a reused spare loses them first: it never looks complete while rewritten
 
 _EXPECTED = ("expected a checkpoint written by tdb.checkpoint.save (a directory holding "
@@ -265,7 +272,7 @@ def check_target(path: Loc) -> None:
         raise CheckpointError(f"{path} exists and is not a torchrec_dtensor_bridge checkpoint; refusing to "
                               "overwrite it")
     names = path.list()
-    if COMMIT in names or not [n for n in names if n not in _OURS and not _GEN_NAME.fullmatch(n)]:
+    if COMMIT in names or not [n for n in names if not _ours(n)]:
         return
     raise CheckpointError(f"{path} exists and is not a torchrec_dtensor_bridge checkpoint (it holds "
                           f"{_some(names)}); refusing to overwrite it")
