@@ -104,20 +104,24 @@ def test_loads_during_a_save_loop_return_one_whole_save(pool, pool_b, tmp_path):
     assert len(set(seen[0])) > 3, f"the loads did not overlap the saves: {seen[0]}"
 
 
-def test_two_jobs_saving_to_one_path(pool, pool_b, tmp_path):
-    """Each save either commits or raises CheckpointBusyError on every rank of its job; the path ends as one
-    whole save of one job."""
-    path, stop = str(tmp_path / "ck"), str(tmp_path / "never")
-    a, out_a = _in_thread(pool.run, _save_loop, path, stop, 1, 15)
-    b, out_b = _in_thread(pool_b.run, _save_loop, path, stop, 101, 15)
+def _two_jobs(pool, pool_b, path, stop, saves, env):
+    """Two jobs saving ``saves`` times each to ``path`` at once; what their saves and a load after them give."""
+    a, out_a = _in_thread(pool.run, _in_env, env, _save_loop, path, stop, 1, saves)
+    b, out_b = _in_thread(pool_b.run, _in_env, env, _save_loop, path, stop, 101, saves)
     a.join(timeout=240)
     b.join(timeout=240)
     assert "error" not in out_a and "error" not in out_b, (out_a.get("error"), out_b.get("error"))
     busy_a, busy_b = out_a["value"], out_b["value"]
     assert busy_a[0] == busy_a[1] and busy_b[0] == busy_b[1], "ranks of one job disagreed on a save's outcome"
     assert busy_a[0] + busy_b[0] > 0, "the savers never met"
-    steps = pool.run(_load_one, path)
+    steps = pool.run(_in_env, env, _load_one, path)
     assert steps[0] == steps[1]
+
+
+def test_two_jobs_saving_to_one_path(pool, pool_b, tmp_path):
+    """Each save either commits or raises CheckpointBusyError on every rank of its job; the path ends as one
+    whole save of one job."""
+    _two_jobs(pool, pool_b, str(tmp_path / "ck"), str(tmp_path / "never"), 15, {})
 
 
 def _in_env(rank, world_size, env, fn, *args):
@@ -129,17 +133,7 @@ def _in_env(rank, world_size, env, fn, *args):
 @pytest.mark.slow  # by default: the lock held and the commit race, tests/unit/test_storage_conformance.py
 def test_two_jobs_saving_to_one_object_store_name(pool, pool_b, s3_server, s3_bucket, tmp_path):
     """The same on S3 (a real SeaweedFS): the save lock is a lease object, the commit a conditional put."""
-    path, stop, env = f"s3://{s3_bucket}/jobs/ck", str(tmp_path / "never"), s3_server.env
-    a, out_a = _in_thread(pool.run, _in_env, env, _save_loop, path, stop, 1, 8)
-    b, out_b = _in_thread(pool_b.run, _in_env, env, _save_loop, path, stop, 101, 8)
-    a.join(timeout=240)
-    b.join(timeout=240)
-    assert "error" not in out_a and "error" not in out_b, (out_a.get("error"), out_b.get("error"))
-    busy_a, busy_b = out_a["value"], out_b["value"]
-    assert busy_a[0] == busy_a[1] and busy_b[0] == busy_b[1], "ranks of one job disagreed on a save's outcome"
-    assert busy_a[0] + busy_b[0] > 0, "the savers never met"
-    steps = pool.run(_in_env, env, _load_one, path)
-    assert steps[0] == steps[1]
+    _two_jobs(pool, pool_b, f"s3://{s3_bucket}/jobs/ck", str(tmp_path / "never"), 8, s3_server.env)
 
 
 def _load_one(rank, world_size, path):
