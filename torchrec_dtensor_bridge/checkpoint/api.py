@@ -68,7 +68,8 @@ from .incremental.chainread import load_chain
 from .commit import SaveTarget, check_target, generation, prepare_generation, save_lock, writable_parent
 from .common import default_process_group, dtype_of, global_shape, leaves, object_summary, run_dcp
 from .errors import CheckpointError
-from .incremental.rows import BaseCheckpoint, Rows, open_base, without_tensors
+from .incremental.base import BaseCheckpoint, open_base
+from .incremental.rows import Rows, without_tensors
 from .keyed import ROW_STATE_COLUMNS, combine_row_states
 from .agree import Wording, key_problems
 from .loading import SafeObjectPlanner, open_agreed

@@ -51,7 +51,8 @@ from .agree import problem_from, raise_gathered
 from .commit import SaveTarget, commit, prune, sweep
 from .common import dcp_quietly
 from .errors import CheckpointBusyError, CheckpointError
-from .incremental.rows import BaseCheckpoint, Rows, manifest_records
+from .incremental.base import BaseCheckpoint
+from .incremental.rows import Rows, manifest_records
 from .format.manifest import write_manifest
 from .storage import Loc, Lock
 from .format.validate import MAX_METADATA_BYTES, parse_metadata
