@@ -7,6 +7,7 @@ Public API (the README's API tour)::
     st = tdb.to_sharded_tensor(dt)           # the inverse, same storage
     w = tdb.full_tensor(dt)                  # collective; the whole table
     tdb.visualize_sharding(dt, print=True)   # which rank holds which rows/cols
+    tdb.reshard(model, plan, optimizers=[opt])  # collective; a running job to another plan
 """
 
 from . import checkpoint
@@ -22,6 +23,7 @@ from .convert import (
 from .layout import LayoutKind, ShardLayout, ShardSpec
 from .lookup import sharded_embedding, sharded_embedding_bag, sharded_embedding_bags
 from .optim import FusedOptimizer
+from .resharding import reshard
 from .sharding import shard_module
 from .state_dict import enable_dtensor_state_dict
 from .torchrec_plan import check_plan_ranks
@@ -43,6 +45,7 @@ __all__ = [
     "sharded_embedding_bag",
     "sharded_embedding_bags",
     "layout_of",
+    "reshard",
     "shard_module",
     "state_dict_to_dtensor",
     "state_dict_to_sharded_tensor",

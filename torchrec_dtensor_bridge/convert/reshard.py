@@ -3,9 +3,22 @@
 Each rank sends exactly the overlaps its blocks have with other ranks' blocks
 and receives exactly what its own blocks need; no rank ever holds the whole
 table. A full (unsharded) source tensor needs no communication at all.
+
+In the order a caller uses it:
+
+1. :func:`pieces` - from the two layouts alone (no tensor, no process group), every overlap of a
+   destination block with a distinct source block, the same list on every rank. A destination
+   block whose rank holds a copy of the source box takes it from there (a local copy);
+2. :func:`move_pieces` - one ``batch_isend_irecv`` for the pieces of any number of tensors
+   (a table and its optimizer states): local copies, sends, receives (straight into the
+   destination where it is contiguous); returns the bytes this rank sent;
+3. :func:`copy_into` - both for one tensor, with its shape and dtype checked first.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -15,18 +28,142 @@ from .._compat import ShardedTensor, shape_and_dtype
 from ..layout import ShardLayout, ShardSpec, box_intersection
 from .dtensor import layout_of, local_shards_of
 
-__all__ = ["copy_into"]
+__all__ = ["Piece", "copy_into", "move_pieces", "pieces"]
 
 
-def _intersect(a: ShardSpec, b: ShardSpec) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    return box_intersection(a.offsets, a.sizes, b.offsets, b.sizes)
+@dataclass(frozen=True)
+class Piece:
+    """The elements one destination block takes from one source block.
+
+    Attributes:
+        src: index of the source block in its layout's ``shards``.
+        dst: index of the destination block in its layout's ``shards``.
+        src_rank: the rank sending (the source block's).
+        dst_rank: the rank receiving (the destination block's).
+        offsets: the piece's first element in the table.
+        sizes: the piece's extent.
+    """
+
+    src: int
+    dst: int
+    src_rank: int
+    dst_rank: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+    @property
+    def moves(self) -> bool:
+        """Whether the piece travels between two ranks (else a local copy)."""
+        return self.src_rank != self.dst_rank
 
 
-def _view(t: torch.Tensor, owner: ShardSpec, box: tuple[tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
-    """The part of ``t`` (the block ``owner``) covered by the global ``box``."""
-    offsets, sizes = box
-    idx = tuple(slice(o - base, o - base + s) for o, base, s in zip(offsets, owner.offsets, sizes))
-    return t[idx]
+def pieces(src: ShardLayout, dst: ShardLayout) -> list[Piece]:
+    """Every overlap of a block of ``dst`` with a distinct box of ``src``, in ``dst``'s block order.
+
+    Computed from the layouts alone, so every rank gets the same list (what lets sends and
+    receives pair up). Of a source box held by several ranks (replicas) the piece comes
+    from the destination block's own rank when it holds one, else from the box's first copy.
+    """
+    holders: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for i, s in enumerate(src.shards):
+        if s.numel:
+            holders.setdefault(s.box, []).append(i)
+    out = []
+    for j, d in enumerate(dst.shards):
+        if not d.numel:
+            continue
+        for box, where in holders.items():
+            overlap = box_intersection(d.offsets, d.sizes, *box)
+            if overlap is None:
+                continue
+            i = next((k for k in where if src.shards[k].rank == d.rank), where[0])
+            out.append(Piece(i, j, _rank_of(src.shards[i]), _rank_of(d), overlap[0], overlap[1]))
+    return out
+
+
+def _rank_of(spec: ShardSpec) -> int:
+    if spec.rank is None:
+        raise ValueError(f"block at offsets {list(spec.offsets)} has no rank; a copy between ranks needs one")
+    return spec.rank
+
+
+def _view(t: torch.Tensor, owner: ShardSpec, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
+    """The part of ``t`` (the block ``owner``) covered by the global box ``offsets``, ``sizes``."""
+    return t[tuple(slice(o - base, o - base + s) for o, base, s in zip(offsets, owner.offsets, sizes))]
+
+
+@dataclass(frozen=True)
+class Move:
+    """One tensor's pieces and this rank's tensors on both sides.
+
+    Attributes:
+        pieces: :func:`pieces` of the two layouts.
+        src_layout: the layout the values are in.
+        src_local: this rank's blocks of it, in ``src_layout.shards_on(rank)`` order.
+        dst_layout: the layout they go to.
+        dst_local: this rank's blocks of it (written), in ``dst_layout.shards_on(rank)`` order.
+    """
+
+    pieces: Sequence[Piece]
+    src_layout: ShardLayout
+    src_local: Sequence[torch.Tensor]
+    dst_layout: ShardLayout
+    dst_local: Sequence[torch.Tensor]
+
+
+def _by_index(layout: ShardLayout, local: Sequence[torch.Tensor], rank: int) -> dict[int, torch.Tensor]:
+    mine = [i for i, s in enumerate(layout.shards) if s.rank == rank]
+    if len(mine) != len(local):
+        raise ValueError(f"table {layout.name!r}: rank {rank} holds {len(mine)} blocks in the layout but "
+                         f"{len(local)} tensors were given")
+    return dict(zip(mine, local))
+
+
+def move_pieces(moves: Sequence[Move], *, group: dist.ProcessGroup | None = None, rank: int | None = None) -> int:
+    """Copy every move's pieces into its destination tensors; *collective* over the ranks of the pieces.
+
+    Every rank taking part passes the same moves (the same layouts, in the same order); all their
+    sends and receives go in ONE ``batch_isend_irecv`` on ``group`` (peers named by global rank).
+    A contiguous destination piece is received in place; others go through a buffer.
+
+    Returns:
+        The bytes this rank sent.
+    """
+    me = dist.get_rank() if rank is None else rank
+    ops: list[dist.P2POp] = []
+    later: list[tuple[torch.Tensor, torch.Tensor]] = []
+    sent = 0
+    for m in moves:
+        src = _by_index(m.src_layout, m.src_local, me)
+        dst = _by_index(m.dst_layout, m.dst_local, me)
+        for p in m.pieces:
+            if p.src_rank == me:
+                part = _view(src[p.src], m.src_layout.shards[p.src], p.offsets, p.sizes)
+                if p.dst_rank == me:
+                    _view(dst[p.dst], m.dst_layout.shards[p.dst], p.offsets, p.sizes).copy_(part)
+                    continue
+                part = part.contiguous()
+                ops.append(dist.P2POp(dist.isend, part, p.dst_rank, group))
+                sent += part.numel() * part.element_size()
+            elif p.dst_rank == me:
+                into = _view(dst[p.dst], m.dst_layout.shards[p.dst], p.offsets, p.sizes)
+                buf = into if into.is_contiguous() else torch.empty(p.sizes, dtype=into.dtype, device=into.device)
+                ops.append(dist.P2POp(dist.irecv, buf, p.src_rank, group))
+                if buf is not into:
+                    later.append((into, buf))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for into, buf in later:
+        into.copy_(buf)
+    return sent
 
 
 def copy_into(
@@ -40,7 +177,7 @@ def copy_into(
 
     ``src`` is a full tensor (no communication), or a DTensor / ShardedTensor of
     any layout: then *collective* — every rank calls it for the same table,
-    and only overlapping pieces travel (``isend``/``irecv`` per overlap).
+    and only overlapping pieces travel (:func:`move_pieces`, one batch).
     Shapes and dtypes are checked first and raise ``ValueError`` naming ``name``.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -55,26 +192,5 @@ def copy_into(
             t.copy_(src[spec.slices()])
         return
     src_layout = layout_of(src, name=name)
-    src_local = dict(zip(src_layout.shards_on(rank), local_shards_of(src)))
-    dst_local = dict(zip(mine, dst_shards))
-    pending = []
-    received = []
-    # Every rank walks the same pairs in the same order, so sends and receives match up.
-    for d in dst_layout.shards:
-        for s in src_layout.unique_shards():
-            box = _intersect(d, s)
-            if box is None:
-                continue
-            if s.rank == rank and d.rank == rank:
-                _view(dst_local[d], d, box).copy_(_view(src_local[s], s, box))
-            elif s.rank == rank:
-                pending.append(dist.isend(_view(src_local[s], s, box).contiguous(), dst=d.rank))
-            elif d.rank == rank:
-                buf = torch.empty(box[1], dtype=dtype, device=dst_local[d].device)
-                pending.append(dist.irecv(buf, src=s.rank))
-                received.append((_view(dst_local[d], d, box), buf))
-    for work in pending:
-        assert work is not None, "isend/irecv returned no work handle"
-        work.wait()
-    for view, buf in received:
-        view.copy_(buf)
+    move = Move(pieces(src_layout, dst_layout), src_layout, local_shards_of(src), dst_layout, dst_shards)
+    move_pieces([move], rank=rank)

@@ -15,6 +15,7 @@ from .._compat import ShardedTensor
 from ..agreement import Rejected
 from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards_of
 from ..convert.reshard import copy_into
+from ..layout import ShardLayout
 from ..optim_kinds import Hyper, OptimKind, StateKind, WeightDecayMode, lookup
 from .state import Binding, TableState, share_storage, state_dtype
 from .torchrec_state import export_torchrec, import_torchrec
@@ -237,6 +238,41 @@ class FusedOptimizer:
         if self._hyper is None:
             raise Rejected(ValueError, self._no_update())
         return Binding(self._hyper, self._tables[name])
+
+    def table_name(self, weight: object) -> str | None:
+        """The name of ``weight``'s table in this optimizer (the same DTensor object as given), or ``None``."""
+        return self._by_id.get(id(weight))
+
+    # ------------------------------------------------------------ resharding
+    def _table(self, name: str) -> TableState:
+        return self._tables[name]
+
+    def _fresh_table(self, name: str, weight: DTensor, layout: ShardLayout) -> TableState:
+        """Zeroed state for table ``name`` over a new ``weight`` of ``layout`` (its step count shared with the
+        table's), not yet in use: :func:`~torchrec_dtensor_bridge.reshard` fills it, then installs it
+        (:meth:`_install_table`).
+
+        Raises:
+            NotImplementedError: the kind's per-row state cannot follow ``layout`` (its column pieces cut
+                the rows differently).
+        """
+        old = self._tables[name]
+        if layout.dtype is None:
+            layout = dataclasses.replace(layout, dtype=weight.dtype)
+        fresh = TableState(name, weight, layout.with_name(name), dist.get_rank(), local_shards_of(weight),
+                           self._kind, track_changed_rows=old.track_changed_rows)
+        fresh.step = old.step
+        return fresh
+
+    def _install_table(self, table: TableState) -> None:
+        """Put ``table`` (from :meth:`_fresh_table`) in place of the table of its name: lookups given its
+        weight update it from now on, and the old weight is no longer this optimizer's."""
+        old = self._tables[table.name]
+        self._by_id.pop(id(old.weight), None)
+        self._tables[table.name] = table
+        self._by_id[id(table.weight)] = table.name
+        if table.track_changed_rows:
+            tracking.watch([*table.shards, *table.row_states, *(v for e in table.elements for v in e.values())])
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

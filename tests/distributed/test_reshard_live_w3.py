@@ -1,0 +1,314 @@
+"""``tdb.reshard`` of a ``shard_module`` model on 3 gloo ranks: every table changes layout mid-training.
+
+A TorchRec ``EmbeddingBagCollection`` of five tables, sharded by ``tdb.shard_module`` under ``BEFORE``,
+trains 4 steps (``torch.optim.Adam``, ``torch.optim.Adagrad``, or a ``FusedOptimizer`` with row-wise
+Adagrad or Adam applied in backward), is resharded in memory to ``AFTER`` (every table changes its
+layout: row-wise even and uneven, table-wise, column-wise, grid, a rank holding nothing) and trains 4 more.
+The reference is the same job saved after step 4 with ``tdb.checkpoint.save`` and loaded into a fresh
+model sharded under ``AFTER``: losses, tables and every optimizer state ``torch.equal``. The bytes each
+rank sends are counted by wrapping ``batch_isend_irecv`` and equal those of the blocks that change owner,
+computed here from the two plans' ownership of every element. Refused plans (another world size, another
+shape, an unknown table) and a failed transfer leave the model and the optimizers as they were
+(``torch.equal``), and every rank raises.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import torchrec_dtensor_bridge as tdb
+from torchrec_dtensor_bridge.convert.placements import world_mesh
+from torchrec_dtensor_bridge.layout import ShardLayout
+
+from .checks import expect_raises
+from .harness import make_pool_fixture
+from .torchrec_models import build_ebc, random_kjt
+
+pool = make_pool_fixture(3)
+
+TABLES = {"a": (13, 8), "b": (11, 8), "c": (9, 12), "d": (10, 6), "e": (7, 4)}
+CFG = {n: (r, d, "") for n, (r, d) in TABLES.items()}
+BEFORE = {
+    "a": ShardLayout.row_wise((13, 8), 3),
+    "b": ShardLayout.table_wise((11, 8), 2),
+    "c": ShardLayout.column_wise((9, 12), [4, 8], ranks=[0, 1]),
+    "d": ShardLayout.grid((10, 6), [5, 5], [3, 3], [0, 1, 2, 0]),
+    "e": ShardLayout.row_wise((7, 4), [3, 0, 4]),
+}
+AFTER = {
+    "a": ShardLayout.column_wise((13, 8), [3, 5], ranks=[2, 0]),
+    "b": ShardLayout.row_wise((11, 8), [2, 5, 4], ranks=[1, 2, 0]),
+    "c": ShardLayout.grid((9, 12), [4, 5], [6, 6], [2, 0, 1, 2]),
+    "d": ShardLayout.table_wise((10, 6), 1),
+    "e": ShardLayout.row_wise((7, 4), 3),
+}
+STEPS = 4
+OPTIMIZERS = ["adam", "adagrad", "fused_rowwise_adagrad", "fused_adam"]
+
+
+def _key(n: str) -> str:
+    return f"embedding_bags.{n}.weight"
+
+
+def _plan(layouts: dict[str, ShardLayout]) -> dict[str, ShardLayout]:
+    return {_key(n): lay for n, lay in layouts.items()}
+
+
+def _job(layouts: dict[str, ShardLayout], kind: str):
+    model = tdb.shard_module(build_ebc(CFG, seed=5), _plan(layouts), world_mesh("cpu"))
+    if kind == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    elif kind == "adagrad":
+        opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    else:
+        weights = {n: model.embedding_bags[n].weight for n in TABLES}
+        opt = tdb.FusedOptimizer(weights, kind.removeprefix("fused_"), lr=0.05, eps=1e-3)
+    return model, opt
+
+
+def _step(model, opt, step: int, rank: int) -> torch.Tensor:
+    kjt = random_kjt(CFG, batch=4, seed=100 * step + rank)
+    fused = isinstance(opt, tdb.FusedOptimizer)
+    out = (model(kjt, optimizer=opt) if fused else model(kjt)).to_dict()
+    g = torch.Generator().manual_seed(7 + 10 * step + rank)
+    loss = sum((out[k] * torch.randn(out[k].shape, generator=g)).sum() for k in sorted(out))
+    loss.backward()
+    if not fused:
+        opt.step()
+        opt.zero_grad()
+    return loss.detach()
+
+
+def _whole(v: object) -> object:
+    return tdb.full_tensor(v) if isinstance(v, DTensor) else v.clone() if isinstance(v, torch.Tensor) else v
+
+
+def _snapshot(model, opt) -> dict[str, object]:
+    """Every table and optimizer state, whole (collective: every rank, the same order)."""
+    out: dict[str, object] = {f"table {k}": _whole(p) for k, p in model.named_parameters()}
+    if isinstance(opt, tdb.FusedOptimizer):
+        out.update({f"state {k}": _whole(v) for k, v in sorted(opt.state_dict().items())})
+        return out
+    names = {id(p): k for k, p in model.named_parameters()}
+    assert sorted(names) == sorted(id(p) for g in opt.param_groups for p in g["params"]), "groups' parameters"
+    for p, state in opt.state.items():
+        assert id(p) in names, "the optimizer's state is keyed by a parameter the model no longer holds"
+        out.update({f"state {names[id(p)]}.{k}": _whole(v) for k, v in sorted(state.items())})
+    return out
+
+
+def _assert_equal(got: dict, want: dict, what: str) -> None:
+    assert sorted(got) == sorted(want), (what, sorted(got), sorted(want))
+    for k, v in want.items():
+        same = torch.equal(got[k], v) if isinstance(v, torch.Tensor) else got[k] == v
+        assert same, f"{what}: {k} differs on rank {dist.get_rank()}"
+
+
+class _Sends:
+    """Counts the bytes this rank sends through ``batch_isend_irecv`` while installed."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._real = dist.batch_isend_irecv
+
+    def __enter__(self) -> _Sends:
+        def counting(ops):
+            self.bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+            return self._real(ops)
+
+        dist.batch_isend_irecv = counting
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.batch_isend_irecv = self._real
+
+
+def _owners(layout: ShardLayout) -> torch.Tensor:
+    """The rank holding each element (layouts without copies)."""
+    owner = torch.full(layout.global_shape, -1, dtype=torch.int64)
+    for s in layout.shards:
+        owner[s.slices()] = s.rank
+    return owner
+
+
+def _changing_bytes(rank: int, per_element: int, per_row: int = 0) -> int:
+    """The bytes of the elements (and per-row values) ``rank`` holds under ``BEFORE`` that another rank
+    takes under ``AFTER``: each new block's elements its rank did not hold, sent by their old owner."""
+    total = 0
+    for n, before in BEFORE.items():
+        old = _owners(before)
+        rows_sent: set[tuple[int, int]] = set()
+        for s in AFTER[n].shards:
+            if s.rank == rank:
+                continue
+            mine = old[s.slices()] == rank
+            total += int(mine.sum()) * per_element
+            for r in range(s.offsets[0], s.offsets[0] + s.sizes[0]):
+                if per_row and (s.rank, r) not in rows_sent:
+                    holders = [b.rank for b in before.shards if b.offsets[0] <= r < b.offsets[0] + b.sizes[0]]
+                    if s.rank not in holders and holders[0] == rank:
+                        total += per_row
+                    rows_sent.add((s.rank, r))
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _live(rank: int, kind: str, schedule: list[tuple[dict, int]]) -> tuple[list[torch.Tensor], dict, list[int]]:
+    """Train under each plan of ``schedule`` for its steps, resharding in memory between them; the losses, the
+    final snapshot and the bytes each reshard sent."""
+    model, opt = _job(schedule[0][0], kind)
+    losses: list[torch.Tensor] = []
+    sent = []
+    step = 0
+    for k, (layouts, steps) in enumerate(schedule):
+        if k:
+            before = _snapshot(model, opt)
+            old = dict(model.named_parameters())
+            with _Sends() as sends:
+                assert tdb.reshard(model, _plan(layouts), optimizers=[opt]) is model
+            sent.append(sends.bytes)
+            for n, lay in layouts.items():
+                w = model.embedding_bags[n].weight
+                assert tdb.layout_of(w).shards == lay.shards, n
+                assert (w is old[_key(n)]) == (lay.shards == schedule[k - 1][0][n].shards), n
+            _assert_equal(_snapshot(model, opt), before, f"{kind}: right after reshard {k}")
+        losses += [_step(model, opt, step + s, rank) for s in range(steps)]
+        step += steps
+    return losses, _snapshot(model, opt), sent
+
+
+def _resumed(rank: int, kind: str, schedule: list[tuple[dict, int]], path: str) -> tuple[list[torch.Tensor], dict]:
+    """The same schedule, each change of plan a checkpoint save and a load into a fresh model under the new plan."""
+    model, opt = _job(schedule[0][0], kind)
+    losses: list[torch.Tensor] = []
+    step = 0
+    for k, (layouts, steps) in enumerate(schedule):
+        if k:
+            tdb.checkpoint.save({"model": model, "opt": opt}, f"{path}-{k}")
+            model, opt = _job(layouts, kind)
+            tdb.checkpoint.load({"model": model, "opt": opt}, f"{path}-{k}")
+        losses += [_step(model, opt, step + s, rank) for s in range(steps)]
+        step += steps
+    return losses, _snapshot(model, opt)
+
+
+PER_ELEMENT = {"adam": 12, "adagrad": 8, "fused_rowwise_adagrad": 4, "fused_adam": 12}  # weight + states, bytes
+
+
+def _equals_a_checkpoint_resume(rank: int, world: int, kind: str, path: str) -> None:
+    losses, final, sent = _live(rank, kind, [(BEFORE, STEPS), (AFTER, STEPS)])
+    per_row = 4 if kind == "fused_rowwise_adagrad" else 0
+    assert sent == [_changing_bytes(rank, PER_ELEMENT[kind], per_row)], (sent, rank)
+    want, want_final = _resumed(rank, kind, [(BEFORE, STEPS), (AFTER, STEPS)], path)
+    for s, (a, b) in enumerate(zip(losses, want, strict=True)):
+        assert torch.equal(a, b), f"{kind}: loss of step {s} on rank {rank}: {a} != {b}"
+    _assert_equal(final, want_final, f"{kind}: after {2 * STEPS} steps")
+
+
+@pytest.mark.parametrize("kind", OPTIMIZERS)
+def test_reshard_mid_training_equals_a_checkpoint_resume_under_the_new_plan(pool, tmp_path, kind):
+    pool.run(_equals_a_checkpoint_resume, kind, str(tmp_path / kind))
+
+
+DRAINED = {  # rank 2 holds nothing
+    "a": ShardLayout.row_wise((13, 8), [6, 7]),
+    "b": ShardLayout.table_wise((11, 8), 0),
+    "c": ShardLayout.column_wise((9, 12), [4, 8], ranks=[1, 0]),
+    "d": ShardLayout.grid((10, 6), [5, 5], [3, 3], [0, 1, 1, 0]),
+    "e": ShardLayout.row_wise((7, 4), [3, 0, 4], ranks=[1, 0, 1]),
+}
+
+
+def _drain_and_return(rank: int, world: int, path: str) -> None:
+    schedule = [(BEFORE, 2), (DRAINED, 2), (BEFORE, 2)]
+    losses, final, _ = _live(rank, "fused_rowwise_adagrad", schedule)
+    want, want_final = _resumed(rank, "fused_rowwise_adagrad", schedule, path)
+    for s, (a, b) in enumerate(zip(losses, want, strict=True)):
+        assert torch.equal(a, b), f"loss of step {s} on rank {rank}: {a} != {b}"
+    _assert_equal(final, want_final, "drained and back")
+
+
+def test_a_rank_drained_of_every_table_and_filled_again(pool, tmp_path):
+    pool.run(_drain_and_return, str(tmp_path / "drain"))
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def _refused(rank: int, world: int, case: str) -> str:
+    model, opt = _job(BEFORE, "adam")
+    for s in range(2):
+        _step(model, opt, s, rank)
+    plan = _plan(AFTER)
+    if case == "another_world_size":
+        plan[_key("a")] = ShardLayout.row_wise((13, 8), 4)
+    elif case == "another_shape":
+        plan[_key("b")] = ShardLayout.row_wise((12, 8), 3)
+    elif case == "unknown_table":
+        plan["embedding_bags.z.weight"] = ShardLayout.row_wise((13, 8), 3)
+    elif case == "one_rank_differs" and rank == 2:
+        plan[_key("c")] = ShardLayout.table_wise((9, 12), 0)
+    before = _snapshot(model, opt)
+    params = dict(model.named_parameters())
+    with _Sends() as sends, pytest.raises(ValueError) as refused:
+        tdb.reshard(model, plan, optimizers=[opt])
+    assert sends.bytes == 0, "bytes moved before the refusal"
+    assert all(p is params[k] for k, p in model.named_parameters()), "a table was swapped"
+    _assert_equal(_snapshot(model, opt), before, f"{case}: after the refusal")
+    _step(model, opt, 2, rank)  # and the job trains on
+    return str(refused.value)
+
+
+REFUSALS = {
+    "another_world_size": "plan entry 'embedding_bags.a.weight': shard 3 (offsets [12, 0], sizes [1, 8]) is on rank 3, "
+                          "outside the ranks of the table's mesh [0, 1, 2]",
+    "another_shape": "plan entry 'embedding_bags.b.weight': the layout's global_shape [12, 8] differs from the table's "
+                     "shape [11, 8]",
+    "unknown_table": "plan entry 'embedding_bags.z.weight': the module has no table of that name",
+    "one_rank_differs": "ranks disagree on the plan",
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_bad_plan_is_refused_on_every_rank_before_anything_moves(pool, case):
+    messages = pool.run(_refused, case)
+    for m in messages:
+        assert REFUSALS[case] in m, (case, m)
+
+
+def _transfer_fails(rank: int, world: int) -> None:
+    """Rank 1 fails after the third table's blocks arrived: every rank raises, nothing is swapped; the next
+    reshard works."""
+    from torchrec_dtensor_bridge.resharding import api
+
+    model, opt = _job(BEFORE, "fused_rowwise_adagrad")
+    for s in range(2):
+        _step(model, opt, s, rank)
+    before = _snapshot(model, opt)
+    params = dict(model.named_parameters())
+    real, calls = api.move_pieces, []
+
+    def failing(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(1)
+        if rank == 1 and len(calls) == 3:
+            raise RuntimeError("injected: a block did not arrive")
+        return out
+
+    api.move_pieces = failing
+    try:
+        expect_raises(RuntimeError, "table 'embedding_bags.c.weight': RuntimeError: injected",
+                      lambda: tdb.reshard(model, _plan(AFTER), optimizers=[opt]))
+    finally:
+        api.move_pieces = real
+    assert len(calls) == len(TABLES), "every rank takes part in every table's move"
+    assert all(p is params[k] for k, p in model.named_parameters()), "a table was swapped"
+    _assert_equal(_snapshot(model, opt), before, "after the failed transfer")
+    _step(model, opt, 2, rank)
+    tdb.reshard(model, _plan(AFTER), optimizers=[opt])
+    _step(model, opt, 3, rank)
+
+
+def test_a_failed_transfer_raises_on_every_rank_and_changes_nothing(pool):
+    pool.run(_transfer_fails)

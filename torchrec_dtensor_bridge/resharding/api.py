@@ -1,0 +1,159 @@
+"""``reshard``: move a running model's tables and their optimizer state to another plan, in memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..agreement import Problem, ProblemKind, Rejected, agree, check_same
+from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards_of
+from ..convert.reshard import Move, move_pieces, pieces
+from ..groups import CommGroup, call_group
+from ..layout import ShardLayout
+from .optimizers import Optimizer, check_optimizers, optimizer_moves
+from .tables import WHAT, Table, check_plan, sharded_tables
+
+__all__ = ["reshard"]
+
+
+@dataclass
+class _Step:
+    """One table's move: the blocks to copy into its new storage, and what swaps it in afterwards."""
+
+    table: Table
+    moves: list[Move]
+    commit: Callable[[], None]
+
+
+def _new_blocks(layout: ShardLayout, device: torch.device, rank: int) -> list[torch.Tensor]:
+    assert layout.dtype is not None, "a target layout carries its dtype"
+    return [torch.empty(s.sizes, dtype=layout.dtype, device=device) for s in layout.shards_on(rank)]
+
+
+def _prepare(table: Table, optimizers: Sequence[Optimizer], group: CommGroup, rank: int) -> _Step:
+    """Allocate ``table``'s new storage (weight, gradient, optimizer state) and list what moves into it."""
+    old = table.param
+    mesh = old.device_mesh
+    local = _new_blocks(table.target, group.device, rank)
+    new: Any = nn.Parameter(dtensor_from_local_shards(table.target, local, device_mesh=mesh),
+                            requires_grad=old.requires_grad)
+    weight = pieces(table.layout, table.target)
+    moves = [Move(weight, table.layout, local_shards_of(old), table.target, local)]
+    grad = old.grad
+    if isinstance(grad, DTensor):
+        src = layout_of(grad, name=f"{table.name}.grad")
+        dst = dataclasses.replace(table.target, dtype=grad.dtype, name=src.name)
+        blocks = _new_blocks(dst, group.device, rank)
+        same = src.shards == table.layout.shards
+        moves.append(Move(weight if same else pieces(src, dst), src, local_shards_of(grad), dst, blocks))
+        new.grad = dtensor_from_local_shards(dst, blocks, device_mesh=mesh)
+    state_moves, commits = optimizer_moves(optimizers, table, new, weight, group.device)
+    owner, attr = table.owner, table.attr
+
+    def commit() -> None:
+        owner._parameters[attr] = new
+        for c in commits:
+            c()
+
+    return _Step(table, moves + state_moves, commit)
+
+
+def _digest(tables: Sequence[Table]) -> int:
+    text = repr([(t.name, t.target.digest()) for t in tables])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def _failure(message: str, error: BaseException) -> Problem:
+    return Problem.of(ProblemKind.FAILURE, f"{WHAT}: {message}: {type(error).__name__}: {error}")
+
+
+def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
+            optimizers: Sequence[Optimizer] = ()) -> nn.Module:
+    """Move ``model``'s tables, and every optimizer state over them, to ``plan``, in memory; *collective*.
+
+    ``model`` is a module sharded by :func:`~torchrec_dtensor_bridge.shard_module`; ``plan`` maps table
+    names (as ``shard_module`` takes them) to their new layouts over the ranks of the tables' mesh; a
+    table the plan does not name stays as it is. Every rank of that mesh calls it with the same plan.
+    Steps, the same on every rank:
+
+    1. check the plan against the model (names, shapes, dtypes, ranks, coverage) and the optimizers
+       against the tables, and agree on the verdict and the plan (one ``all_gather``): on any problem
+       every rank raises before anything is allocated;
+    2. allocate every changing table's new storage - weight, gradient, optimizer state - and agree that
+       every rank could;
+    3. table by table, move into it only what changes owner: each overlap of an old block with a new
+       block travels from the rank holding it to the rank taking it (one ``batch_isend_irecv`` on the
+       mesh's group per table, weights and states together); blocks that stay on their rank are
+       copied locally;
+    4. agree that every rank has all its new blocks; only then swap: each table's parameter becomes a
+       new ``nn.Parameter`` over its new storage (``requires_grad`` and its gradient kept), each
+       ``torch.optim`` optimizer's parameter groups and ``state`` refer to it (states shaped like the
+       table moved, single values such as ``step`` kept), and each
+       :class:`~torchrec_dtensor_bridge.FusedOptimizer` holding the table updates the new parameter
+       with the moved state. The old storage is freed when nothing else refers to it.
+
+    Pass every optimizer over the resharded tables: one left out keeps referring to the old parameters.
+
+    Args:
+        model: a module sharded by ``shard_module``.
+        plan: table name -> :class:`~torchrec_dtensor_bridge.ShardLayout` (global ranks).
+        optimizers: ``torch.optim`` optimizers and ``FusedOptimizer``s over the model's tables.
+
+    Returns:
+        ``model`` itself, resharded.
+
+    Raises:
+        TypeError, ValueError, NotImplementedError: on every rank before any byte moves, naming the table
+            and the values: a name that is no sharded table of the model; a layout of another shape or
+            dtype, with a block on a rank outside the tables' mesh (a plan for another world size), or
+            not covering the table; an optimizer state that cannot follow the table; ranks passing
+            different plans.
+        RuntimeError: on every rank when a rank could not allocate or receive its new blocks; the
+            model and the optimizers are then as before.
+
+    Example::
+
+        >>> tdb.shard_module(model, {"emb.weight": ShardLayout.table_wise((1000, 64), 0)}, mesh)
+        >>> opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        >>> ...  # train
+        >>> tdb.reshard(model, {"emb.weight": ShardLayout.row_wise((1000, 64), world)}, optimizers=[opt])
+        >>> ...  # train on: model.emb.weight and opt's state are row-wise now
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{WHAT}: model must be an nn.Module, got {type(model).__name__}")
+    found = sharded_tables(model)
+    if not found:
+        raise TypeError(f"{WHAT}: the {type(model).__name__} holds no table sharded by shard_module")
+    group = call_group(WHAT, [p for _, p in found.values()], None, None)
+    rank = group.members[group.rank or 0]
+    problem, tables, opts = None, [], []
+    try:
+        tables = check_plan(found, plan, group.members)
+        opts = check_optimizers(optimizers, tables)
+    except Rejected as e:
+        problem = e.problem
+    rows = agree(WHAT, problem, [_digest(tables), len(opts)], group)
+    check_same(WHAT, "the plan (a digest of its layouts)", [r[0] for r in rows])
+    check_same(WHAT, "the number of optimizers", [r[1] for r in rows])
+    steps: list[_Step] = []
+    try:
+        steps = [_prepare(t, opts, group, rank) for t in tables if t.changes]
+    except Exception as e:  # noqa: BLE001 - shared with every rank, which all raise
+        problem = _failure("allocating the new blocks", e)
+    agree(WHAT, problem, [], group, refused="could not allocate its new blocks")
+    for step in steps:
+        try:
+            move_pieces(step.moves, group=group.group, rank=rank)
+        except Exception as e:  # noqa: BLE001 - every rank takes part in every table's move, then all raise
+            problem = problem or _failure(f"moving table {step.table.name!r}", e)
+    agree(WHAT, problem, [], group, refused="did not receive all its new blocks")
+    for step in steps:
+        step.commit()
+    return model
