@@ -5,9 +5,13 @@ export OMP_NUM_THREADS ?= 1
 
 .PHONY: setup test test-all demo bench typecheck docs clean
 
-setup: $(STAMP)
+CSRC := $(wildcard torchrec_dtensor_bridge/csrc/*.c torchrec_dtensor_bridge/csrc/*.h torchrec_dtensor_bridge/csrc/*.cpp)
 
-$(STAMP): requirements/lock.txt requirements/nodeps.txt pyproject.toml scripts/setup.sh
+# setup.sh also runs when the built extension (torchrec_dtensor_bridge/_C*.so) is missing
+setup: $(STAMP)
+	@ls torchrec_dtensor_bridge/_C*.so >/dev/null 2>&1 || bash scripts/setup.sh
+
+$(STAMP): requirements/lock.txt requirements/nodeps.txt pyproject.toml setup.py $(CSRC) scripts/setup.sh
 	bash scripts/setup.sh
 
 test: setup
@@ -46,4 +50,4 @@ bench: setup
 	$(PY) scripts/plot_bench.py --results $(BENCH_OUT) --out bench
 
 clean:
-	rm -rf .venv bench/*.json .pytest_cache site
+	rm -rf .venv bench/*.json .pytest_cache site build torchrec_dtensor_bridge/_C*.so

@@ -431,7 +431,7 @@ def check_agreement_failure_on_one_rank(rank: int, world_size: int) -> float:
     real = kernels.choice_code
 
     def broken(device):
-        raise OSError("injected: the kernel library vanished")
+        raise OSError("injected: the kernel choice failed")
 
     if last:
         kernels.choice_code = broken

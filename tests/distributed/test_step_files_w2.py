@@ -2,7 +2,7 @@
 
 A profile hook (``sys.setprofile``) records, on every rank, the file of every Python function the package
 runs during one forward + backward of one table with a ``FusedOptimizer``, after a warm-up step (so that
-one-time work - kernel builds, calibrations, caches - is not counted). A step should read as one way
+one-time work - caches, first imports - is not counted). A step should read as one way
 down: the public function, the shared entry path, the strategy of the table's layout, the local kernel
 calls, the optimizer. Modules only another strategy needs must not run.
 """

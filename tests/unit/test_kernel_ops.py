@@ -186,10 +186,11 @@ def test_bad_arguments_name_the_argument_and_change_nothing(which, monkeypatch):
     _bad("sparse_update", 8, "lamb", "kind must be one of")
 
 
-def test_ranks_settle_on_what_every_rank_has_and_the_first_ranks_calibration():
+def test_ranks_settle_on_what_every_rank_has_then_the_rule_decides(monkeypatch):
     cpu = torch.device("cpu")
+    monkeypatch.delenv("TDB_KERNELS", raising=False)
     mine = kernels.choice_code(cpu)
-    assert mine & 3 == 3, "both C kernels here"
+    assert mine == 3, "both C kernels here, and nothing else in the code (no measurement travels)"
     try:
         kernels.settle(cpu, [mine, 0])  # another rank with neither C kernel
         assert kernels.pool_impl(cpu) is kernels.Impl.TORCH
@@ -198,28 +199,38 @@ def test_ranks_settle_on_what_every_rank_has_and_the_first_ranks_calibration():
         assert kernels.pool_impl(cpu) is kernels.Impl.NATIVE
         assert kernels.update_impl(cpu, "adagrad", 0.0) is kernels.Impl.NATIVE
         assert kernels.dense_impl(cpu) is kernels.Impl.TORCH
-        kernels.settle(cpu, [3 | 1 << 2, mine])  # rank 0 measured ours faster at pooling, slower elsewhere
-        assert kernels.pool_impl(cpu) is kernels.Impl.NATIVE
-        assert kernels.update_impl(cpu, "sgd", 0.0) is kernels.Impl.FBGEMM
-        assert kernels.update_impl(cpu, "sgd", 0.1) is kernels.Impl.NATIVE  # fbgemm ignores weight decay
-        kernels.settle(cpu, [3, 3 | 0b111100])
+        kernels.settle(cpu, [mine, 2])  # the other rank has fbgemm's only
         assert kernels.pool_impl(cpu) is kernels.Impl.FBGEMM
-        kernels.settle(cpu, [3 | 1 << 3, mine])  # rank 0 measured ours faster at pooling fp16 rows only
-        assert kernels.pool_impl(cpu, torch.float16) is kernels.Impl.NATIVE
-        assert kernels.pool_impl(cpu) is kernels.Impl.FBGEMM
-        # fp16 updates follow their own measurement, not the fp32 one (the kernels' speeds differ there)
-        fp16_bit = 1 << (2 + kernels.choose._calibrated().index("update_rowwise_adagrad_fp16"))
-        kernels.settle(cpu, [3 | fp16_bit, mine])
-        assert kernels.update_impl(cpu, "rowwise_adagrad", 0.0, torch.float16) is kernels.Impl.NATIVE
-        assert kernels.update_impl(cpu, "rowwise_adagrad", 0.0) is kernels.Impl.FBGEMM
-        fp32_bit = 1 << (2 + kernels.choose._calibrated().index("update_rowwise_adagrad"))
-        kernels.settle(cpu, [3 | fp32_bit, mine])
-        assert kernels.update_impl(cpu, "rowwise_adagrad", 0.0, torch.float16) is kernels.Impl.FBGEMM
-        assert kernels.update_impl(cpu, "rowwise_adagrad", 0.0, torch.float16, stochastic=True) is kernels.Impl.NATIVE
-        assert kernels.update_impl(cpu, "rowwise_adagrad", 0.0) is kernels.Impl.NATIVE
+        assert kernels.update_impl(cpu, "sgd", 0.1) is kernels.Impl.TORCH  # fbgemm ignores weight decay
+        assert kernels.update_impl(cpu, "sgd", 0.0, torch.float16, stochastic=True) is kernels.Impl.TORCH
+        kernels.settle(cpu, [mine, mine])  # both: the rule, the same on every rank
+        for (work, dtype), (impl, _) in kernels.choose.RULE.items():
+            half = torch.float16 if dtype == "fp16" else torch.float32
+            got = (kernels.pool_impl(cpu, half) if work == "pool"
+                   else kernels.update_impl(cpu, work.removeprefix("update_"), 0.0, half))
+            assert got is impl, (work, dtype)
+        assert kernels.dense_impl(cpu) is kernels.Impl.FBGEMM
+        assert kernels.update_impl(cpu, "adam", 0.0) is kernels.Impl.NATIVE  # fbgemm-gpu-cpu has no Adam
+        assert kernels.pool_impl(cpu, torch.bfloat16) is kernels.Impl.NATIVE  # nor bf16 tables
     finally:
         kernels.choose._agreed.clear()
-    assert kernels.pool_impl(cpu) is kernels.calibrated("pool")
+
+
+def test_the_rule_covers_the_work_both_kernels_do_and_says_why(monkeypatch):
+    """Every kind both C kernels update, fp32 and fp16, and the pooled sum have an entry in the rule (a figure
+    in docs/kernels.md); each choice carries its reason: the rule, an override, or what the others lack."""
+    monkeypatch.delenv("TDB_KERNELS", raising=False)
+    cpu, choose = torch.device("cpu"), kernels.choose
+    both = [k.name for k in OptimKind if k.native is not None and k.fbgemm_cpu]
+    assert set(choose.RULE) == {(w, d) for w in ["pool", *(f"update_{k}" for k in both)] for d in ("fp32", "fp16")}
+    assert choose.explain_pool(cpu).why.startswith("rule: ")
+    assert "fbgemm: no CPU kernel for 'adam'" in choose.explain_update(cpu, "adam", 0.0).why
+    assert "stochastic" in choose.explain_update(cpu, "sgd", 0.0, torch.float16, stochastic=True).why
+    assert "weight decay" in choose.explain_update(cpu, "sgd", 0.1).why
+    monkeypatch.setenv("TDB_KERNELS", "fbgemm")
+    assert choose.explain_pool(cpu) == choose.Choice(kernels.Impl.FBGEMM, "override: TDB_KERNELS=fbgemm")
+    forced = choose.explain_pool(cpu, torch.bfloat16)
+    assert forced.impl is kernels.Impl.TORCH and "override: TDB_KERNELS=fbgemm, but fbgemm" in forced.why
 
 
 @contextlib.contextmanager
@@ -357,75 +368,20 @@ def test_an_update_bumps_the_version_of_what_it_writes(impl):
         saved.backward()
 
 
-@pytest.mark.parametrize("other_faster_by", [0.0, 0.03, 0.08, -0.2])
-def test_the_pooling_trial_overrules_the_calibration_by_a_margin_only(monkeypatch, other_faster_by):
-    """The trial's verdict: the calibration's kernel, unless the other one's median is at least 5 % faster (noise
-    of a few per cent on a busy machine must not flip a choice the calibration made)."""
-    choose = kernels.choose
+def test_pooling_over_a_large_storage_runs_the_rules_kernel_from_its_first_call(monkeypatch):
+    """No trial and no timing: the first pooled sum over a storage past the caches runs the kernel the rule
+    names, as every later one (the first run of a job is like every later run)."""
     monkeypatch.delenv("TDB_KERNELS", raising=False)
-    if not (native.kernel() is not None and fbgemm.available()):
-        pytest.skip("needs both C kernels")
-    calibrated = choose._calibrated_here("pool")
-    other = kernels.Impl.FBGEMM if calibrated is kernels.Impl.NATIVE else kernels.Impl.NATIVE
-    choose._trials.clear(), choose._tried.clear()
-    try:
-        choose._trials["pool"] = {kernels.Impl.NATIVE: [], kernels.Impl.FBGEMM: []}
-        for k in range(choose._TRIAL_CALLS):
-            warm = 5.0 if k == 0 else 1.0  # the first call of each is not counted
-            choose.pool_timed(calibrated, torch.float32, 0.010 * warm)
-            choose.pool_timed(other, torch.float32, 0.010 * (1 - other_faster_by) * warm)
-        want = other if other_faster_by >= choose._TRIAL_MARGIN else calibrated
-        assert choose._tried["pool"] is want, (calibrated, other_faster_by, choose._tried)
-    finally:
-        choose._trials.clear(), choose._tried.clear(), choose._settled.clear()
-
-
-def test_pooling_over_a_large_storage_times_both_kernels_on_its_first_calls_and_keeps_the_faster(monkeypatch):
-    """A storage past the caches: the first pooled sums alternate ours and fbgemm's (the same sums), then the
-    process's choice follows the medians (:func:`test_the_pooling_trial_overrules_the_calibration_by_a_margin_only`);
-    a small storage or a forced kernel starts no trial."""
-    choose = kernels.choose
-    monkeypatch.delenv("TDB_KERNELS", raising=False)
-    if not (native.kernel() is not None and fbgemm.available()):
-        pytest.skip("needs both C kernels")
-    ran: list[kernels.Impl] = []
-    real = choose.pool_timed
-    monkeypatch.setattr(choose, "pool_timed", lambda which, dtype, s: (ran.append(which), real(which, dtype, s)))
-    choose._trials.clear(), choose._tried.clear(), choose._settled.clear()
-    try:
-        storage = torch.zeros(choose._TRIAL_BYTES // 4 // 128 + 1, 128)  # just past the threshold (pages unread)
-        g = torch.Generator().manual_seed(3)
-        storage[:1000] = torch.rand(1000, 128, generator=g)
-        ids = torch.randint(0, 1000, (60,), generator=g)
-        offsets = torch.arange(0, 61, 6)
-        want = F.embedding_bag(ids, storage[:1000], offsets[:-1], mode="sum")
-        small = storage[:1000].clone()
-        (out,) = kernels.pool([kernels.Pooling(small, ids, offsets, None, False, None)])
-        assert torch.equal(out[0] if isinstance(out, tuple) else out, want) and ran == []  # small: no trial
-        # the ids of a direct op call are checked for the kernel the trial runs, not the one chosen (ours checks
-        # its own: with ours chosen and fbgemm's turn, an id past the table must still be refused)
-        choose.settle(torch.device("cpu"), [3 | 1 << 2] * 2)  # ours chosen for pooling
-        op_args = (storage.view(-1), [0], [128], [storage.shape[0]], ids, offsets, None)
-        torch.ops.tdb.pool_sum(*op_args)  # ours' turn
-        assert ran == [kernels.Impl.NATIVE]
-        with pytest.raises(ValueError, match="ids"):  # fbgemm's turn
-            torch.ops.tdb.pool_sum(*op_args[:4], torch.cat([ids[:-1], torch.tensor([storage.shape[0]])]),
-                                   offsets, None)
-        assert ran == [kernels.Impl.NATIVE]
-        for _ in range(2 * choose._TRIAL_CALLS + 2):
+    storage = torch.zeros((300 << 20) // 4 // 128, 128)  # 300 MiB, pages unread
+    g = torch.Generator().manual_seed(3)
+    storage[:1000] = torch.rand(1000, 128, generator=g)
+    ids = torch.randint(0, 1000, (60,), generator=g)
+    offsets = torch.arange(0, 61, 6)
+    want = F.embedding_bag(ids, storage[:1000], offsets[:-1], mode="sum")
+    assert kernels.pool_impl(storage.device) is kernels.Impl.NATIVE
+    for _ in range(3):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             (out,) = kernels.pool([kernels.Pooling(storage, ids, offsets, None, False, None)])
-            assert torch.equal(out[0] if isinstance(out, tuple) else out, want)
-        assert ran == [kernels.Impl.NATIVE, kernels.Impl.FBGEMM] * choose._TRIAL_CALLS, ran
-        assert choose._tried["pool"] in (kernels.Impl.NATIVE, kernels.Impl.FBGEMM)
-        assert kernels.calibrated("pool") is choose._tried["pool"]
-        code = kernels.choice_code(torch.device("cpu"))  # the verdict travels in the next agreement
-        assert bool(code >> 2 & 1) == (choose._tried["pool"] is kernels.Impl.NATIVE)
-        choose.settle(torch.device("cpu"), [code] * 2)
-        assert kernels.pool_impl(torch.device("cpu")) is choose._tried["pool"]
-        choose._trials.clear(), choose._tried.clear()
-        monkeypatch.setenv("TDB_KERNELS", "native")
-        ran.clear()
-        kernels.pool([kernels.Pooling(storage, ids, offsets, None, False, None)])
-        assert ran == [] and "pool" not in choose._trials  # forced: no trial
-    finally:
-        choose._trials.clear(), choose._tried.clear(), choose._settled.clear(), choose._agreed.clear()
+        names = {e.name for e in prof.events()}
+        assert "tdb_native::pool_sum" in names and not any(n.startswith("fbgemm::") for n in names), names
+        assert torch.equal(out[0], want)

@@ -1,51 +1,53 @@
-"""Which implementation runs each kernel op, per device: the one place that decides.
+"""Which implementation runs each kernel op, per device: the one place that decides, by a fixed rule.
 
-Steps of a choice (:func:`pool_impl`, :func:`update_impl`, :func:`dense_impl`):
+Steps of a choice (:func:`pool_impl`, :func:`update_impl`, :func:`dense_impl`; :func:`explain_pool`,
+:func:`explain_update` and :func:`explain_dense` give it with its reason):
 
-1. ``$TDB_KERNELS`` forces an implementation (``native``, ``fbgemm`` or ``torch``; ``auto``, the default,
-   lets the steps below choose); ``TDB_NATIVE_KERNELS=0`` means ``fbgemm``. On CUDA, where ours do not
-   run, fbgemm's CUDA kernels run unless forced otherwise, and torch's where fbgemm's cannot do the work.
-2. What is available: this package's C kernels (:mod:`.native`, when they could be built), fbgemm's
-   (:mod:`.fbgemm`, when installed), torch's (always; the reference math).
-3. Where both C kernels can do the work, the one measured faster on THIS machine: a one-time calibration
-   per kernel kind (:func:`calibrated`), both run side by side on the same synthetic work, interleaved,
-   the fastest runs compared; the result is kept in the kernel cache, keyed by the library, fbgemm's version,
-   the CPU model and the thread count, so other processes of the machine reuse it. Pooling over a storage of
-   256 MiB or more is timed again on the process's own first calls there (:func:`pool_trial`), whose verdict
-   then stands for the process: which kernel pools faster depends on the table's size.
+1. ``$TDB_KERNELS`` forces an implementation (``native``, ``fbgemm`` or ``torch``; ``auto``, the default, lets
+   the steps below choose). A forced implementation that cannot do the work leaves it to torch's.
+2. What can do the work: this package's C kernels (:mod:`.native`: the built extension, any kind with a
+   ``native`` code, fp32, fp16 and bf16 tables), fbgemm's (:mod:`.fbgemm`: installed and loadable; on the
+   CPU fp32 and fp16 tables, the kinds whose record says ``fbgemm_cpu``, no weight decay, rounding to nearest
+   only: :func:`for_weights`), torch's (always; the reference math, a kind's torch-op update). After a
+   lookup's agreement, only what every rank of it has (:func:`settle`).
+3. Where ours and fbgemm's both can, the rule (:data:`RULE`): per kind of work and dtype, the one measured
+   faster on the sizes measured, 10 MiB to 2 GiB of tables (docs/kernels.md gives the figures and how to
+   measure them again). It depends on nothing measured in the process: the same install, environment and
+   arguments give the same choice in every process and on every rank.
+4. Off the CPU: fbgemm's CUDA kernels where they can do the work (ours are CPU-only), torch's otherwise.
 
-A lookup's ranks agree on the choices (:func:`choice_code` travels in the lookup's agreement, :func:`settle`):
-an implementation runs only where every rank has it (a rank that forces one offers that one alone: forcing
-``torch`` on one rank makes every rank run torch's), and the first rank's calibration decides between the
-two C kernels, so every rank runs the same kernels. Once settled, a choice is remembered (per op, device
-type, optimizer kind, weight decay or not, and ``$TDB_KERNELS`` / ``$TDB_NATIVE_KERNELS``): a call then
-consults nothing else; an agreement that settles on other codes forgets every remembered choice.
+A lookup's ranks agree on what they have (:func:`choice_code` travels in the lookup's agreement): an
+implementation runs only where every rank has it (a rank that forces one offers that one alone: forcing
+``torch`` on one rank makes every rank run torch's), so the ranks run the same kernels. Once settled, a
+choice is remembered (per op, device type, dtype, optimizer kind, weight decay or not, and
+``$TDB_KERNELS`` / ``$TDB_NATIVE_KERNELS``): a call then consults nothing else; an agreement that settles
+on other codes forgets every remembered choice.
 
-Which kinds an update can run with is the kinds' registry's (:mod:`...optim_kinds`): ours for a kind with a
-``native`` code, fbgemm's for one with ``fbgemm_cpu`` (``fbgemm_cuda`` on CUDA); a kind neither lists
-gets :attr:`Impl.TORCH`: its torch-op math on the touched rows.
+Which kinds an update can run with is the kinds' registry's (:mod:`...optim_kinds`): a kind neither kernel
+lists gets :attr:`Impl.TORCH`: its torch-op math on the touched rows.
+
+Example::
+
+    >>> explain_pool(torch.device("cpu"), torch.float32)
+    Choice(impl=<Impl.NATIVE: 2>, why='rule: ours (pooled sum fp32: 1.50x fbgemm ...)')
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-import json
 import logging
 import os
-import platform
-import statistics
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ..optim_kinds import REGISTERED, Hyper, OptimKind, StateKind, WeightDecayMode, lookup
-from . import build, fbgemm, native
-from .args import Batch, State, Tables
+from ..optim_kinds import REGISTERED, OptimKind, lookup
+from . import fbgemm, native
 
-__all__ = ["Impl", "calibrated", "choice_code", "dense_impl", "for_weights", "pool_impl", "pool_timed", "pool_trial",
-           "settle", "update_impl"]
+__all__ = ["RULE", "Choice", "Impl", "choice_code", "dense_impl", "explain_dense", "explain_pool", "explain_update",
+           "for_weights", "pool_impl", "settle", "update_impl"]
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +60,34 @@ class Impl(enum.IntEnum):
     NATIVE = 2
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What runs one kind of work, and why (``rule: ...``, ``override: ...``, or what the others lack)."""
+
+    impl: Impl
+    why: str
+
+
+RULE: dict[tuple[str, str], tuple[Impl, str]] = {
+    ("pool", "fp32"): (Impl.NATIVE, "1.50x fbgemm's"),
+    ("pool", "fp16"): (Impl.NATIVE, "1.2x fbgemm's"),
+    ("update_sgd", "fp32"): (Impl.NATIVE, "2.9x fbgemm's"),
+    ("update_sgd", "fp16"): (Impl.NATIVE, "1.9x fbgemm's"),
+    ("update_rowwise_adagrad", "fp32"): (Impl.NATIVE, "1.27x fbgemm's"),
+    ("update_rowwise_adagrad", "fp16"): (Impl.NATIVE, "2.0x fbgemm's"),
+    ("update_adagrad", "fp32"): (Impl.NATIVE, "1.82x fbgemm's"),
+    ("update_adagrad", "fp16"): (Impl.NATIVE, "1.8x fbgemm's"),
+}
+"""Step 3: per kind of work (``pool``, ``update_<kind>``) and dtype (``fp32``, ``fp16``: the dtypes both C
+kernels take), the implementation that runs where ours and fbgemm's both can, and the figure that decided
+it (fbgemm's time / ours, one thread, every size measured; docs/kernels.md). Work both can do that is not
+listed (a kind registered later) runs ours: the kernels' own math, written for this package's kinds."""
+
+
 def _forced() -> Impl | None:
     want = os.environ.get("TDB_KERNELS", "auto").lower()
     if want == "auto":
-        return Impl.FBGEMM if os.environ.get("TDB_NATIVE_KERNELS", "1") == "0" else None
+        return None
     if want.upper() in Impl.__members__:
         return Impl[want.upper()]
     _warn_once(f"TDB_KERNELS={want!r} is not one of auto, native, fbgemm, torch: choosing as for auto")
@@ -71,13 +97,6 @@ def _forced() -> Impl | None:
 @functools.lru_cache(maxsize=None)
 def _warn_once(message: str) -> None:
     log.warning("torchrec_dtensor_bridge: %s", message)
-
-
-def _calibrated() -> list[str]:
-    """The work both C implementations can do: the pooled sum, and the update of each kind both list (in the
-    registry's order); a machine's calibration chooses between them for each."""
-    both = [k.name for k in REGISTERED.values() if k.native is not None and k.fbgemm_cpu]
-    return ["pool", "pool_fp16", *(f"update_{k}" for k in both), *(f"update_{k}_fp16" for k in both)]
 
 
 _agreed: dict[str, int] = {}
@@ -108,270 +127,180 @@ def _local(impl: Impl) -> bool:
         return False
     if impl is Impl.NATIVE:
         return os.environ.get("TDB_NATIVE_KERNELS", "1") != "0" and native.kernel() is not None
-    if impl is Impl.FBGEMM:
-        return fbgemm.available()
-    return False
+    return fbgemm.available()
 
 
-def _available(impl: Impl, device: torch.device) -> bool:
-    """Built here, and (after an agreement) on every rank of it."""
+def _lacks(impl: Impl, device: torch.device) -> str | None:
+    """Why ``impl`` cannot run here (``None`` when it can): not in this process, or not on every rank of the
+    last agreement."""
+    if impl is Impl.TORCH:
+        return None
+    if impl is Impl.NATIVE and not _local(impl):
+        return f"ours: the extension is {native.missing() or 'not loaded'}"
+    if impl is Impl.FBGEMM and not _local(impl):
+        return "fbgemm: fbgemm_gpu is not installed or does not load"
     code = _agreed.get(device.type)
-    on_all = code is None or impl is Impl.TORCH or bool(code >> (0 if impl is Impl.NATIVE else 1) & 1)
-    return on_all and _local(impl)
+    if code is not None and not code >> (0 if impl is Impl.NATIVE else 1) & 1:
+        return f"{_NAMES[impl]}: another rank of the last lookup lacks it"
+    return None
 
 
-def _prefers_native(what: str, device: torch.device) -> bool:
-    code = _agreed.get(device.type)
-    if code is None:
-        return calibrated(what) is Impl.NATIVE
-    return bool(code >> (2 + _calibrated().index(what)) & 1)
+_NAMES = {Impl.NATIVE: "ours", Impl.FBGEMM: "fbgemm", Impl.TORCH: "torch"}
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def _on_device(device: torch.device, fbgemm_can: bool) -> Impl:
-    """Off the CPU: fbgemm's CUDA kernels where they can do the work (``fbgemm_can``), fbgemm's CUDA build
-    is installed, every rank of the last agreement has it and ``$TDB_KERNELS`` allows it; torch otherwise
-    (ours are CPU-only)."""
-    if device.type != "cuda" or not fbgemm_can or _forced() not in (None, Impl.FBGEMM):
-        return Impl.TORCH
-    code = _agreed.get(device.type)
-    on_all = code is None or bool(code >> 1 & 1)
-    return Impl.FBGEMM if on_all and fbgemm.cuda_available() else Impl.TORCH
-
-
-def _pick(candidates: list[Impl], what: str, device: torch.device) -> Impl:
-    """Steps 1-3 over ``candidates`` (the implementations that can do the work)."""
-    if device.type != "cpu":
-        return _on_device(device, Impl.FBGEMM in candidates)
+def _pick(work: str, dtype: torch.dtype, device: torch.device, cannot: dict[Impl, str | None]) -> Choice:
+    """Steps 1-3 on the CPU: ``cannot`` gives, for ours and fbgemm's, why it cannot do the work (``None``: it
+    can)."""
+    reasons = {impl: why if why is not None else _lacks(impl, device) for impl, why in cannot.items()}
     forced = _forced()
     if forced is not None:
-        return forced if forced in candidates and _available(forced, device) else Impl.TORCH
-    ready = [c for c in candidates if _available(c, device)]
-    if Impl.NATIVE in ready and Impl.FBGEMM in ready:
-        return Impl.NATIVE if _prefers_native(what, device) else Impl.FBGEMM
-    return ready[0] if ready else Impl.TORCH
+        if forced is Impl.TORCH or (forced in reasons and reasons[forced] is None):
+            return Choice(forced, f"override: TDB_KERNELS={forced.name.lower()}")
+        return Choice(Impl.TORCH, f"override: TDB_KERNELS={forced.name.lower()}, but {reasons.get(forced)}")
+    ready = [impl for impl in (Impl.NATIVE, Impl.FBGEMM) if impl in reasons and reasons[impl] is None]
+    if len(ready) == 2:
+        impl, figure = RULE.get((work, _DTYPE_NAMES[dtype]), (Impl.NATIVE, "not measured"))
+        return Choice(impl, f"rule: {_NAMES[impl]} ({work} {_DTYPE_NAMES[dtype]}: ours {figure})")
+    lacking = "; ".join(r for r in reasons.values() if r is not None)
+    return Choice(ready[0] if ready else Impl.TORCH, lacking)
+
+
+def _on_device(device: torch.device, fbgemm_cannot: str | None) -> Choice:
+    """Step 4: fbgemm's CUDA kernels where they can do the work (``fbgemm_cannot`` is ``None``), fbgemm's CUDA
+    build is installed, every rank of the last agreement has it and ``$TDB_KERNELS`` allows it; torch's
+    otherwise (ours are CPU-only)."""
+    forced = _forced()
+    if device.type != "cuda":
+        return Choice(Impl.TORCH, f"no kernels of ours or fbgemm's on {device.type}")
+    if forced not in (None, Impl.FBGEMM):
+        return Choice(Impl.TORCH, f"override: TDB_KERNELS={forced.name.lower()}, and ours are CPU-only")
+    if fbgemm_cannot is not None:
+        return Choice(Impl.TORCH, fbgemm_cannot)
+    if not fbgemm.cuda_available():
+        return Choice(Impl.TORCH, "fbgemm: fbgemm_gpu's CUDA build is not installed or does not load")
+    code = _agreed.get(device.type)
+    if code is not None and not code >> 1 & 1:
+        return Choice(Impl.TORCH, "fbgemm: another rank of the last lookup lacks it")
+    return Choice(Impl.FBGEMM, "fbgemm's CUDA kernels (ours are CPU-only)")
+
+
+def _fbgemm_cpu_cannot(dtype: torch.dtype, *, stochastic: bool = False) -> str | None:
+    """Why fbgemm's CPU kernels cannot take tables of ``dtype`` (an update asking for ``stochastic`` rounding)."""
+    if dtype not in (torch.float32, torch.float16):
+        return f"fbgemm: its CPU kernels take no {dtype} tables"
+    if stochastic and dtype != torch.float32:
+        return "fbgemm: its CPU kernels round to nearest only (stochastic rounding asked)"
+    return None
+
+
+def explain_pool(device: torch.device, dtype: torch.dtype = torch.float32) -> Choice:
+    """The implementation of ``tdb::pool_sum`` on ``device`` for tables of ``dtype``, and why."""
+    if dtype not in native.DTYPES:
+        return Choice(Impl.TORCH, f"{dtype} tables: torch's ops only")
+    if device.type != "cpu":
+        return _on_device(device, None)
+    return _pick("pool", dtype, device, {Impl.NATIVE: None, Impl.FBGEMM: _fbgemm_cpu_cannot(dtype)})
 
 
 def pool_impl(device: torch.device, dtype: torch.dtype = torch.float32) -> Impl:
-    """The implementation of ``tdb::pool_sum`` on ``device`` for tables of ``dtype`` (fp16 tables calibrated on
-    their own: the two C kernels read half-precision rows differently)."""
-    what = _named("pool", dtype)
-    return _remembered((what, dtype), device,
-                       lambda: for_weights(_pick([Impl.NATIVE, Impl.FBGEMM], what, device), device, dtype))
+    """:func:`explain_pool`'s implementation (remembered once the ranks settled)."""
+    return _remembered(("pool", dtype), device, lambda: explain_pool(device, dtype).impl)
+
+
+def explain_dense(device: torch.device) -> Choice:
+    """The implementation of ``tdb::pool_sum_backward`` (the dense weight gradient) on ``device``, and why:
+    fbgemm's (ours have none)."""
+    if device.type != "cpu":
+        return _on_device(device, None)
+    return _pick("dense", torch.float32, device, {Impl.NATIVE: "ours: no dense gradient kernel", Impl.FBGEMM: None})
 
 
 def dense_impl(device: torch.device) -> Impl:
-    """The implementation of ``tdb::pool_sum_backward`` (the dense weight gradient) on ``device``."""
-    return _remembered(("dense",), device, lambda: _pick([Impl.FBGEMM], "dense", device))
+    """:func:`explain_dense`'s implementation (remembered once the ranks settled)."""
+    return _remembered(("dense",), device, lambda: explain_dense(device).impl)
 
 
-def update_impl(device: torch.device, kind: OptimKind | str, weight_decay: float,
-                dtype: torch.dtype = torch.float32, *, stochastic: bool = False) -> Impl:
+def _kind(kind: OptimKind | str) -> OptimKind:
+    found = REGISTERED.get(kind if isinstance(kind, str) else kind.name)
+    if found is None or not (isinstance(kind, str) or found is kind):
+        found = lookup(kind)  # raises, naming the kinds there are
+    return found
+
+
+def explain_update(device: torch.device, kind: OptimKind | str, weight_decay: float,
+                   dtype: torch.dtype = torch.float32, *, stochastic: bool = False) -> Choice:
     """The implementation of ``tdb::sparse_update`` for optimizer ``kind`` on ``device`` over tables of
-    ``dtype`` (``stochastic``: half-precision rows rounded stochastically); :attr:`Impl.TORCH` means no
-    one-pass kernel (the caller runs the optimizer's torch-op math on the touched rows).
+    ``dtype`` (``stochastic``: half-precision rows rounded stochastically), and why; :attr:`Impl.TORCH`
+    means no one-pass kernel (the caller runs the optimizer's torch-op math on the touched rows).
 
     Raises:
         ValueError: for a kind the registry does not know.
     """
-    found = REGISTERED.get(kind if isinstance(kind, str) else kind.name)
-    if found is None or not (isinstance(kind, str) or found is kind):
-        found = lookup(kind)  # raises, naming the kinds there are
+    found = _kind(kind)
+    if dtype not in native.DTYPES:
+        return Choice(Impl.TORCH, f"{dtype} tables: the optimizer's torch-op math")
+    if device.type != "cpu":  # weight decay: fbgemm's SGD and Adagrad have none; the torch-op math applies it
+        cannot = None if found.fbgemm_cuda else f"fbgemm: no CUDA kernel for {found.name!r}"
+        if cannot is None and weight_decay and found.fbgemm_cuda:
+            cannot = "fbgemm: its kernels apply no weight decay to this kind"
+        return _on_device(device, cannot)
+    if found.native is None and not found.fbgemm_cpu:
+        return Choice(Impl.TORCH, f"no kernel lists {found.name!r}: its torch-op math")
+    ours = None if found.native is not None else f"ours: no kernel for {found.name!r}"
+    theirs = (f"fbgemm: no CPU kernel for {found.name!r}" if not found.fbgemm_cpu
+              else "fbgemm: its CPU kernels ignore weight decay" if weight_decay
+              else _fbgemm_cpu_cannot(dtype, stochastic=stochastic))
+    return _pick(f"update_{found.name}", dtype, device, {Impl.NATIVE: ours, Impl.FBGEMM: theirs})
+
+
+def update_impl(device: torch.device, kind: OptimKind | str, weight_decay: float,
+                dtype: torch.dtype = torch.float32, *, stochastic: bool = False) -> Impl:
+    """:func:`explain_update`'s implementation (remembered once the ranks settled).
+
+    Raises:
+        ValueError: for a kind the registry does not know.
+    """
+    found = _kind(kind)
     stochastic = stochastic and dtype in (torch.float16, torch.bfloat16)  # fp32 rows are not rounded
     return _remembered(("update", found, bool(weight_decay), dtype, stochastic), device,
-                       lambda: for_weights(_update_impl(device, found, bool(weight_decay), dtype), device, dtype,
-                                           stochastic=stochastic))
-
-
-def _update_impl(device: torch.device, kind: OptimKind, decayed: bool, dtype: torch.dtype = torch.float32) -> Impl:
-    """fp16 tables calibrated on their own (``update_<kind>_fp16``): the two C kernels' fp16 updates differ in
-    speed otherwise than their fp32 ones (fbgemm's converts every element on its own)."""
-    if device.type != "cpu":  # weight decay: fbgemm's SGD and Adagrad have none; the torch-op math applies it
-        return _on_device(device, kind.fbgemm_cuda and not decayed)
-    candidates = [Impl.NATIVE] if kind.native is not None else []
-    if kind.fbgemm_cpu and not decayed:  # fbgemm-gpu-cpu ignores weight decay
-        candidates.append(Impl.FBGEMM)
-    if not candidates:  # no kernel lists the kind
-        return Impl.TORCH
-    return _pick(candidates, _named(f"update_{kind.name}", dtype), device)
-
-
-def _named(work: str, dtype: torch.dtype) -> str:
-    """The calibrated work's name for tables of ``dtype`` (:func:`_calibrated`: fp16 measured on its own)."""
-    return f"{work}_fp16" if dtype == torch.float16 else work
+                       lambda: explain_update(device, found, weight_decay, dtype, stochastic=stochastic).impl)
 
 
 def for_weights(which: Impl, device: torch.device, dtype: torch.dtype, *, stochastic: bool = False) -> Impl:
-    """``which`` (a choice for fp32 tables) for tables of ``dtype`` (what :func:`pool_impl` and
-    :func:`update_impl` apply); ``stochastic``: an update that rounds half-precision rows stochastically.
+    """``which`` (a choice for fp32 tables) for tables of ``dtype``; ``stochastic``: an update that rounds
+    half-precision rows stochastically.
 
     fbgemm's CPU kernels take fp16 tables, not bf16, and round an update to nearest whatever they are asked
     (fbgemm_gpu-cpu 1.8 ignores ``stochastic_rounding``): work they cannot do as asked goes to ours where
     every rank has them (else torch's). fbgemm's CUDA kernels take fp16 and bf16 tables (its CUDA code generator
-    dispatches both). The same inputs give the same answer on every rank of an agreement.
+    dispatches both).
     """
     if dtype == torch.float32 or which is Impl.TORCH:
         return which
     if dtype not in native.DTYPES:
         return Impl.TORCH
-    if device.type != "cpu":
-        return which
-    if which is Impl.FBGEMM and (dtype != torch.float16 or stochastic):
-        return Impl.NATIVE if _available(Impl.NATIVE, device) else Impl.TORCH
+    if device.type == "cpu" and which is Impl.FBGEMM and _fbgemm_cpu_cannot(dtype, stochastic=stochastic):
+        return Impl.NATIVE if _lacks(Impl.NATIVE, device) is None else Impl.TORCH
     return which
 
 
 def choice_code(device: torch.device) -> int:
-    """What this process would run on ``device``, as one integer for a lookup's agreement: bit 0 the native
-    kernels built, bit 1 fbgemm's installed, then one bit per calibrated work (:func:`_calibrated`):
-    ours measured faster here. Off the CPU: bit 1 alone, fbgemm's CUDA build installed."""
+    """What this process can run on ``device``, as one integer for a lookup's agreement: bit 0 our kernels
+    (the extension loaded, and not excluded by ``$TDB_KERNELS``), bit 1 fbgemm's. Off the CPU: bit 1 alone,
+    fbgemm's CUDA build installed. The rule needs nothing else: it is the same on every rank."""
     if device.type != "cpu":
-        return int(device.type == "cuda" and fbgemm.cuda_available()) << 1
-    code = int(_local(Impl.NATIVE)) | int(_local(Impl.FBGEMM)) << 1
-    if code == 3 and _forced() is None:
-        for k, what in enumerate(_calibrated()):
-            code |= int(calibrated(what) is Impl.NATIVE) << (2 + k)
-    return code
+        return int(device.type == "cuda" and fbgemm.cuda_available() and _forced() in (None, Impl.FBGEMM)) << 1
+    return int(_local(Impl.NATIVE)) | int(_local(Impl.FBGEMM)) << 1
 
 
 def settle(device: torch.device, codes: list[int]) -> None:
     """Every rank's :func:`choice_code` (in rank order), from a lookup's agreement: until the next one, an
-    implementation runs only when every rank has it, and where both C kernels can do the work, the first
-    rank's calibration decides, so that every rank runs the same kernels. Choices remembered under other
-    codes are forgotten."""
+    implementation runs only when every rank has it, so that every rank runs the same kernels. Choices
+    remembered under other codes are forgotten."""
     both = 3
     for c in codes:
         both &= c
-    code = both | (codes[0] & ~3 if codes else 0)
-    if _agreed.get(device.type) != code:
+    if _agreed.get(device.type) != both:
         _settled.clear()
-    _agreed[device.type] = code
-
-
-# --- step 3: calibration -------------------------------------------------------------------------------------
-
-_ROWS, _DIM, _BAGS, _PER_BAG, _REPS = 1 << 18, 128, 4096, 20, 9
-
-
-def _record_path() -> str:
-    lib = native.kernel()
-    ident = "-".join((lib.path.stem if lib is not None else "none", getattr(fbgemm._module(), "__version__", "?"),
-                      str(torch.get_num_threads())))
-    home = lib.path.parent if lib is not None else build.cache_dir()  # beside the library: a trusted directory
-    return str(home / f"calibration-{ident}.json")
-
-
-# --- pooling timed on the work itself ---------------------------------------------------------------------------
-# The two C kernels pool with the same bits, and which is faster depends on the table: the synthetic calibration
-# (128 MiB) can disagree with tables of GiBs (BENCHMARKS.md: row-wise training step). A process's first pooled
-# sums over a storage of at least _TRIAL_BYTES alternate the two kernels, timed; the other kernel replaces the
-# calibration's verdict for this process when its median is at least _TRIAL_MARGIN faster (a busy machine's
-# noise alone does not flip it; its lookups' next agreement settles on the first rank's, as always).
-_TRIAL_BYTES = 256 << 20
-_TRIAL_CALLS = 7  # per kernel; the first of each is not counted (warm-up)
-_TRIAL_MARGIN = 0.05
-_trials: dict[str, dict[Impl, list[float]]] = {}
-_tried: dict[str, Impl] = {}
-
-
-def pool_trial(device: torch.device, dtype: torch.dtype, storage_bytes: int, chosen: Impl) -> Impl | None:
-    """The kernel to time on this pooled sum (``None``: no trial; run ``chosen``): while this process's trial of
-    ``dtype``'s pooling is running, on the CPU, over a storage of at least 256 MiB, with both C kernels chosen
-    between by calibration (not forced)."""
-    what = _named("pool", dtype)
-    if (what in _tried or device.type != "cpu" or storage_bytes < _TRIAL_BYTES
-            or chosen not in (Impl.NATIVE, Impl.FBGEMM) or _forced() is not None
-            or not (_available(Impl.NATIVE, device) and _available(Impl.FBGEMM, device))
-            or for_weights(Impl.FBGEMM, device, dtype) is not Impl.FBGEMM):
-        return None
-    times = _trials.setdefault(what, {Impl.NATIVE: [], Impl.FBGEMM: []})
-    return Impl.NATIVE if len(times[Impl.NATIVE]) <= len(times[Impl.FBGEMM]) else Impl.FBGEMM
-
-
-def pool_timed(which: Impl, dtype: torch.dtype, seconds: float) -> None:
-    """Record a trial's time (:func:`pool_trial`); once both kernels ran :data:`_TRIAL_CALLS` times, this process's
-    choice for ``dtype``'s pooling: the calibration's, unless the other kernel's median is at least
-    :data:`_TRIAL_MARGIN` (5 %) below it."""
-    what = _named("pool", dtype)
-    times = _trials.get(what)
-    if times is None or what in _tried:
-        return
-    times[which].append(seconds)
-    if all(len(t) >= _TRIAL_CALLS for t in times.values()):
-        median = {k: statistics.median(t[1:]) for k, t in times.items()}
-        calibrated = _calibrated_here(what)
-        other = Impl.FBGEMM if calibrated is Impl.NATIVE else Impl.NATIVE
-        _tried[what] = other if median[other] <= (1 - _TRIAL_MARGIN) * median[calibrated] else calibrated
-        log.info("torchrec_dtensor_bridge: %s on this job's tables: ours %.2f ms, fbgemm %.2f ms: %s", what,
-                 median[Impl.NATIVE] * 1e3, median[Impl.FBGEMM] * 1e3, _tried[what].name.lower())
-        _settled.clear()
-
-
-def calibrated(what: str) -> Impl:
-    """:attr:`Impl.NATIVE` or :attr:`Impl.FBGEMM`, whichever ran ``what`` faster on this machine (step 3); for
-    pooling, on this process's own tables once it timed both there (:func:`pool_trial`)."""
-    tried = _tried.get(what)
-    return tried if tried is not None else _calibrated_here(what)
-
-
-@functools.lru_cache(maxsize=None)
-def _calibrated_here(what: str) -> Impl:
-    """:attr:`Impl.NATIVE` or :attr:`Impl.FBGEMM`, whichever ran ``what`` faster on this machine's synthetic work."""
-    path, model = _record_path(), build.cpu_model() or platform.machine()
-    try:
-        with open(path, encoding="utf-8") as f:
-            record = json.load(f)
-        if record.get("cpu") == model and what in record.get("choices", {}):
-            return Impl[record["choices"][what]]
-    except (OSError, ValueError, KeyError):
-        record = {}
-    try:
-        ours, theirs = _measure(what)
-    except Exception as e:  # noqa: BLE001 - a failed measurement must not fail (or desynchronise) a lookup
-        log.warning("torchrec_dtensor_bridge: kernel calibration of %s failed (%s): using fbgemm's", what, e)
-        return Impl.FBGEMM
-    pick = Impl.NATIVE if ours <= theirs else Impl.FBGEMM
-    log.info("torchrec_dtensor_bridge: %s: ours %.2f ms, fbgemm %.2f ms: %s", what, ours * 1e3, theirs * 1e3,
-             pick.name.lower())
-    choices = dict(record.get("choices", {})) if record.get("cpu") == model else {}
-    choices[what] = pick.name
-    try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"cpu": model, "choices": choices}, f)
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only cache: measured again by the next process
-        log.warning("torchrec_dtensor_bridge: kernel calibration not saved (%s)", e)
-    return pick
-
-
-def _measure(what: str) -> tuple[float, float]:
-    """Seconds of ours and fbgemm's on one synthetic table (128 MiB: out of cache), interleaved: the fastest of
-    each (other work on the machine only ever adds time)."""
-    gen = torch.Generator().manual_seed(0)
-    half = what.endswith("_fp16")
-    weights = torch.rand(_ROWS * _DIM, generator=gen, dtype=torch.float16 if half else torch.float32)
-    ids = torch.randint(0, _ROWS, (_BAGS * _PER_BAG,), generator=gen)
-    offsets = torch.arange(0, ids.numel() + 1, _PER_BAG)
-    grad = torch.rand(_BAGS, _DIM, generator=gen) * 1e-3
-    tables, batch = Tables(weights, [0], [_DIM], [_ROWS]), Batch(ids, offsets)
-    kernel = native.kernel()
-    assert kernel is not None, "calibrated only where both C kernels are"
-    if what in ("pool", "pool_fp16"):
-        jobs: dict[Impl, Callable[[], object]] = {Impl.NATIVE: lambda: kernel.pool_tables(tables, batch),
-                                                  Impl.FBGEMM: lambda: fbgemm.pool_sum(tables, batch)}
-    else:
-        kind = lookup(what.removeprefix("update_").removesuffix("_fp16"))
-        m1, m2 = [torch.zeros(_ROWS if s.shape is StateKind.ROW else _ROWS * _DIM) for s in kind.tensor_states
-                  ] + [None] * (2 - len(kind.tensor_states))
-        state = State(m1, [0] if m1 is not None else [], m2, [0] if m2 is not None else [], step=1)
-        hyper = Hyper(kind, 0.01, 1e-8, 0.0, WeightDecayMode.NONE, 0.9, 0.999, False)  # fbgemm's rounding
-        jobs = {Impl.NATIVE: lambda: kernel.update_tables(tables, batch, grad, state, hyper),
-                Impl.FBGEMM: lambda: fbgemm.update(tables, batch, grad, state, hyper)}
-    times: dict[Impl, list[float]] = {k: [] for k in jobs}
-    for _ in range(_REPS):
-        for which, job in jobs.items():
-            t0 = time.perf_counter()
-            job()
-            times[which].append(time.perf_counter() - t0)
-    return min(times[Impl.NATIVE]), min(times[Impl.FBGEMM])
+    _agreed[device.type] = both

@@ -25,10 +25,10 @@ A custom op's schema takes flat tensors and scalars. Below it, Python passes the
    :func:`_update_args`).
 2. They are checked, once, here, before any kernel runs: a ``ValueError`` names the argument and its values
    (never an ``assert``; the implementations trust what passes). The ids are checked in one pass, unless the
-   caller checked them (``ids_checked``): on CPU in this package's C code when it is built
+   caller checked them (``ids_checked``): on CPU in this package's C code when its extension is built
    (:meth:`.native.NativeKernel.ids_valid`; when the C kernels run, in their own pass), on CUDA on the device
    (one synchronisation).
-3. The implementation is :mod:`.choose`'s decision (remembered once the ranks of a lookup settled it), then
+3. The implementation is :mod:`.choose`'s rule (remembered once the ranks of a lookup settled it), then
    what the call allows: fbgemm's CUDA kernels take rows aligned for their vector loads
    (:data:`.limits.VECTOR_BYTES`), of at most 2048 columns, and batches whose ids and bag boundaries an int32 counts (:func:`.limits.misfit`), ours tables of at most
    :data:`.native.MAX_DIM` columns (:func:`.native.fits`); pooling and the dense gradient fall back to
@@ -46,7 +46,6 @@ bumps the version counters of the tensors it wrote, as in-place ops do.
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -226,21 +225,11 @@ def _pool_sum(tables: Tables, batch: Batch) -> Tensor:
     if (which is Impl.NATIVE and not native.fits(tables, batch)) or (
             which is Impl.FBGEMM and not on_cpu and _cuda_misfit(tables, batch, b) is not None):
         which = Impl.TORCH
-    trial = choose.pool_trial(device, tables.storage.dtype,
-                              tables.storage.numel() * tables.storage.element_size(), which)
-    if trial is Impl.NATIVE and not native.fits(tables, batch):
-        trial = None
-    runs = which if trial is None else trial
-    if not batch.ids_checked and not (runs is Impl.NATIVE and width):  # ours checks the ids in its own pass
+    if not batch.ids_checked and not (which is Impl.NATIVE and width):  # ours checks the ids in its own pass
         (_check_ids if on_cpu else check_ids_on_device)("pool_sum", batch.ids, batch.offsets, tables.rows, b)
     if width == 0 or (not on_cpu and (b == 0 or batch.ids.numel() == 0)):  # nothing to add up
         return tables.storage.new_zeros(b, width)
-    if trial is None:
-        return run_pool_sum(which, tables, batch)
-    start = time.perf_counter()
-    out = run_pool_sum(trial, tables, batch)
-    choose.pool_timed(trial, tables.storage.dtype, time.perf_counter() - start)
-    return out
+    return run_pool_sum(which, tables, batch)
 
 
 def _cuda_misfit(tables: Tables, batch: Batch, b: int) -> str | None:

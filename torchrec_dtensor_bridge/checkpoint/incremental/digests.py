@@ -16,11 +16,11 @@ The digest of a row of ``n`` bytes, read as ``ceil(n / 8)`` little-endian
 64-bit words ``w`` (the last one zero-padded), is ``mix(sum_i mix(w[i] + (i+1) G) ^ n)``
 modulo 2**64 (``mix``: splitmix64's finaliser, ``G`` the golden-ratio constant).
 Each word goes through a bijective mixer before the sum, so a changed row keeps
-its digest only by a 2**-64 accident. ``row_digests.c`` computes it at memory
-speed (compiled on first use, :mod:`..kernels.build`; 64-bit lanes of AVX-512 where
-the machine has them: ~10 GB/s a core on the development machine), split over
-torch's intra-op threads; without a compiler the same numbers come from torch
-ops, about ten times slower.
+its digest only by a 2**-64 accident. ``csrc/row_digests.c`` computes it at memory
+speed (in the package's built extension, :mod:`...kernels.native`; 64-bit lanes of
+AVX-512 where the machine has them: ~10 GB/s a core on the development machine),
+split over torch's intra-op threads; without the extension (a pure-Python install)
+the same numbers come from torch ops, about ten times slower.
 
 Example::
 
@@ -30,30 +30,19 @@ Example::
 
 from __future__ import annotations
 
-import concurrent.futures
-import ctypes
-import functools
-import logging
-import os
-from pathlib import Path
-
 import torch
 
-from ...kernels import build
+from ...kernels import native
 
 __all__ = ["DIGEST_BYTES", "digest_width", "row_digests"]
-
-log = logging.getLogger(__name__)
 
 DIGEST_BYTES = 8
 """Bytes of one row's digest for rows longer than that (shorter rows are their own digest)."""
 
-_SOURCE = Path(__file__).with_name("row_digests.c")
 _G = 0x9E3779B97F4A7C15
 _C1 = 0xBF58476D1CE4E5B9
 _C2 = 0x94D049BB133111EB
 _CHUNK_BYTES = 1 << 20  # rows hashed at once by the torch fallback (cache-sized temporaries)
-_PART_BYTES = 32 << 20  # the least a thread digests (torch.get_num_threads() threads at most)
 
 
 def _signed(c: int) -> int:
@@ -63,22 +52,6 @@ def _signed(c: int) -> int:
 def digest_width(row_bytes: int) -> int:
     """Bytes of one row's digest: the row itself up to 8 bytes, else :data:`DIGEST_BYTES`."""
     return row_bytes if row_bytes <= DIGEST_BYTES else DIGEST_BYTES
-
-
-@functools.lru_cache(maxsize=1)
-def _native() -> ctypes.CDLL | None:
-    """The compiled ``row_digests.c``; ``None`` without a compiler (``TDB_NATIVE_KERNELS=0`` too)."""
-    if os.environ.get("TDB_NATIVE_KERNELS", "1") == "0":
-        return None
-    try:
-        lib = ctypes.CDLL(str(build.library(_SOURCE)))
-    except Exception as e:  # noqa: BLE001 - any build or load failure falls back to torch ops
-        log.warning("torchrec_dtensor_bridge: native row digests unavailable, using torch ops: %s", e)
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.tdb_row_digests.argtypes = [p, i64, i64, i64, p]
-    lib.tdb_row_digests.restype = ctypes.c_int
-    return lib
 
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -126,26 +99,7 @@ def row_digests(t: torch.Tensor) -> torch.Tensor:
     n, nbytes = rows.shape
     if nbytes <= DIGEST_BYTES:
         return rows.cpu().clone() if rows.device.type == "cpu" else rows.cpu()
-    lib = _native()
-    if lib is None or rows.device.type != "cpu":
+    kernel = native.kernel() if rows.device.type == "cpu" else None  # on a GPU: torch ops where the rows are
+    if kernel is None:
         return _torch_digests(rows).cpu()
-    out = torch.empty(n, dtype=torch.int64)
-    parts = max(1, min(torch.get_num_threads(), n * nbytes // _PART_BYTES))
-    cuts = [n * i // parts for i in range(parts + 1)]
-
-    def run(a: int, b: int) -> int:
-        return int(lib.tdb_row_digests(rows.data_ptr() + a * rows.stride(0), b - a, nbytes, rows.stride(0),
-                                       out.data_ptr() + 8 * a))
-
-    if parts == 1:
-        codes = [run(0, n)] if n else []
-    else:  # ctypes releases the GIL: the parts run at once, on torch's intra-op thread count
-        codes = list(_pool(parts).map(run, cuts[:-1], cuts[1:]))
-    if any(codes):
-        raise RuntimeError(f"tdb_row_digests failed ({codes}) on {n} rows of {nbytes} bytes")
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tdb-row-digests")
+    return kernel.row_digests(rows)  # split over torch's intra-op threads, on row boundaries

@@ -1,21 +1,25 @@
 /*
- * Per-row digests of a table's rows, for incremental checkpoints (torchrec_dtensor_bridge/checkpoint/digests.py).
+ * Per-row digests of a table's rows, for incremental checkpoints
+ * (torchrec_dtensor_bridge/checkpoint/incremental/digests.py).
  *
  *   tdb_row_digests  out[r] = digest of the row_bytes bytes at base + r * stride, for r in [0, rows).
  *
  * The digest of a row of n bytes, read as w = ceil(n / 8) little-endian 64-bit words (the last one
  * zero-padded): h = sum over i of mix(word[i] + (i + 1) * G), then digest = mix(h ^ n), all modulo 2^64,
- * where mix is splitmix64's finaliser. digests.py computes the same numbers with torch ops (no compiler).
- * Loaded through ctypes; no Python or torch headers.
+ * where mix is splitmix64's finaliser. digests.py computes the same numbers with torch ops (a pure-Python
+ * install). Built with the package into the extension torchrec_dtensor_bridge._C (ops.cpp calls it); no Python
+ * or torch headers.
  */
 #include <stdint.h>
 #include <string.h>
 
+#include "tdb_kernels.h"
+
 #define TDB_G 0x9e3779b97f4a7c15ULL
 
 /* One copy per feature level (x86-64-v4 multiplies 64-bit lanes in vectors: the words of a row are mixed 8 at
-   a time); kernels/build.py compiles again with TDB_NO_CLONES for compilers without target clones. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(TDB_NO_CLONES)
+   a time); GCC names these levels from version 12 on, older compilers build one plain copy. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && !defined(TDB_NO_CLONES)
 #define TDB_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define TDB_CLONES

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "tdb_kernels.h"
+
 #define TDB_SGD 0
 #define TDB_ROWWISE_ADAGRAD 1
 #define TDB_ADAGRAD 2
@@ -38,7 +40,7 @@
 #define TDB_BF16 2
 #define TDB_PREFETCH 8
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(TDB_NO_CLONES)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && !defined(TDB_NO_CLONES)
 #define TDB_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define TDB_CLONES

@@ -4,8 +4,8 @@
  * rows at element woff[t], dims[t] wide; its bags t * B .. (t + 1) * B - 1 of the T * B + 1 offsets,
  * table-major, absolute positions in ids).
  *
- * Loaded by torchrec_dtensor_bridge/kernels/native.py (ctypes; compiled on first use, no Python or
- * torch headers).
+ * Built with the package (setup.py: compiled as C11 into a static library linked into the extension
+ * torchrec_dtensor_bridge._C) and called by the extension's ops (ops.cpp); no Python or torch headers here.
  *
  *   tdb_check_tables  the batch checked (offsets in order, every id inside its table) without reading a row.
  *   tdb_pool_tables   out[b, table t's columns] = sum over bag b's ids p of psw[p] * weight_t[ids[p]], in id
@@ -42,6 +42,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "tdb_kernels.h"
+
 #define TDB_SGD 0
 #define TDB_ROWWISE_ADAGRAD 1
 #define TDB_ADAGRAD 2
@@ -56,8 +58,9 @@
 
 /* One copy per x86-64 feature level, picked at load time by what the CPU supports (levels, not CPU
    names: virtual machines report generic models, which "arch=<cpu>" clones never match); v3 and v4 have
-   FMA, so fmaf is one instruction. build.py compiles again with TDB_NO_CLONES for compilers without them. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(TDB_NO_CLONES)
+   FMA, so fmaf is one instruction. GCC names these levels from version 12 on; older compilers build one plain
+   copy. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && !defined(TDB_NO_CLONES)
 #define TDB_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define TDB_CLONES
