@@ -11,6 +11,7 @@ from .layout import ShardLayout, ShardSpec
 
 __all__ = [
     "check_plan_ranks",
+    "dmp_type",
     "embedding_bag_collection_type",
     "jagged_types",
     "layout_from_parameter_sharding",
@@ -30,6 +31,15 @@ def embedding_bag_collection_type() -> type | None:
 
     mod = sys.modules.get("torchrec.modules.embedding_modules")
     return None if mod is None else mod.EmbeddingBagCollection
+
+
+def dmp_type() -> type | None:
+    """TorchRec's ``DistributedModelParallel`` class if torchrec's ``model_parallel`` is already loaded, else
+    ``None`` (a DMP exists only once it is, as :func:`embedding_bag_collection_type` reasons)."""
+    import sys
+
+    mod = sys.modules.get("torchrec.distributed.model_parallel")
+    return None if mod is None else mod.DistributedModelParallel
 
 
 def jagged_types() -> tuple[type, type]:

@@ -17,8 +17,10 @@ from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards
 from ..convert.reshard import Move, move_pieces, pieces
 from ..groups import CommGroup, call_group
 from ..layout import ShardLayout
+from .dmp import reshard_dmp
 from .optimizers import Optimizer, check_optimizers, optimizer_moves
 from .tables import WHAT, Table, check_plan, sharded_tables
+from .torchrec_access import is_dmp
 
 __all__ = ["reshard"]
 
@@ -78,33 +80,48 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
             optimizers: Sequence[Optimizer] = ()) -> nn.Module:
     """Move ``model``'s tables, and every optimizer state over them, to ``plan``, in memory; *collective*.
 
-    ``model`` is a module sharded by :func:`~torchrec_dtensor_bridge.shard_module`; ``plan`` maps table
-    names (as ``shard_module`` takes them) to their new layouts over the ranks of the tables' mesh; a
-    table the plan does not name stays as it is. Every rank of that mesh calls it with the same plan.
-    Steps, the same on every rank:
+    ``model`` is a module sharded by :func:`~torchrec_dtensor_bridge.shard_module`, or a TorchRec
+    ``DistributedModelParallel`` whose tables train with TorchRec's fused kernel. For a ``shard_module``
+    model ``plan`` maps table names (as ``shard_module`` takes them) to their new layouts over the ranks
+    of the tables' mesh; for a DMP it is a TorchRec ``ShardingPlan`` (module path -> table ->
+    ``ParameterSharding``) or one sharded module's ``{table: ParameterSharding}``. A table the plan does
+    not name stays as it is. Every rank of the tables' group calls it with the same plan. Steps, the
+    same on every rank:
 
     1. check the plan against the model (names, shapes, dtypes, ranks, coverage) and the optimizers
        against the tables, and agree on the verdict and the plan (one ``all_gather``): on any problem
        every rank raises before anything is allocated;
     2. allocate every changing table's new storage - weight, gradient, optimizer state - and agree that
-       every rank could;
+       every rank could (a DMP's sharded module whose plan changes is built anew by the DMP's own
+       sharder, which allocates its tables);
     3. table by table, move into it only what changes owner: each overlap of an old block with a new
        block travels from the rank holding it to the rank taking it (one ``batch_isend_irecv`` on the
-       mesh's group per table, weights and states together); blocks that stay on their rank are
+       tables' group per table, weights and states together); blocks that stay on their rank are
        copied locally;
     4. agree that every rank has all its new blocks; only then swap: each table's parameter becomes a
        new ``nn.Parameter`` over its new storage (``requires_grad`` and its gradient kept), each
        ``torch.optim`` optimizer's parameter groups and ``state`` refer to it (states shaped like the
        table moved, single values such as ``step`` kept), and each
        :class:`~torchrec_dtensor_bridge.FusedOptimizer` holding the table updates the new parameter
-       with the moved state. The old storage is freed when nothing else refers to it.
+       with the moved state. A DMP's new sharded module takes the old one's place in the model, in
+       ``dmp.plan`` and in ``dmp.fused_optimizer`` (each table's ``lr`` kept); its dense parameters,
+       their optimizers and its data-parallel wrapper are left as they are. The old storage is freed
+       when nothing else refers to it.
 
-    Pass every optimizer over the resharded tables: one left out keeps referring to the old parameters.
+    Optimizer state moves as a checkpoint load would convert it: TorchRec's row-wise Adagrad keeps one
+    value per row and column block of a column-cut table; those move block for block into the same
+    column blocks, and combine (weighted by the blocks' widths) into a plan with one column block; a
+    split into other column blocks is refused.
+
+    Pass every optimizer over the resharded tables of a ``shard_module`` model: one left out keeps
+    referring to the old parameters.
 
     Args:
-        model: a module sharded by ``shard_module``.
-        plan: table name -> :class:`~torchrec_dtensor_bridge.ShardLayout` (global ranks).
-        optimizers: ``torch.optim`` optimizers and ``FusedOptimizer``s over the model's tables.
+        model: a module sharded by ``shard_module``, or a ``DistributedModelParallel``.
+        plan: table name -> :class:`~torchrec_dtensor_bridge.ShardLayout` (global ranks); for a DMP, a
+            ``ShardingPlan`` or ``{table: ParameterSharding}``.
+        optimizers: ``torch.optim`` optimizers and ``FusedOptimizer``s over a ``shard_module`` model's
+            tables (a DMP's fused optimizer moves by itself; its dense optimizers stay as they are).
 
     Returns:
         ``model`` itself, resharded.
@@ -112,9 +129,9 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
     Raises:
         TypeError, ValueError, NotImplementedError: on every rank before any byte moves, naming the table
             and the values: a name that is no sharded table of the model; a layout of another shape or
-            dtype, with a block on a rank outside the tables' mesh (a plan for another world size), or
-            not covering the table; an optimizer state that cannot follow the table; ranks passing
-            different plans.
+            dtype, with a block on a rank outside the tables' group (a plan for another world size), or
+            not covering the table; an optimizer state that cannot follow the table; a DMP table not
+            trained by the fused kernel; ranks passing different plans.
         RuntimeError: on every rank when a rank could not allocate or receive its new blocks; the
             model and the optimizers are then as before.
 
@@ -125,7 +142,10 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
         >>> ...  # train
         >>> tdb.reshard(model, {"emb.weight": ShardLayout.row_wise((1000, 64), world)}, optimizers=[opt])
         >>> ...  # train on: model.emb.weight and opt's state are row-wise now
+        >>> tdb.reshard(dmp, new_sharding_plan)  # a DistributedModelParallel, its fused optimizer with it
     """
+    if is_dmp(model):  # its fused optimizer moves with its tables; its dense optimizers stay as they are
+        return reshard_dmp(model, plan)
     if not isinstance(model, nn.Module):
         raise TypeError(f"{WHAT}: model must be an nn.Module, got {type(model).__name__}")
     found = sharded_tables(model)

@@ -1,0 +1,264 @@
+"""``reshard`` of a TorchRec ``DistributedModelParallel``: its fused tables and their optimizer state.
+
+A sharded ``EmbeddingBagCollection`` whose plan changes is rebuilt by the DMP's own sharder under the new
+plan (TorchRec allocates its tables); each table then takes its values and fused optimizer state from the
+old module, only the blocks that change owner travelling (:func:`..convert.reshard.move_pieces`), and the
+new module replaces the old one in the model, the DMP's plan and its fused optimizer once every rank has
+all its blocks. Dense parameters, their optimizer and the data-parallel wrapper are not touched.
+
+TorchRec's fused optimizer state, per table (the registry's kinds, :mod:`..optim_kinds`):
+
+- element-wise state (Adagrad's ``momentum1``) has the weight's layout;
+- per-row state (row-wise Adagrad's ``momentum1``) is 1-D: for a table cut into ``n`` column blocks,
+  ``n`` values per row, block ``k``'s at ``k * rows + row``. It moves as a ``(n, rows)`` table: between
+  two plans with the same column blocks block for block; into a plan with one column block each row's
+  blocks combined, weighted by their widths, as a checkpoint load combines them; into another column cut
+  it is refused (one value per row does not split into per-block values exactly).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .._compat import ShardedTensor
+from ..agreement import Problem, ProblemKind, Rejected, agree, check_same, gather_objects
+from ..convert.reshard import Move, move_pieces, pieces
+from ..groups import CommGroup, of_group
+from ..layout import ShardLayout, ShardSpec
+from ..optim_kinds import OptimKind, StateKind
+from ..torchrec_plan import layout_from_parameter_sharding
+from . import torchrec_access as trec
+from .tables import WHAT
+
+__all__ = ["reshard_dmp"]
+
+
+@dataclass(frozen=True)
+class _Table:
+    """One table of a sharded module, now and under the plan (layouts in global ranks)."""
+
+    path: str
+    name: str
+    rows: int
+    old: ShardLayout
+    new: ShardLayout
+
+
+@dataclass
+class _Module:
+    """One sharded module whose plan changes."""
+
+    path: str
+    old: Any
+    plan: dict[str, Any]
+    tables: list[_Table]
+    new: Any = None
+    moves: list[tuple[str, list[Move], list[Callable[[], None]]]] = field(default_factory=list)
+
+
+def _columns(layout: ShardLayout) -> list[tuple[int, int]]:
+    """The column blocks ``(first column, width)`` in the order of the blocks that first hold them."""
+    out: list[tuple[int, int]] = []
+    for s in layout.shards:
+        if s.numel and (s.offsets[1], s.sizes[1]) not in out:
+            out.append((s.offsets[1], s.sizes[1]))
+    return out
+
+
+def _row_table(layout: ShardLayout, rows: int) -> tuple[ShardLayout, ShardLayout]:
+    """TorchRec's 1-D per-row state layout of a table of ``layout``, and the same as a ``(blocks, rows)``
+    table (block ``k``'s values at row ``k``)."""
+    cols = _columns(layout)
+    flat, grid = [], []
+    for s in layout.shards:
+        k = cols.index((s.offsets[1], s.sizes[1])) if s.numel else 0
+        flat.append(ShardSpec(s.rank, (k * rows + s.offsets[0],), (s.sizes[0],)))
+        grid.append(ShardSpec(s.rank, (k, s.offsets[0]), (1, s.sizes[0])))
+    return (ShardLayout((len(cols) * rows,), tuple(flat), torch.float32, layout.name),
+            ShardLayout((len(cols), rows), tuple(grid), torch.float32, layout.name))
+
+
+def _fail(kind: type[Exception], table: str, message: str) -> Rejected:
+    return Rejected(kind, f"{WHAT}: table {table!r}: {message}")
+
+
+def _kind(name: str | None) -> OptimKind | None:
+    return next((k for k in OptimKind if name is not None and k.emb_optim_type == name), None)
+
+
+def _global(layout: ShardLayout, members: tuple[int, ...]) -> ShardLayout:
+    return ShardLayout(layout.global_shape, tuple(ShardSpec(members[s.rank or 0], s.offsets, s.sizes)
+                                                  for s in layout.shards), layout.dtype, layout.name)
+
+
+def _module_plans(dmp: Any, plan: object, modules: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``path -> {table: ParameterSharding}`` from a ``ShardingPlan`` or one module's table dict."""
+    inner = getattr(plan, "plan", None)
+    if isinstance(inner, Mapping):
+        return {str(p): dict(v) for p, v in inner.items()}
+    if not isinstance(plan, Mapping):
+        raise Rejected(TypeError, f"{WHAT}: plan must be a TorchRec ShardingPlan or a module's dict of "
+                                  f"ParameterShardings, got {type(plan).__name__}")
+    names = set(plan)
+    holders = [p for p, m in modules.items() if names <= set(trec.table_shapes(m))]
+    if len(holders) != 1:
+        raise Rejected(ValueError, f"{WHAT}: the tables {sorted(names)} are not all in one sharded module of the "
+                                   f"model (its modules: {sorted(modules)}); pass a ShardingPlan")
+    return {holders[0]: dict(plan)}
+
+
+def _check_table(path: str, name: str, shape: tuple[int, int], old_ps: Any, new_ps: Any, group: CommGroup,
+                 kind: OptimKind | None) -> _Table:
+    full = f"{path}.{name}"
+    for ps, which in ((old_ps, "now"), (new_ps, "in the plan")):
+        if getattr(ps, "compute_kernel", None) != "fused" or ps.sharding_type == "data_parallel":
+            raise _fail(NotImplementedError, full, f"{ps.sharding_type} with the {ps.compute_kernel!r} kernel "
+                                                   f"{which}; reshard moves tables trained by the fused kernel")
+    try:
+        old = layout_from_parameter_sharding(old_ps, shape, world_size=group.size, name=full)
+        new = layout_from_parameter_sharding(new_ps, shape, world_size=group.size, name=full)
+    except (TypeError, ValueError) as e:
+        raise _fail(type(e), full, f"the plan's {new_ps.sharding_type} sharding does not fit the table of shape "
+                                   f"{list(shape)} on {group.size} ranks: {e}") from None
+    if kind is not None and kind.row_wise:
+        before, after = _columns(old), _columns(new)
+        if len(after) > 1 and [w for _, w in before] != [w for _, w in after]:
+            raise _fail(NotImplementedError, full, f"its {kind.name} state keeps a value per row and column "
+                        f"block; column blocks of widths {[w for _, w in before]} do not convert into blocks of "
+                        f"widths {[w for _, w in after]} (only into the same blocks, or into one)")
+    return _Table(path, name, shape[0], _global(old, group.members), _global(new, group.members))
+
+
+def _check(dmp: Any, plan: object, group: CommGroup) -> list[_Module]:
+    modules = trec.sharded_modules(dmp)
+    out = []
+    for path, given in _module_plans(dmp, plan, modules).items():
+        if path not in modules:
+            raise Rejected(ValueError, f"{WHAT}: plan entry {path!r}: the model has no sharded module there; "
+                                       f"its sharded modules are {sorted(modules)}")
+        old = modules[path]
+        shapes, now = trec.table_shapes(old), trec.module_plan(old)
+        unknown = sorted(set(given) - set(shapes))
+        if unknown:
+            raise _fail(ValueError, f"{path}.{unknown[0]}", f"the module at {path!r} has no such table; its "
+                                                            f"tables are {sorted(shapes)}")
+        kind = _kind(trec.fused_optimizer_kind(dmp, old))
+        if kind is not None and kind.states and not kind.torchrec_mapped:
+            raise Rejected(NotImplementedError, f"{WHAT}: the fused optimizer {kind.name!r} of {path!r} keeps "
+                                                "state whose TorchRec form is not mapped")
+        merged = {**now, **given}
+        tables = [_check_table(path, t, shapes[t], now[t], merged[t], group, kind) for t in shapes]
+        if any(t.old.shards != t.new.shards for t in tables):
+            out.append(_Module(path, old, merged, tables))
+    return out
+
+
+def _local(value: object, layout: ShardLayout, rank: int, what: str) -> list[torch.Tensor]:
+    """This rank's blocks of TorchRec's ``value`` (a ShardedTensor or DTensor; ``None``: none), in
+    ``layout.shards_on(rank)`` order."""
+    held: dict[tuple[int, ...], torch.Tensor] = {}
+    if isinstance(value, ShardedTensor):
+        held = {tuple(s.metadata.shard_offsets): s.tensor for s in value.local_shards()}
+    elif isinstance(value, DTensor):
+        local: Any = value.to_local()
+        if hasattr(local, "local_shards"):
+            held = {tuple(o): t for o, t in zip(local.local_offsets(), local.local_shards())}
+        elif local.numel():
+            held = {(0,) * value.dim(): local}
+    out = []
+    for s in layout.shards_on(rank):
+        t = held.get(s.offsets)
+        if t is None or tuple(t.shape) != s.sizes:
+            raise ValueError(f"{what}: TorchRec holds no block {list(s.sizes)} at {list(s.offsets)} on rank {rank}")
+        out.append(t)
+    return out
+
+
+def _table_moves(m: _Module, t: _Table, kind: OptimKind | None, rank: int,
+                 ) -> tuple[list[Move], list[Callable[[], None]]]:
+    key = f"embedding_bags.{t.name}.weight"
+    old_w, new_w = m.old.state_dict()[key], m.new.state_dict()[key]
+    moves = [Move(pieces(t.old, t.new), t.old, _local(old_w, t.old, rank, key), t.new,
+                  _local(new_w, t.new, rank, key))]
+    finish: list[Callable[[], None]] = []
+    old_s = m.old.fused_optimizer.state_dict()["state"].get(key, {})
+    new_s = m.new.fused_optimizer.state_dict()["state"].get(key, {})
+    for spec in kind.states if kind is not None else ():
+        skey = f"{t.name}.{spec.torchrec}"
+        if spec.shape is StateKind.ELEMENT:
+            moves.append(Move(moves[0].pieces, t.old, _local(old_s.get(skey), t.old, rank, skey), t.new,
+                              _local(new_s.get(skey), t.new, rank, skey)))
+            continue
+        (old_flat, old_grid), (new_flat, new_grid) = _row_table(t.old, t.rows), _row_table(t.new, t.rows)
+        src = [x.view(1, -1) for x in _local(old_s.get(skey), old_flat, rank, skey)]
+        dst = _local(new_s.get(skey), new_flat, rank, skey)
+        if [w for _, w in _columns(t.old)] == [w for _, w in _columns(t.new)]:
+            moves.append(Move(pieces(old_grid, new_grid), old_grid, src, new_grid, [x.view(1, -1) for x in dst]))
+            continue
+        widths = torch.tensor([w for _, w in _columns(t.old)], dtype=torch.float64)
+        blocks = len(widths)  # every row's blocks, then combined
+        into = ShardLayout((blocks, t.rows), tuple(ShardSpec(s.rank, (0, s.offsets[0]), (blocks, s.sizes[0]))
+                                                   for s in new_flat.shards), torch.float32, skey)
+        bufs = [torch.empty((blocks, x.numel()), dtype=x.dtype, device=x.device) for x in dst]
+        moves.append(Move(pieces(old_grid, into), old_grid, src, into, bufs))
+
+        def combine(bufs: list[torch.Tensor] = bufs, dst: list[torch.Tensor] = dst) -> None:
+            for buf, out in zip(bufs, dst):
+                out.copy_(((buf.to(torch.float64) * widths[:, None]).sum(0) / widths.sum()).to(out.dtype))
+
+        finish.append(combine)
+    return moves, finish
+
+
+def _digest(modules: list[_Module]) -> int:
+    text = repr([(t.path, t.name, t.new.digest()) for m in modules for t in m.tables])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def _failure(message: str, error: BaseException) -> Problem:
+    return Problem.of(ProblemKind.FAILURE, f"{WHAT}: {message}: {type(error).__name__}: {error}")
+
+
+def reshard_dmp(dmp: Any, plan: object) -> Any:
+    """:func:`~torchrec_dtensor_bridge.reshard` of a ``DistributedModelParallel`` (steps as there)."""
+    group = of_group(trec.reshard_group(dmp))
+    rank = dist.get_rank()
+    problem, modules = None, []
+    try:
+        modules = _check(dmp, plan, group)
+    except Rejected as e:
+        problem = e.problem
+    rows = agree(WHAT, problem, [_digest(modules)], group)
+    check_same(WHAT, "the plan (a digest of its layouts)", [r[0] for r in rows])
+    saved: list[dict[str, dict[str, Any]]] = [{} for _ in modules]  # each table's lr, ... from its holders
+    for held in gather_objects([trec.hyperparameters(m.old) for m in modules], group):
+        for mine, theirs in zip(saved, held):
+            mine.update(theirs)
+    try:
+        for m in modules:
+            m.new = trec.shard_afresh(dmp, m.path, m.old, m.plan)
+            kind = _kind(trec.fused_optimizer_kind(dmp, m.old))
+            m.moves = [(t.name, *_table_moves(m, t, kind, rank)) for t in m.tables]
+    except Exception as e:  # noqa: BLE001 - shared with every rank, which all raise
+        problem = _failure("building the new sharded modules", e)
+    agree(WHAT, problem, [], group, refused="could not build its new sharded modules")
+    for m in modules:
+        for name, moves, finish in m.moves:
+            try:
+                move_pieces(moves, group=group.group, rank=rank)
+                for f in finish:
+                    f()
+            except Exception as e:  # noqa: BLE001 - every rank takes part in every table's move, then all raise
+                problem = problem or _failure(f"moving table {m.path}.{name}", e)
+    agree(WHAT, problem, [], group, refused="did not receive all its new blocks")
+    with torch.no_grad():
+        for m, values in zip(modules, saved):
+            trec.install(dmp, m.path, m.new, values)
+    return dmp
