@@ -1,5 +1,7 @@
-"""This package's CPU kernels (``kernels/native.py``) vs fbgemm_gpu-cpu's: the fused optimizers' update and the
-lookup's pooled sum.
+"""This package's CPU kernels (the built extension's ops, ``kernels/native.py``) vs fbgemm_gpu-cpu's: the fused
+optimizers' update and the lookup's pooled sum. The figures ``kernels/choose.py``'s rule comes from
+(docs/kernels.md): run it for each dtype, on tables past the caches (the default) and inside them
+(``--tables 1 --rows 20000``).
 
 One process, one thread (``--threads`` for more). ``--tables`` tables of ``--rows`` x ``--dim`` fp32 (4 x
 1,000,000 x 128 = 2 GiB by default, so the rows a step touches are not in the
@@ -17,6 +19,10 @@ forward kernel (checked bit-identical first).
     python scripts/bench_sparse_update.py --reps 7 --out bench/results.json
     python scripts/bench_sparse_update.py --kinds adagrad,adam --tables 2   # element-wise states: +2-4 GiB
     python scripts/bench_sparse_update.py --threads 2 --out /tmp/t.json     # both kernels on two threads
+    python scripts/bench_sparse_update.py --dtype fp16 --kinds sgd,rowwise_adagrad,adagrad  # fp16 tables
+
+fp16 tables are updated rounded to nearest (fbgemm's CPU kernels round no other way; stochastic rounding is
+ours alone).
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ def _fbgemm(kind: str, weight, grad, ids, offsets, state) -> None:
         op(*common, state.view(-1), place, w_off, torch.tensor(LR), eps=EPS)
 
 
+DTYPES = {"fp32": "float32", "fp16": "float16"}  # names of torch dtypes, resolved once torch is imported
+TOLERANCE_16 = {"rtol": 1e-2, "atol": 1e-3}  # fp16 rows: a unit in the last place either way
 BASELINES = {"adam": "torch ops (optim/update.py)"}  # fbgemm-gpu-cpu builds no CPU Adam kernel
 """Per kind, what ours is compared with when it is not fbgemm-gpu-cpu's backward-with-optimizer kernel."""
 
@@ -61,7 +69,7 @@ def _states(kind: str, w: Any) -> tuple:
         return ()
     if kind == "rowwise_adagrad":
         return (torch.zeros(w.shape[0]),)
-    return tuple(torch.zeros_like(w) for _ in range(2 if kind == "adam" else 1))
+    return tuple(torch.zeros_like(w, dtype=torch.float32) for _ in range(2 if kind == "adam" else 1))  # fp32 state
 
 
 def _torch_adam(w, grad, ids, offsets, states) -> None:
@@ -80,7 +88,8 @@ def _torch_adam(w, grad, ids, offsets, states) -> None:
 def _hyper(kind: str) -> Any:
     from torchrec_dtensor_bridge.optim_kinds import Hyper, WeightDecayMode, lookup
 
-    return Hyper(lookup(kind), LR, EPS, 0.0, WeightDecayMode.NONE, BETAS[0], BETAS[1])
+    # rounded to nearest: what fbgemm's CPU kernels do with fp16 tables (no effect on fp32 ones)
+    return Hyper(lookup(kind), LR, EPS, 0.0, WeightDecayMode.NONE, BETAS[0], BETAS[1], stochastic_rounding=False)
 
 
 def _one(w) -> Any:
@@ -112,10 +121,11 @@ def run(cfg: dict) -> dict[str, Any]:
     torch.set_num_threads(cfg["threads"])
     kernel = native.kernel()
     if kernel is None:
-        raise SystemExit("bench_sparse_update: the native kernel could not be built (see the log)")
+        raise SystemExit(f"bench_sparse_update: the extension is {native.missing()}; {native.BUILD_HINT}")
     rows, dim, n_tables = cfg["rows"], cfg["dim"], cfg["tables"]
     bags, bag = cfg["bags"], cfg["bag"]
-    tables = [torch.empty(rows, dim).uniform_(-0.01, 0.01) for _ in range(n_tables)]
+    dtype = getattr(torch, DTYPES[cfg["dtype"]])
+    tables = [torch.empty(rows, dim).uniform_(-0.01, 0.01).to(dtype) for _ in range(n_tables)]
     offsets = torch.arange(0, bags * bag + 1, bag)
     wide = torch.rand(bags, (n_tables + 1) * dim)
     grads = [wide[:, (t + 1) * dim : (t + 2) * dim] for t in range(n_tables)]  # strided, as in backward
@@ -131,7 +141,7 @@ def run(cfg: dict) -> dict[str, Any]:
             _update(path, kernel, kind, w, grads[0], ids, offsets, st)
             got[path] = (w, *st)
         for a, b in zip(got["ours"], got["baseline"]):
-            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a.float(), b.float(), **({} if dtype == torch.float32 else TOLERANCE_16))
         states = [_states(kind, w) for w in tables]  # one set for both paths: the timing needs no particular state
         times: dict[str, list[float]] = {"ours": [], "baseline": []}
         for rep in range(cfg["warmup"] + cfg["reps"]):
@@ -196,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--kinds", default="sgd,rowwise_adagrad", help="comma-separated subset of " + ", ".join(KINDS))
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="the tables' dtype")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for both paths (default 1, as in the training benchmark's ranks)")
     parser.add_argument("--no-forward", dest="forward", action="store_false",
@@ -207,10 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--kinds: choose from {', '.join(KINDS)}, got {args.kinds!r}")
     if min(args.rows, args.dim, args.tables, args.bags, args.bag, args.reps, args.threads) < 1 or args.warmup < 0:
         parser.error("--rows, --dim, --tables, --bags, --bag, --reps and --threads must be >= 1")
-    cfg = {k: getattr(args, k) for k in ("rows", "dim", "tables", "bags", "bag", "reps", "warmup", "forward", "threads")}
+    if args.dtype != "fp32" and "adam" in kinds:
+        parser.error("--kinds adam: fp32 only (its baseline is the torch-op path)")
+    cfg = {k: getattr(args, k) for k in ("rows", "dim", "tables", "bags", "bag", "reps", "warmup", "forward", "threads",
+                                         "dtype")}
     cfg["kinds"] = kinds
     res = run(cfg)
-    print(f"sparse update / pooled sum of one table ({cfg['rows']:,} x {cfg['dim']} fp32, {cfg['tables']} tables, "
+    print(f"sparse update / pooled sum of one table ({cfg['rows']:,} x {cfg['dim']} {cfg['dtype']}, {cfg['tables']} tables, "
           f"{cfg['bags']} bags of {cfg['bag']} fresh random ids), {cfg['threads']} thread(s); ms per table, median [min .. max] "
           f"of {cfg['reps']}")
     for kind, r in res.items():
@@ -218,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {kind:<18} {r['baseline_label']:<28} {f['median'] * 1e3:6.2f} [{f['min'] * 1e3:.2f} .. "
               f"{f['max'] * 1e3:.2f}]   ours {o['median'] * 1e3:6.2f} [{o['min'] * 1e3:.2f} .. {o['max'] * 1e3:.2f}]"
               f"   ratio {q['median']:.2f}x [{q['min']:.2f} .. {q['max']:.2f}]")
-    record(args.out, "sparse_update", {"config": cfg, "kinds": res})
+    record(args.out, "sparse_update" if cfg["dtype"] == "fp32" else f"sparse_update_{cfg['dtype']}",
+           {"config": cfg, "kinds": res})
     return 0
 
 

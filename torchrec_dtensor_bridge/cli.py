@@ -1,7 +1,8 @@
-"""Command line: ``python -m torchrec_dtensor_bridge {inspect,migrate,export,compact}``.
+"""Command line: ``python -m torchrec_dtensor_bridge {inspect,migrate,export,compact,gc,kernels}``.
 
-A thin argparse shell over :mod:`torchrec_dtensor_bridge.checkpoint`; every
-failure prints ``error: ...`` to stderr and exits non-zero.
+A thin argparse shell over :mod:`torchrec_dtensor_bridge.checkpoint` (and, for ``kernels``,
+:mod:`torchrec_dtensor_bridge.kernels.report`); every failure prints ``error: ...`` to stderr
+and exits non-zero.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 
 from . import checkpoint
 from .checkpoint.common import format_mib
+from .kernels import report
 
 __all__ = ["main"]
 
@@ -44,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.epilog = ("Every PATH, SRC and DST may be an s3://bucket/prefix/name URL of an S3-compatible store, "
                      "configured by the standard AWS variables (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
                      "AWS_SECRET_ACCESS_KEY, AWS_REGION).")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{inspect,migrate,export,compact,gc}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{inspect,migrate,export,compact,gc,kernels}")
     p = sub.add_parser("inspect", help="print a checkpoint's tables, shapes, dtypes and shard layouts",
                        description="Print every key of a checkpoint: dtype, shape, shard cuts and size.")
     p.add_argument("path", help="a checkpoint written by checkpoint.save, or any DCP directory")
@@ -80,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
                        "name runs.")
     g.add_argument("path", help="a checkpoint written by checkpoint.save (a local path or s3:// URL)")
     g.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    k = sub.add_parser("kernels", help="print which kernels run each kind of work here, and why",
+                       description="Print the versions of torch, fbgemm_gpu and this package's extension, then, per "
+                       "kind of work (pooled sum, fused update per optimizer kind, dense gradient, checkpoint row "
+                       "digests), dtype and device, which implementation runs it (ours, fbgemm's, torch's) and why: "
+                       "the rule (docs/kernels.md), the TDB_KERNELS override, a missing extension or fbgemm_gpu.")
+    k.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 
 
@@ -107,6 +116,8 @@ def _run(args: argparse.Namespace) -> str:
         if args.json:
             return json.dumps(checkpoint.inspect(args.path), indent=2)
         return checkpoint.format_report(args.path)
+    if args.command == "kernels":
+        return report.format_report(as_json=args.json)
     if args.command == "gc":
         removed = checkpoint.collect(args.path, dry_run=args.dry_run)
         verb = "would remove" if args.dry_run else "removed"

@@ -204,11 +204,12 @@ def test_ranks_settle_on_what_every_rank_has_then_the_rule_decides(monkeypatch):
         assert kernels.update_impl(cpu, "sgd", 0.1) is kernels.Impl.TORCH  # fbgemm ignores weight decay
         assert kernels.update_impl(cpu, "sgd", 0.0, torch.float16, stochastic=True) is kernels.Impl.TORCH
         kernels.settle(cpu, [mine, mine])  # both: the rule, the same on every rank
-        for (work, dtype), (impl, _) in kernels.choose.RULE.items():
+        for (work, dtype), rule in kernels.choose.RULE.items():
             half = torch.float16 if dtype == "fp16" else torch.float32
-            got = (kernels.pool_impl(cpu, half) if work == "pool"
-                   else kernels.update_impl(cpu, work.removeprefix("update_"), 0.0, half))
-            assert got is impl, (work, dtype)
+            for nbytes in (0, 1 << 20, 64 << 20, 1 << 30, None):
+                got = (kernels.pool_impl(cpu, half, nbytes) if work == "pool"
+                       else kernels.update_impl(cpu, work.removeprefix("update_"), 0.0, half, nbytes=nbytes))
+                assert got is rule.pick(nbytes), (work, dtype, nbytes)
         assert kernels.dense_impl(cpu) is kernels.Impl.FBGEMM
         assert kernels.update_impl(cpu, "adam", 0.0) is kernels.Impl.NATIVE  # fbgemm-gpu-cpu has no Adam
         assert kernels.pool_impl(cpu, torch.bfloat16) is kernels.Impl.NATIVE  # nor bf16 tables
@@ -223,7 +224,7 @@ def test_the_rule_covers_the_work_both_kernels_do_and_says_why(monkeypatch):
     cpu, choose = torch.device("cpu"), kernels.choose
     both = [k.name for k in OptimKind if k.native is not None and k.fbgemm_cpu]
     assert set(choose.RULE) == {(w, d) for w in ["pool", *(f"update_{k}" for k in both)] for d in ("fp32", "fp16")}
-    assert choose.explain_pool(cpu).why.startswith("rule: ")
+    assert choose.explain_pool(cpu).why.startswith("rule for pool fp32: ")
     assert "fbgemm: no CPU kernel for 'adam'" in choose.explain_update(cpu, "adam", 0.0).why
     assert "stochastic" in choose.explain_update(cpu, "sgd", 0.0, torch.float16, stochastic=True).why
     assert "weight decay" in choose.explain_update(cpu, "sgd", 0.1).why
@@ -378,10 +379,14 @@ def test_pooling_over_a_large_storage_runs_the_rules_kernel_from_its_first_call(
     ids = torch.randint(0, 1000, (60,), generator=g)
     offsets = torch.arange(0, 61, 6)
     want = F.embedding_bag(ids, storage[:1000], offsets[:-1], mode="sum")
-    assert kernels.pool_impl(storage.device) is kernels.Impl.NATIVE
+    rule = kernels.choose.rule_for("pool", torch.float32).pick(storage.numel() * 4)
+    assert kernels.pool_impl(storage.device, torch.float32, storage.numel() * 4) is rule
+    ours, theirs = "tdb_native::pool_sum", "fbgemm::split_embedding_codegen_forward_cpu"
+    if rule is kernels.Impl.FBGEMM:
+        ours, theirs = theirs, ours
     for _ in range(3):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             (out,) = kernels.pool([kernels.Pooling(storage, ids, offsets, None, False, None)])
         names = {e.name for e in prof.events()}
-        assert "tdb_native::pool_sum" in names and not any(n.startswith("fbgemm::") for n in names), names
+        assert ours in names and theirs not in names, names
         assert torch.equal(out[0], want)

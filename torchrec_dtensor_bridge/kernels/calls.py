@@ -251,7 +251,7 @@ def update_supported(shard: torch.Tensor, hyper: Hyper, weights: torch.Tensor | 
     if ids is not None and offsets is not None and not _int64(ids, offsets):
         return False
     which = choose.update_impl(shard.device, hyper.kind, hyper.weight_decay, shard.dtype,
-                               stochastic=hyper.stochastic_rounding)
+                               stochastic=hyper.stochastic_rounding, nbytes=shard.numel() * shard.element_size())
     if which is choose.Impl.TORCH:
         return False
     n = 0 if ids is None else ids.numel()

@@ -10,10 +10,12 @@ Steps of a choice (:func:`pool_impl`, :func:`update_impl`, :func:`dense_impl`; :
    CPU fp32 and fp16 tables, the kinds whose record says ``fbgemm_cpu``, no weight decay, rounding to nearest
    only: :func:`for_weights`), torch's (always; the reference math, a kind's torch-op update). After a
    lookup's agreement, only what every rank of it has (:func:`settle`).
-3. Where ours and fbgemm's both can, the rule (:data:`RULE`): per kind of work and dtype, the one measured
-   faster on the sizes measured, 10 MiB to 2 GiB of tables (docs/kernels.md gives the figures and how to
-   measure them again). It depends on nothing measured in the process: the same install, environment and
-   arguments give the same choice in every process and on every rank.
+3. Where ours and fbgemm's both can, the rule (:data:`RULE`): per kind of work, dtype and size (the bytes of
+   the call's tables), the one measured faster there, 5 MiB to 2 GiB of tables (docs/kernels.md gives the
+   figures and how to measure them again). It depends on nothing measured in the process: the same install,
+   environment and call give the same choice in every process, so ranks holding the same table (a replicated
+   one) run the same kernel on it; ranks holding different shards may run different ones, each on rows no
+   other rank updates.
 4. Off the CPU: fbgemm's CUDA kernels where they can do the work (ours are CPU-only), torch's otherwise.
 
 A lookup's ranks agree on what they have (:func:`choice_code` travels in the lookup's agreement): an
@@ -28,8 +30,10 @@ lists gets :attr:`Impl.TORCH`: its torch-op math on the touched rows.
 
 Example::
 
-    >>> explain_pool(torch.device("cpu"), torch.float32)
-    Choice(impl=<Impl.NATIVE: 2>, why='rule: ours (pooled sum fp32: 1.50x fbgemm ...)')
+    >>> explain_update(torch.device("cpu"), "sgd", 0.0, torch.float32, nbytes=1 << 30).impl
+    <Impl.NATIVE: 2>
+    >>> explain_update(torch.device("cpu"), "sgd", 0.0, torch.float32, nbytes=1 << 20).why
+    "rule for update_sgd fp32: ours from 64 MiB of tables, fbgemm's below (fbgemm's time / ours: ...)"
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ import torch
 from ..optim_kinds import REGISTERED, OptimKind, lookup
 from . import fbgemm, native
 
-__all__ = ["RULE", "Choice", "Impl", "choice_code", "dense_impl", "explain_dense", "explain_pool", "explain_update",
-           "for_weights", "pool_impl", "settle", "update_impl"]
+__all__ = ["RULE", "Choice", "Impl", "Rule", "choice_code", "dense_impl", "explain_dense", "explain_pool",
+           "explain_update", "for_weights", "pool_impl", "rule_for", "settle", "update_impl"]
 
 log = logging.getLogger(__name__)
 
@@ -68,20 +72,52 @@ class Choice:
     why: str
 
 
-RULE: dict[tuple[str, str], tuple[Impl, str]] = {
-    ("pool", "fp32"): (Impl.NATIVE, "1.50x fbgemm's"),
-    ("pool", "fp16"): (Impl.NATIVE, "1.2x fbgemm's"),
-    ("update_sgd", "fp32"): (Impl.NATIVE, "2.9x fbgemm's"),
-    ("update_sgd", "fp16"): (Impl.NATIVE, "1.9x fbgemm's"),
-    ("update_rowwise_adagrad", "fp32"): (Impl.NATIVE, "1.27x fbgemm's"),
-    ("update_rowwise_adagrad", "fp16"): (Impl.NATIVE, "2.0x fbgemm's"),
-    ("update_adagrad", "fp32"): (Impl.NATIVE, "1.82x fbgemm's"),
-    ("update_adagrad", "fp16"): (Impl.NATIVE, "1.8x fbgemm's"),
+@dataclass(frozen=True)
+class Rule:
+    """Which of ours and fbgemm's CPU kernels runs one kind of work on tables of one dtype, where both can:
+    ours over at least :attr:`ours_from` bytes of tables in one call, fbgemm's below (0: ours at every size;
+    ``None``: fbgemm's at every size).
+
+    Attributes:
+        ours_from: the least bytes of tables (the call's storage) ours runs on.
+        figures: fbgemm's time / ours at the sizes measured (docs/kernels.md), what decided it.
+    """
+
+    ours_from: int | None
+    figures: str
+
+    def pick(self, nbytes: int | None) -> Impl:
+        """The implementation for a call over ``nbytes`` bytes of tables (``None``: past every threshold)."""
+        if self.ours_from is None:
+            return Impl.FBGEMM
+        return Impl.NATIVE if nbytes is None or nbytes >= self.ours_from else Impl.FBGEMM
+
+    def describe(self) -> str:
+        """The rule in words: ``ours``, ``fbgemm's``, or ``ours from 64 MiB, fbgemm's below``."""
+        if self.ours_from is None:
+            return "fbgemm's"
+        if self.ours_from == 0:
+            return "ours"
+        return f"ours from {self.ours_from >> 20} MiB of tables, fbgemm's below"
+
+
+_MIB = 1 << 20
+RULE: dict[tuple[str, str], Rule] = {
+    ("pool", "fp32"): Rule(None, "0.63-0.93x at 10 MiB to 2 GiB"),
+    ("pool", "fp16"): Rule(None, "0.83-0.97x at 10 MiB to 1 GiB"),
+    ("update_sgd", "fp32"): Rule(64 * _MIB, "0.33-0.65x below 32 MiB, 1.0-1.1x at 64 MiB, 1.35-1.75x above"),
+    ("update_sgd", "fp16"): Rule(32 * _MIB, "0.82-1.24x below 32 MiB, 1.0-1.33x at 32 MiB, 1.2-1.66x above"),
+    ("update_rowwise_adagrad", "fp32"): Rule(0, "0.68-1.18x at 10 MiB, 1.78-3.34x from 20 MiB"),
+    ("update_rowwise_adagrad", "fp16"): Rule(0, "1.0-1.09x at 5-10 MiB, 1.37-2.59x from 16 MiB"),
+    ("update_adagrad", "fp32"): Rule(16 * _MIB, "0.64-0.82x at 10 MiB, 1.15-1.80x from 20 MiB"),
+    ("update_adagrad", "fp16"): Rule(64 * _MIB, "0.87-0.98x below 64 MiB, 1.05-1.32x from 64 MiB"),
 }
 """Step 3: per kind of work (``pool``, ``update_<kind>``) and dtype (``fp32``, ``fp16``: the dtypes both C
-kernels take), the implementation that runs where ours and fbgemm's both can, and the figure that decided
-it (fbgemm's time / ours, one thread, every size measured; docs/kernels.md). Work both can do that is not
-listed (a kind registered later) runs ours: the kernels' own math, written for this package's kinds."""
+kernels take), the :class:`Rule` that picks ours or fbgemm's where both can, from the figures of
+``scripts/bench_sparse_update.py`` on this project's machine (one thread, one table of 128 columns a call,
+81,920 ids; fbgemm's time / ours, medians; docs/kernels.md). Work both can do that is not listed (a kind
+registered later) runs ours: the kernels' own math, written for this package's kinds."""
+_UNLISTED = Rule(0, "not measured")
 
 
 def _forced() -> Impl | None:
@@ -149,9 +185,10 @@ _NAMES = {Impl.NATIVE: "ours", Impl.FBGEMM: "fbgemm", Impl.TORCH: "torch"}
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
-def _pick(work: str, dtype: torch.dtype, device: torch.device, cannot: dict[Impl, str | None]) -> Choice:
-    """Steps 1-3 on the CPU: ``cannot`` gives, for ours and fbgemm's, why it cannot do the work (``None``: it
-    can)."""
+def _pick(work: str, dtype: torch.dtype, device: torch.device, cannot: dict[Impl, str | None],
+          nbytes: int | None = None) -> Choice:
+    """Steps 1-3 on the CPU for a call over ``nbytes`` bytes of tables: ``cannot`` gives, for ours and fbgemm's,
+    why it cannot do the work (``None``: it can)."""
     reasons = {impl: why if why is not None else _lacks(impl, device) for impl, why in cannot.items()}
     forced = _forced()
     if forced is not None:
@@ -160,10 +197,23 @@ def _pick(work: str, dtype: torch.dtype, device: torch.device, cannot: dict[Impl
         return Choice(Impl.TORCH, f"override: TDB_KERNELS={forced.name.lower()}, but {reasons.get(forced)}")
     ready = [impl for impl in (Impl.NATIVE, Impl.FBGEMM) if impl in reasons and reasons[impl] is None]
     if len(ready) == 2:
-        impl, figure = RULE.get((work, _DTYPE_NAMES[dtype]), (Impl.NATIVE, "not measured"))
-        return Choice(impl, f"rule: {_NAMES[impl]} ({work} {_DTYPE_NAMES[dtype]}: ours {figure})")
+        rule = rule_for(work, dtype)
+        impl = rule.pick(nbytes)
+        return Choice(impl, f"rule for {work} {_DTYPE_NAMES[dtype]}: {rule.describe()} (fbgemm's time / ours: "
+                            f"{rule.figures})")
     lacking = "; ".join(r for r in reasons.values() if r is not None)
     return Choice(ready[0] if ready else Impl.TORCH, lacking)
+
+
+def rule_for(work: str, dtype: torch.dtype) -> Rule:
+    """The :class:`Rule` of ``work`` (``pool``, ``update_<kind>``) on tables of ``dtype``."""
+    return RULE.get((work, _DTYPE_NAMES.get(dtype, "")), _UNLISTED)
+
+
+def _large(work: str, dtype: torch.dtype, nbytes: int | None) -> bool:
+    """Which side of its rule's threshold a call over ``nbytes`` bytes of tables is (what a remembered choice
+    is kept under)."""
+    return rule_for(work, dtype).pick(nbytes) is Impl.NATIVE
 
 
 def _on_device(device: torch.device, fbgemm_cannot: str | None) -> Choice:
@@ -188,24 +238,26 @@ def _on_device(device: torch.device, fbgemm_cannot: str | None) -> Choice:
 def _fbgemm_cpu_cannot(dtype: torch.dtype, *, stochastic: bool = False) -> str | None:
     """Why fbgemm's CPU kernels cannot take tables of ``dtype`` (an update asking for ``stochastic`` rounding)."""
     if dtype not in (torch.float32, torch.float16):
-        return f"fbgemm: its CPU kernels take no {dtype} tables"
+        return f"fbgemm: its CPU kernels take no {_DTYPE_NAMES.get(dtype, str(dtype))} tables"
     if stochastic and dtype != torch.float32:
         return "fbgemm: its CPU kernels round to nearest only (stochastic rounding asked)"
     return None
 
 
-def explain_pool(device: torch.device, dtype: torch.dtype = torch.float32) -> Choice:
-    """The implementation of ``tdb::pool_sum`` on ``device`` for tables of ``dtype``, and why."""
+def explain_pool(device: torch.device, dtype: torch.dtype = torch.float32, nbytes: int | None = None) -> Choice:
+    """The implementation of ``tdb::pool_sum`` on ``device`` over ``nbytes`` bytes of tables of ``dtype`` (``None``:
+    tables past every threshold of the rule), and why."""
     if dtype not in native.DTYPES:
         return Choice(Impl.TORCH, f"{dtype} tables: torch's ops only")
     if device.type != "cpu":
         return _on_device(device, None)
-    return _pick("pool", dtype, device, {Impl.NATIVE: None, Impl.FBGEMM: _fbgemm_cpu_cannot(dtype)})
+    return _pick("pool", dtype, device, {Impl.NATIVE: None, Impl.FBGEMM: _fbgemm_cpu_cannot(dtype)}, nbytes)
 
 
-def pool_impl(device: torch.device, dtype: torch.dtype = torch.float32) -> Impl:
+def pool_impl(device: torch.device, dtype: torch.dtype = torch.float32, nbytes: int | None = None) -> Impl:
     """:func:`explain_pool`'s implementation (remembered once the ranks settled)."""
-    return _remembered(("pool", dtype), device, lambda: explain_pool(device, dtype).impl)
+    return _remembered(("pool", dtype, _large("pool", dtype, nbytes)), device,
+                       lambda: explain_pool(device, dtype, nbytes).impl)
 
 
 def explain_dense(device: torch.device) -> Choice:
@@ -229,10 +281,12 @@ def _kind(kind: OptimKind | str) -> OptimKind:
 
 
 def explain_update(device: torch.device, kind: OptimKind | str, weight_decay: float,
-                   dtype: torch.dtype = torch.float32, *, stochastic: bool = False) -> Choice:
-    """The implementation of ``tdb::sparse_update`` for optimizer ``kind`` on ``device`` over tables of
-    ``dtype`` (``stochastic``: half-precision rows rounded stochastically), and why; :attr:`Impl.TORCH`
-    means no one-pass kernel (the caller runs the optimizer's torch-op math on the touched rows).
+                   dtype: torch.dtype = torch.float32, *, stochastic: bool = False,
+                   nbytes: int | None = None) -> Choice:
+    """The implementation of ``tdb::sparse_update`` for optimizer ``kind`` on ``device`` over ``nbytes`` bytes of
+    tables of ``dtype`` (``stochastic``: half-precision rows rounded stochastically; ``nbytes=None``: past every
+    threshold of the rule), and why; :attr:`Impl.TORCH` means no one-pass kernel (the caller runs the
+    optimizer's torch-op math on the touched rows).
 
     Raises:
         ValueError: for a kind the registry does not know.
@@ -251,11 +305,11 @@ def explain_update(device: torch.device, kind: OptimKind | str, weight_decay: fl
     theirs = (f"fbgemm: no CPU kernel for {found.name!r}" if not found.fbgemm_cpu
               else "fbgemm: its CPU kernels ignore weight decay" if weight_decay
               else _fbgemm_cpu_cannot(dtype, stochastic=stochastic))
-    return _pick(f"update_{found.name}", dtype, device, {Impl.NATIVE: ours, Impl.FBGEMM: theirs})
+    return _pick(f"update_{found.name}", dtype, device, {Impl.NATIVE: ours, Impl.FBGEMM: theirs}, nbytes)
 
 
 def update_impl(device: torch.device, kind: OptimKind | str, weight_decay: float,
-                dtype: torch.dtype = torch.float32, *, stochastic: bool = False) -> Impl:
+                dtype: torch.dtype = torch.float32, *, stochastic: bool = False, nbytes: int | None = None) -> Impl:
     """:func:`explain_update`'s implementation (remembered once the ranks settled).
 
     Raises:
@@ -263,8 +317,10 @@ def update_impl(device: torch.device, kind: OptimKind | str, weight_decay: float
     """
     found = _kind(kind)
     stochastic = stochastic and dtype in (torch.float16, torch.bfloat16)  # fp32 rows are not rounded
-    return _remembered(("update", found, bool(weight_decay), dtype, stochastic), device,
-                       lambda: explain_update(device, found, weight_decay, dtype, stochastic=stochastic).impl)
+    large = _large(f"update_{found.name}", dtype, nbytes)
+    return _remembered(("update", found, bool(weight_decay), dtype, stochastic, large), device,
+                       lambda: explain_update(device, found, weight_decay, dtype, stochastic=stochastic,
+                                          nbytes=nbytes).impl)
 
 
 def for_weights(which: Impl, device: torch.device, dtype: torch.dtype, *, stochastic: bool = False) -> Impl:

@@ -51,14 +51,15 @@ from ..optim_kinds import Hyper, WeightDecayMode
 from .args import Batch, State, Tables
 
 try:
-    from .. import _C  # noqa: F401 - registers torch.ops.tdb_native
+    from .. import _C  # registers torch.ops.tdb_native
 except ImportError as e:  # not built, or built for another torch (an undefined symbol)
     _LOAD_ERROR: str | None = f"{type(e).__name__}: {e}"
+    _FILE: str | None = None
 else:
-    _LOAD_ERROR = None
+    _LOAD_ERROR, _FILE = None, getattr(_C, "__file__", None)
 
-__all__ = ["BUILD_HINT", "DTYPES", "MAX_DIM", "MIN_PER_THREAD", "VERSION", "NativeKernel", "fits", "kernel",
-           "missing", "row_cuts"]
+__all__ = ["BUILD_HINT", "DTYPES", "MAX_DIM", "MIN_PER_THREAD", "VERSION", "NativeKernel", "extension_file", "fits",
+           "kernel", "missing", "row_cuts"]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,11 @@ def missing() -> str | None:
     if found != VERSION:
         return f"built from other sources (tdb_native version {found}, these modules need {VERSION}): rebuild it"
     return None
+
+
+def extension_file() -> str | None:
+    """The loaded extension's file (``torchrec_dtensor_bridge/_C*.so``); ``None`` when it did not load."""
+    return _FILE
 
 
 @functools.lru_cache(maxsize=1)

@@ -221,7 +221,7 @@ def _pool_sum(tables: Tables, batch: Batch) -> Tensor:
     device = tables.storage.device
     b = _check_batch("pool_sum", len(tables.dims), batch, device)
     on_cpu, width = device.type == "cpu", sum(tables.dims)
-    which = choose.pool_impl(device, tables.storage.dtype)
+    which = choose.pool_impl(device, tables.storage.dtype, _nbytes(tables))
     if (which is Impl.NATIVE and not native.fits(tables, batch)) or (
             which is Impl.FBGEMM and not on_cpu and _cuda_misfit(tables, batch, b) is not None):
         which = Impl.TORCH
@@ -230,6 +230,11 @@ def _pool_sum(tables: Tables, batch: Batch) -> Tensor:
     if width == 0 or (not on_cpu and (b == 0 or batch.ids.numel() == 0)):  # nothing to add up
         return tables.storage.new_zeros(b, width)
     return run_pool_sum(which, tables, batch)
+
+
+def _nbytes(tables: Tables) -> int:
+    """The bytes of the tables of a call, the size :mod:`.choose`'s rule reads."""
+    return sum(r * d for r, d in zip(tables.rows, tables.dims)) * tables.storage.element_size()
 
 
 def _cuda_misfit(tables: Tables, batch: Batch, b: int) -> str | None:
@@ -292,12 +297,15 @@ def _sparse_update(tables: Tables, batch: Batch, grad: Tensor, state: State, hyp
     b = _check_update(tables, batch, grad, state, hyper)
     device = tables.storage.device
     which = choose.update_impl(device, hyper.kind, hyper.weight_decay, tables.storage.dtype,
-                               stochastic=hyper.stochastic_rounding)
+                               stochastic=hyper.stochastic_rounding, nbytes=_nbytes(tables))
     if which is Impl.TORCH:
         raise ValueError(f"tdb::sparse_update: no one-pass kernel for kind {hyper.kind.name!r} with "
                          f"weight_decay={hyper.weight_decay} on {device} for {tables.storage.dtype} tables "
                          f"(stochastic_rounding={hyper.stochastic_rounding}; kernels.choose.update_impl)")
     if device.type == "cpu":
+        if which is Impl.NATIVE and not native.fits(tables, batch):  # fbgemm's, where the rule has it below a size
+            which = choose.update_impl(device, hyper.kind, hyper.weight_decay, tables.storage.dtype,
+                                       stochastic=hyper.stochastic_rounding, nbytes=0)
         if which is Impl.NATIVE and not native.fits(tables, batch):
             raise _fail("sparse_update", "dims, rows, ids", (list(tables.dims), list(tables.rows), batch.ids.numel()),
                         f"at most {native.MAX_DIM} columns, fewer than 2**31 rows and ids (the C kernels)")
