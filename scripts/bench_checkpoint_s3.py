@@ -97,9 +97,13 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
             dist.all_gather_object(errs, err)
             return next((e for e in errs if e is not None), None)
 
-        def timed(fn) -> tuple[float, str | None]:
+        cpu_seconds: dict[str, list[list[float]]] = {}
+
+        def timed(fn, name: str | None = None) -> tuple[float, str | None]:
+            """Seconds of ``fn`` on every rank at once; with ``name``, the CPU seconds it took are recorded
+            under it: [the ranks' processes together, the server's]."""
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0, s0 = time.perf_counter(), _own_cpu(), _process_cpu(cfg["server_pid"])
             err = None
             try:
                 fn()
@@ -107,6 +111,9 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
                 err = _error(e)
             err = agree(err)
             dt = time.perf_counter() - t0
+            used = torch.tensor([_own_cpu() - c0], dtype=torch.float64)
+            dist.all_reduce(used)
+            cpu_seconds.setdefault(name or "", []).append([float(used), _process_cpu(cfg["server_pid"]) - s0])
             return dt, err
 
         def loaded_ok() -> None:
@@ -142,7 +149,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
                             continue
                         fn = (lambda: tdb.checkpoint.save(sd, target)) if what == "save" else \
                             (lambda: tdb.checkpoint.load(dest, target))
-                    dt, err = timed(fn)
+                    dt, err = timed(fn, f"{name}_{what}" if keep else None)
                     if err is not None:
                         if name == "dcp":
                             raise RuntimeError(f"dcp {what} over s3fs failed: {err}")
@@ -153,7 +160,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
                     if keep:
                         times[f"{name}_{what}"].append(dt)
             cleanup(f"{url}/dcp-{rep}", f"{url}/ours-{rep}")
-        result: dict[str, Any] = {"rank": rank, "times": times, "ours_error": ours_error,
+        result: dict[str, Any] = {"rank": rank, "times": times, "ours_error": ours_error, "cpu_seconds": cpu_seconds,
                                   "bytes_total": sum(t.numel() * 4 for t in _locals(sd)) * world}
 
         if cfg["incremental"]:
@@ -183,6 +190,20 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
             result["incremental"] = inc
         out.put(result)
         dist.barrier()
+
+
+def _own_cpu() -> float:
+    """CPU seconds (user + system) of this process so far, every thread's."""
+    import resource
+
+    u = resource.getrusage(resource.RUSAGE_SELF)
+    return u.ru_utime + u.ru_stime
+
+
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far (``/proc/<pid>/stat``, fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _objects(url: str) -> tuple[Any, str, list[dict]]:
@@ -255,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         client.create_bucket(Bucket=bucket)
         cfg = {"gib": args.gib, "reps": args.reps, "warmup": args.warmup, "bucket": bucket,
                "incremental": args.incremental, "changed": args.changed, "collective_timeout_s": 600,
-               "master": f"http://127.0.0.1:{server.ports['master']}"}
+               "master": f"http://127.0.0.1:{server.ports['master']}", "server_pid": server.proc.pid}
         per_rank = spawn_ranks(_worker, 2, (cfg,), name="checkpoint_s3", timeout_s=3600)
         r0 = per_rank[0]
         inc = r0.get("incremental")
@@ -279,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
             res[k] = s = _stats(times[k], gib)
             print(f"  {k:<9} median {s['median']:.2f}s ({s['gib_s']:.3f} GiB/s), min {s['min']:.2f}, "
                   f"max {s['max']:.2f} ({s['runs']} runs)")
+    res["cpu_seconds"] = {}
+    for k, xs in r0["cpu_seconds"].items():
+        if k:
+            ranks, srv = statistics.median(x[0] for x in xs), statistics.median(x[1] for x in xs)
+            res["cpu_seconds"][k] = {"ranks": ranks, "server": srv}
+            print(f"  {k:<9} CPU seconds (medians): ranks {ranks:.1f}, server {srv:.1f}")
     if r0["ours_error"]:
         res["ours_error"] = r0["ours_error"]
         print(f"  ours: not available ({r0['ours_error']})")
