@@ -185,3 +185,38 @@ def test_per_block_row_states_combine_weighted_by_the_blocks_widths():
     combine2, undo2 = combine_row_states(ex.row_states, {"opt.s": (3, 5)}, md)
     undo2()
     assert holder["s"] is dest  # a failed load puts the destination back untouched
+
+
+def test_a_save_walks_the_state_dict_once(tmp_path, monkeypatch):
+    """Every step of a save (the default group, the signature the ranks agree on, the row records, the objects'
+    summary) reads one list of the state_dict's leaves: the walk over them runs once a save, full or
+    incremental (DCP's own walk inside ``dcp.save`` aside)."""
+    import sys
+
+    from torchrec_dtensor_bridge.checkpoint import common
+
+    walks = []
+    original = common.leaves
+
+    def counted(sd, prefix=""):
+        if prefix == "":
+            walks.append(1)
+        return original(sd, prefix)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torchrec_dtensor_bridge.checkpoint") and getattr(module, "leaves", None) is original:
+            monkeypatch.setattr(module, "leaves", counted)
+    model = _model(0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    _train(model, opt, range(2))
+    state = {"model": model, "optim": opt, "meta": {"step": 2, "note": "x"}, "t": torch.arange(12.0).view(4, 3)}
+    tdb.checkpoint.save(state, tmp_path / "full")
+    assert len(walks) == 1
+    state["t"][1] += 1
+    tdb.checkpoint.save(state, tmp_path / "link", base=tmp_path / "full")
+    assert len(walks) == 2
+    dest = {"model": _model(1), "optim": None, "meta": {"step": 0, "note": ""}, "t": torch.zeros(4, 3)}
+    dest["optim"] = torch.optim.Adam(dest["model"].parameters(), lr=0.1)
+    tdb.checkpoint.load(dest, tmp_path / "link")
+    assert torch.equal(dest["t"], state["t"]) and dest["meta"] == {"step": 2, "note": "x"}
+    assert tdb.checkpoint.inspect(tmp_path / "link")["meta.note"]["value"] == "'x'"

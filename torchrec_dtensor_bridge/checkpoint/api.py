@@ -66,7 +66,7 @@ from ..groups import CommGroup
 from .agree import Kind, Problem, member_group, problem_from, raise_gathered
 from .incremental.chainread import load_chain
 from .commit import SaveTarget, check_target, generation, prepare_generation, save_lock, writable_parent
-from .common import default_process_group, dtype_of, global_shape, leaves, object_summary, run_dcp
+from .common import Flat, default_process_group, dtype_of, flat, global_shape, object_summary, run_dcp
 from .errors import CheckpointError
 from .incremental.base import BaseCheckpoint, open_base
 from .incremental.rows import Rows, without_tensors
@@ -97,7 +97,7 @@ def _call(verb: str, state_dict: object, path: str | Path | Loc, process_group: 
     loc = locate(path, storage_options)  # a bad URL or option: raised before anything else
     expanded = expand(state_dict, for_load=verb == "load")
     try:
-        group = process_group if process_group is not None else default_process_group(expanded.view)
+        group = process_group if process_group is not None else default_process_group(expanded.leaves())
     except BaseException:
         expanded.rollback()
         raise
@@ -115,9 +115,9 @@ def _discard(path: Loc, gen: Loc, target: SaveTarget | None) -> None:
     (path if target is not None and target.created else gen).delete_tree()
 
 
-def _signature(state_dict: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...], str]]:
+def _signature(state_dict: Mapping[str, Any] | Flat) -> dict[str, tuple[str, tuple[int, ...], str]]:
     out = {}
-    for fqn, v in leaves(state_dict):
+    for fqn, v in flat(state_dict):
         if isinstance(v, torch.Tensor):
             out[fqn] = (type(v).__name__, global_shape(v), str(dtype_of(v)))
     return out
@@ -232,8 +232,8 @@ def save(
             problems.append(Problem(Kind.VALUE, str(e)))
         except Exception as e:  # reported to every rank
             problems.append(problem_from(e, f"base {base}"))
-    rows = Rows(state_dict, dist.get_rank() if dist.is_initialized() else 0, base_ck, tuple(g.members))
-    signature = _signature(state_dict)
+    rows = Rows(expanded.leaves(), dist.get_rank() if dist.is_initialized() else 0, base_ck, tuple(g.members))
+    signature = _signature(expanded.leaves())
     if not problems:  # before the agreement, so that it is the save's only one of its own
         try:
             problems += rows.compute()
@@ -277,7 +277,7 @@ def save(
             state = staged_copy(state_dict)
         side = side_group(g) if asynchronous else g
         job = Job(loc, gen, save_id, g, what, state, rows, base_ck, [e[2] for e in everyone],
-                  {"objects": object_summary(state_dict), ROW_STATE_COLUMNS: widths}, keep_spare, lock, gen_lock)
+                  {"objects": object_summary(expanded.leaves()), ROW_STATE_COLUMNS: widths}, keep_spare, lock, gen_lock)
     finally:
         if job is None:
             rows.close()

@@ -77,7 +77,7 @@ def run_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 # -------------------------------------------------------------------- process group
-def default_process_group(state_dict: Mapping[str, Any]) -> dist.ProcessGroup | None:
+def default_process_group(state_dict: Mapping[str, Any] | Flat) -> dist.ProcessGroup | None:
     """The group a save or load of ``state_dict`` runs on when none is given; collective-free.
 
     The DTensors' *root* mesh decides (a sub-mesh, such as the shard dimension
@@ -96,7 +96,7 @@ def default_process_group(state_dict: Mapping[str, Any]) -> dist.ProcessGroup | 
         >>> default_process_group({"t": dtensor_on_mesh_2x2["shard"]})  # None: the 2x2 mesh is the world
     """
     roots: list[DeviceMesh] = []
-    for _, v in leaves(state_dict):
+    for _, v in flat(state_dict):
         if isinstance(v, DTensor):
             root = root_mesh(v.device_mesh)
             if root.size() > 1 and not any(root == m for m in roots):
@@ -109,6 +109,15 @@ def default_process_group(state_dict: Mapping[str, Any]) -> dist.ProcessGroup | 
                          f"{root.mesh.flatten().tolist()}, not all {dist.get_world_size()} ranks; pass "
                          "process_group= (a group spanning that mesh)")
     return group_of_mesh(root, None).group
+
+
+Flat = list[tuple[str, Any]]
+"""A state_dict's leaves, ``(fqn, value)`` in order (:func:`leaves`): what a save walks the state_dict for, once."""
+
+
+def flat(sd: Mapping[str, Any] | Flat) -> Flat:
+    """``sd``'s leaves; ``sd`` itself when it is already a :data:`Flat` list (a save passes the one it made)."""
+    return sd if isinstance(sd, list) else list(leaves(sd))
 
 
 def leaves(sd: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -128,11 +137,11 @@ _SHOWN = (bool, int, float, str, type(None))
 _MAX_SHOWN = 80
 
 
-def object_summary(sd: Any) -> dict[str, dict[str, str]]:
+def object_summary(sd: Mapping[str, Any] | Flat) -> dict[str, dict[str, str]]:
     """Per non-tensor leaf of ``sd`` (keys as DCP flattens them): its type's name, and its ``repr`` when it
     is a plain scalar or string of at most 80 characters (what ``inspect`` shows without unpickling)."""
     out: dict[str, dict[str, str]] = {}
-    for fqn, v in leaves(sd):
+    for fqn, v in flat(sd):
         if isinstance(v, torch.Tensor):
             continue
         kind = type(v)

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from .._compat import shape_and_dtype
 from .agree import Kind, Problem
+from .common import Flat, leaves
 from .keyed import HYPERPARAMETERS, Hint, apply_hyperparameters, column_widths, hyperparameters, row_state_hint
 
 __all__ = ["Expanded", "expand"]
@@ -134,7 +135,7 @@ class Expanded:
         problems: this rank's refusals (a ``state_dict()`` that is not a mapping, ...), to agree on.
         created: state created for a load (:meth:`drop` removes what the checkpoint lacks).
         extras: (flattened key, its removal from the view) of entries older checkpoints do not hold.
-        records: (mapping, key) of per-rank records that a save merges across ranks (DCP writes one rank's
+        records: (mapping, key, flattened key) of per-rank records that a save merges across ranks (DCP writes one rank's
             objects): tuples of ``(name, value)`` pairs, each rank's about its own tables.
         row_states: per flattened key of a keyed optimizer's per-row state, where it sits in the view.
         column_widths: per such key of a table cut by columns into several blocks, the blocks' widths (a save
@@ -150,13 +151,14 @@ class Expanded:
     problems: list[Problem] = field(default_factory=list)
     created: list[_Created] = field(default_factory=list)
     extras: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
-    records: list[tuple[dict[str, Any], str]] = field(default_factory=list)
+    records: list[tuple[dict[str, Any], str, str]] = field(default_factory=list)
     row_states: dict[str, tuple[MutableMapping[str, Any], str]] = field(default_factory=dict)
     column_widths: dict[str, tuple[int, ...]] = field(default_factory=dict)
     hints: dict[str, Hint] = field(default_factory=dict)
     param_groups: dict[str, int] = field(default_factory=dict)
     loads: list[Callable[[], None]] = field(default_factory=list)
     writeback: list[tuple[Mapping[str, Any], dict[str, Any], list[str]]] = field(default_factory=list)
+    _leaves: Flat | None = field(default=None, repr=False)
 
     @property
     def optional(self) -> tuple[str, ...]:
@@ -164,16 +166,26 @@ class Expanded:
         else dropped."""
         return tuple(c.key for c in self.created) + tuple(k for k, _ in self.extras)
 
+    def leaves(self) -> Flat:
+        """The view's leaves (:func:`..common.leaves`), walked once: every later step of a save reads this list."""
+        if self._leaves is None:
+            self._leaves = list(leaves(self.view))
+        return self._leaves
+
     def local_records(self) -> list[Any]:
         """This rank's :attr:`records`, in order (every rank of a save has the same entries)."""
-        return [mapping.get(key) for mapping, key in self.records]
+        return [mapping.get(key) for mapping, key, _ in self.records]
 
     def merge_records(self, every_rank: list[list[Any]]) -> None:
-        """Set each record to the union of every rank's (one sorted tuple, the same on every rank)."""
-        for i, (mapping, key) in enumerate(self.records):
+        """Set each record to the union of every rank's (one sorted tuple, the same on every rank), in the view
+        and in its :meth:`leaves`."""
+        new: dict[str, tuple[Any, ...]] = {}
+        for i, (mapping, key, fqn) in enumerate(self.records):
             merged = {pair for ranks in every_rank if i < len(ranks) and isinstance(ranks[i], tuple)
                       for pair in ranks[i]}
-            mapping[key] = tuple(sorted(merged))
+            mapping[key] = new[fqn] = tuple(sorted(merged))
+        if self._leaves is not None and new:
+            self._leaves = [(k, new.get(k, v)) for k, v in self._leaves]
 
     def drop(self, absent: frozenset[str]) -> None:
         """Remove the created state the checkpoint does not hold (keys ``absent``) from the view and the optimizers."""
@@ -275,7 +287,7 @@ class _Expander:
         written without them loads as before (the key is optional)."""
         full = {**view, HYPERPARAMETERS: hyperparameters(opt)}
         self.out.extras.append((f"{key}.{HYPERPARAMETERS}", lambda: full.pop(HYPERPARAMETERS, None)))
-        self.out.records.append((full, HYPERPARAMETERS))  # each rank knows its own tables: merged on save
+        self.out.records.append((full, HYPERPARAMETERS, f"{key}.{HYPERPARAMETERS}"))  # each rank knows its own tables: merged on save
 
         def load() -> None:
             saved = full.get(HYPERPARAMETERS)

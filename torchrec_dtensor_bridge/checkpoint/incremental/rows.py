@@ -48,7 +48,7 @@ from ..._compat import ShardedTensor
 from ...convert import layout_of
 from ...wrapper import LocalShardsWrapper
 from ..agree import Problem, problem_from
-from ..common import leaves
+from ..common import Flat, flat
 from .base import BaseCheckpoint
 from .digests import row_digests
 from ..errors import CheckpointError
@@ -140,11 +140,11 @@ class _Block:
 class Rows:
     """One rank's row records of a save (the steps of the module docstring)."""
 
-    def __init__(self, state_dict: Mapping[str, Any], rank: int, base: BaseCheckpoint | None,
+    def __init__(self, state_dict: Mapping[str, Any] | Flat, rank: int, base: BaseCheckpoint | None,
                  members: tuple[int, ...] = ()) -> None:
         self.base = base
         self.blocks: list[_Block] = []
-        for fqn, v in leaves(state_dict):
+        for fqn, v in flat(state_dict):
             if isinstance(v, torch.Tensor):
                 first = _first_holders(v, members)
                 self.blocks += [_Block(fqn, o, t) for o, t in local_blocks(v, rank) if (t.numel() or not t.dim())
