@@ -14,7 +14,10 @@ too. (Ranks 0-1 form their own group for the first run, so one pool of 3 process
 serves both.) A target
 whose row-wise Adagrad table is column-wise is refused on every rank, nothing
 modified. Every step sees the same global batch of 6 samples, split over the
-ranks, so the runs differ only in summation order.
+ranks, so the runs differ only in summation order. First of all, every layout family
+(uneven row-wise, table-wise, column-wise, grid, and a row-wise state of each) goes
+through S3: saved on 2 ranks, full and as a chain of 3 links, loaded on 3 ranks into
+other layouts and in one process.
 """
 
 from __future__ import annotations
@@ -142,6 +145,93 @@ def _snapshot(state: dict[str, Any], group: dist.ProcessGroup) -> dict[str, torc
             for offsets, t in pieces:
                 full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
     return out
+
+
+# ------------------------------------------------- every layout family on S3: 2 ranks save, 3 ranks load
+_SHAPES = {"rw": (10, 4), "tw": (6, 3), "cw": (5, 8), "grid": (8, 6)}
+
+
+def _layouts(world: int) -> dict[str, Any]:
+    """Each table's layout on ``world`` ranks (2: as saved, 3: as loaded), and its row-wise Adagrad state's
+    (one value per row, cut as the table's rows)."""
+    from torchrec_dtensor_bridge.layout import ShardLayout as L
+
+    if world == 2:
+        out = {"rw": L.row_wise(_SHAPES["rw"], [7, 3]), "tw": L.table_wise(_SHAPES["tw"], 1),
+               "cw": L.column_wise(_SHAPES["cw"], [3, 5]), "grid": L.grid(_SHAPES["grid"], [3, 5], [2, 4], [0, 1, 1, 0])}
+        rows = {"rw": ([7, 3], [0, 1]), "tw": ([6], [1]), "cw": ([5], [0]), "grid": ([3, 5], [0, 1])}
+    else:
+        out = {"rw": L.row_wise(_SHAPES["rw"], [4, 3, 3]), "tw": L.table_wise(_SHAPES["tw"], 2),
+               "cw": L.column_wise(_SHAPES["cw"], [2, 3, 3]), "grid": L.grid(_SHAPES["grid"], [4, 4], [3, 3], [2, 0, 1, 2])}
+        rows = {"rw": ([1, 2, 7], [2, 0, 1]), "tw": ([6], [0]), "cw": ([2, 3], [1, 2]), "grid": ([8], [1])}
+    for name, (heights, ranks) in rows.items():
+        out[f"{name}.momentum1"] = L.row_wise((_SHAPES[name][0],), heights, ranks=ranks)
+    return out
+
+
+def _full_values(link: int) -> dict[str, torch.Tensor]:
+    """The full value of every tensor after ``link`` incremental changes (0: the full save's)."""
+    g = torch.Generator().manual_seed(11)
+    vals = {}
+    for name, shape in _SHAPES.items():
+        vals[name] = torch.randn(shape, generator=g)
+        vals[f"{name}.momentum1"] = torch.rand(shape[0], generator=g)
+    for k in range(1, link + 1):
+        for name, shape in _SHAPES.items():
+            row = (3 * k + len(name)) % shape[0]
+            vals[name][row] += k
+            vals[f"{name}.momentum1"][(row + 1) % shape[0]] += k
+    return vals
+
+
+def _sharded(vals: dict[str, torch.Tensor], layouts: dict[str, Any], mesh, fill: float | None = None) -> dict:
+    from torchrec_dtensor_bridge.convert import dtensor_from_local_shards
+
+    rank = dist.get_rank()
+    return {k: dtensor_from_local_shards(lay, [vals[k][s.slices()].clone() if fill is None else
+                                               torch.full(s.sizes, fill) for s in lay.shards_on(rank)],
+                                         device_mesh=mesh) for k, lay in layouts.items()}
+
+
+def _layouts_through_s3(rank: int, world: int, url: str) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # every rank builds both meshes and the group (this test runs first in the module: a later one builds
+    # groups on some ranks only, after which groups built on every rank no longer pair up across ranks)
+    mesh2, mesh3 = DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [0, 1, 2])
+    g01 = dist.new_group([0, 1])
+    if rank < 2:  # ranks 0-1 save a full checkpoint and a chain of 3 incremental links to S3
+        for link in range(4):
+            sd = _sharded(_full_values(link), _layouts(2), mesh2)
+            base = f"{url}/l{link - 1}" if link else None
+            tdb.checkpoint.save(sd, f"{url}/l{link}", base=base, process_group=g01)
+    dist.barrier()
+    lays3 = _layouts(3)
+    for link in (0, 3):  # all 3 ranks load the full save and the chain's newest link into other layouts
+        dest = _sharded({}, lays3, mesh3, fill=float("nan"))
+        tdb.checkpoint.load(dest, f"{url}/l{link}")
+        want = _full_values(link)
+        for k, lay in lays3.items():
+            local = dest[k].to_local()
+            shards = local.local_shards() if isinstance(local, tdb.LocalShardsWrapper) else (
+                [local] if lay.shards_on(rank) else [])
+            for spec, t in zip(lay.shards_on(rank), shards):
+                assert torch.equal(t, want[k][spec.slices()]), (link, k, rank, spec)
+
+
+def test_every_layout_family_saved_to_s3_on_two_ranks_loads_on_three_ranks_and_in_one_process(pool, s3_server):
+    """Uneven row-wise, table-wise, column-wise and grid tables with their row-wise Adagrad state (one value
+    a row), saved on 2 ranks to S3 (a real SeaweedFS), full and as a chain of 3 incremental links: loaded on
+    3 ranks into other layouts, and in this one process into plain tensors, every value torch.equal."""
+    bucket = f"tdb-layouts-{uuid.uuid4().hex[:12]}"
+    s3_server.client().create_bucket(Bucket=bucket)
+    url = f"s3://{bucket}/runs/job"
+    pool.run(_in_env, s3_server.env, _layouts_through_s3, url)
+    for link in (0, 3):
+        plain = {k: torch.full(v.shape, float("nan")) for k, v in _full_values(link).items()}
+        tdb.checkpoint.load(plain, f"{url}/l{link}")
+        assert all(torch.equal(plain[k], v) for k, v in _full_values(link).items()), link
+    assert [x["name"] for x in tdb.checkpoint.inspect(f"{url}/l3")["rw"]["links"]] == ["l3", "l2", "l1", "l0"]
 
 
 @contextlib.contextmanager
@@ -519,3 +609,4 @@ def _column_wise_to_one_rank_next_step(rank: int, world: int, path: str) -> None
 
 def test_a_column_wise_table_resumes_on_one_rank_and_steps_as_the_unsharded_rowwise_adagrad(pool, tmp_path):
     pool.run(_column_wise_to_one_rank_next_step, str(tmp_path / "cw2"))
+
