@@ -383,3 +383,33 @@ def test_large_objects_cross_part_and_range_boundaries_byte_exact(where):
                 f.write(data[: 12 << 20])  # two parts uploaded
                 raise RuntimeError("stop")
         assert (loc / "c").size() is None and "c" not in loc.list()
+
+
+def test_s3_readers_keep_a_superseded_generation_for_the_grace_period_and_past_it_fail_cleanly(s3_bucket):
+    """S3 has no reader locks: a generation superseded by a newer commit stays for ``grace_seconds`` (the
+    next save and ``gc`` leave it), so a reader that opened it goes on reading the same bytes; a reader that
+    outlasts the grace period finds its objects gone and its read fails (ranged GETs carry If-Match on the ETag
+    seen at open), never returning other bytes."""
+    path = f"s3://{s3_bucket}/grace/ck"
+    tdb.checkpoint.save(_state(1), path)
+    kept = locate(path)  # the default grace period, 600 s
+    gen = protocol.resolve(kept)
+    data = next(n for n in gen.list() if n.endswith(".distcp"))
+    reader = (gen / data).open_read()
+    try:
+        want = bytearray(reader.size)
+        assert reader.readinto(memoryview(want), 0) == reader.size
+        tdb.checkpoint.save(_state(2), path)  # supersedes the generation being read
+        tdb.checkpoint.save(_state(3), path)  # and this save's sweep keeps it: within its grace period
+        assert protocol.collect(kept) == [] and gen.name in kept.list()
+        again = bytearray(reader.size)
+        assert reader.readinto(memoryview(again), 0) == reader.size and again == want
+        expired = locate(path, {"grace_seconds": 0})  # past the grace period
+        assert gen.name in protocol.collect(expired)
+        with pytest.raises(Exception, match="NoSuchKey|Not Found|404|PreconditionFailed|412"):
+            reader.readinto(memoryview(again), 0)
+    finally:
+        reader.close()
+    dest = _blank()
+    tdb.checkpoint.load(dest, path)
+    assert _same(dest, _state(3))
