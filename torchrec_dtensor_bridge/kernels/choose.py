@@ -103,9 +103,9 @@ class Rule:
 
 _MIB = 1 << 20
 RULE: dict[tuple[str, str], Rule] = {
-    ("pool", "fp32"): Rule(None, "0.63-0.93x at 10 MiB to 2 GiB"),
-    ("pool", "fp16"): Rule(None, "0.83-0.97x at 10 MiB to 1 GiB"),
-    ("update_sgd", "fp32"): Rule(64 * _MIB, "0.33-0.65x below 32 MiB, 1.0-1.1x at 64 MiB, 1.35-1.75x above"),
+    ("pool", "fp32"): Rule(None, "0.52-0.94x at 10 MiB to 512 MiB"),
+    ("pool", "fp16"): Rule(None, "0.67-0.97x at 5 MiB to 256 MiB, noisy below 16 MiB"),
+    ("update_sgd", "fp32"): Rule(64 * _MIB, "0.33-0.97x up to 32 MiB, 0.98-1.09x at 64 MiB, 1.35-1.75x above"),
     ("update_sgd", "fp16"): Rule(32 * _MIB, "0.82-1.24x below 32 MiB, 1.0-1.33x at 32 MiB, 1.2-1.66x above"),
     ("update_rowwise_adagrad", "fp32"): Rule(0, "0.68-1.18x at 10 MiB, 1.78-3.34x from 20 MiB"),
     ("update_rowwise_adagrad", "fp16"): Rule(0, "1.0-1.09x at 5-10 MiB, 1.37-2.59x from 16 MiB"),
