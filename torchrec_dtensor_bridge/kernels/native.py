@@ -51,12 +51,12 @@ from ..optim_kinds import Hyper, WeightDecayMode
 from .args import Batch, State, Tables
 
 try:
-    from .. import _C  # registers torch.ops.tdb_native
+    from .._C import __file__ as _C_FILE  # the import registers torch.ops.tdb_native
 except ImportError as e:  # not built, or built for another torch (an undefined symbol)
     _LOAD_ERROR: str | None = f"{type(e).__name__}: {e}"
     _FILE: str | None = None
 else:
-    _LOAD_ERROR, _FILE = None, getattr(_C, "__file__", None)
+    _LOAD_ERROR, _FILE = None, _C_FILE
 
 __all__ = ["BUILD_HINT", "DTYPES", "MAX_DIM", "MIN_PER_THREAD", "VERSION", "NativeKernel", "extension_file", "fits",
            "kernel", "missing", "row_cuts"]
