@@ -15,7 +15,8 @@ needs its fake-tensor mode set aside (:func:`outside_tracing_modes`). torch.comp
 adds what a wrapper local tensor carries. ShardedTensor's own accessors
 (``.shape``, ``.dtype``: its ``__torch_function__``) warn that it is deprecated,
 about our internal use, on every call: :func:`shape_and_dtype` reads its
-metadata instead. Everything else in the package
+metadata instead. A DTensor keeps its local tensor and spec in private attributes, which
+:func:`refill_dtensor` replaces to move a parameter to another layout in place. Everything else in the package
 imports these names from here, so an upstream move breaks exactly one module.
 """
 
@@ -70,6 +71,7 @@ __all__ = [
     "outside_tracing_modes",
     "quiet_sharded_tensor_deprecation",
     "pytree",
+    "refill_dtensor",
     "root_mesh",
     "route_dtensor_op",
     "shard_placement",
@@ -198,3 +200,13 @@ def quiet_sharded_tensor_deprecation() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
         yield
+
+
+def refill_dtensor(dst: DTensor, src: DTensor) -> None:
+    """Make ``dst`` hold ``src``'s local tensor, mesh and placements, keeping its identity: a parameter
+    moved to another layout stays the object its module, optimizers and hooks refer to. The two must
+    have one global shape, stride and dtype (what the outer tensor records)."""
+    if (dst.shape, dst.stride(), dst.dtype) != (src.shape, src.stride(), src.dtype):
+        raise ValueError(f"refill_dtensor: {list(src.shape)} {src.dtype} into {list(dst.shape)} {dst.dtype}")
+    dst._local_tensor = src._local_tensor
+    dst._spec = src._spec

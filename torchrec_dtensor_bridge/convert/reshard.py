@@ -9,14 +9,16 @@ In the order a caller uses it:
 1. :func:`pieces` - from the two layouts alone (no tensor, no process group), every overlap of a
    destination block with a distinct source block, the same list on every rank. A destination
    block whose rank holds a copy of the source box takes it from there (a local copy);
-2. :func:`move_pieces` - one ``batch_isend_irecv`` for the pieces of any number of tensors
-   (a table and its optimizer states): local copies, sends, receives (straight into the
-   destination where it is contiguous); returns the bytes this rank sent;
+2. :func:`move_pieces` - the pieces of any number of tensors (a table and its optimizer states):
+   local copies, then sends and receives in ``batch_isend_irecv`` rounds (straight from the
+   source and into the destination where the piece is contiguous, else through buffers whose
+   bytes a round may bound); returns the bytes this rank sent;
 3. :func:`copy_into` - both for one tensor, with its shape and dtype checked first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -126,43 +128,99 @@ def _by_index(layout: ShardLayout, local: Sequence[torch.Tensor], rank: int) -> 
     return dict(zip(mine, local))
 
 
-def move_pieces(moves: Sequence[Move], *, group: dist.ProcessGroup | None = None, rank: int | None = None) -> int:
+def _contiguous_in(block: ShardSpec, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> bool:
+    """Whether the box is one run of a (row-major) block's memory: every dim after its first longer than one
+    spans the block."""
+    long = [d for d, n in enumerate(sizes) if n != 1]
+    return not long or all(sizes[d] == block.sizes[d] for d in range(long[0] + 1, len(sizes)))
+
+
+def _itemsize(m: Move) -> int:
+    dtype = m.dst_layout.dtype or m.src_layout.dtype
+    return dtype.itemsize if dtype is not None else 4
+
+
+def _staged(m: Move, p: Piece) -> int:
+    """The bytes of buffers a piece costs its two ranks: a copy where it is not contiguous in its source
+    block, a receiving buffer where it is not contiguous in its destination block."""
+    copies = (not _contiguous_in(m.src_layout.shards[p.src], p.offsets, p.sizes)) + (
+        not _contiguous_in(m.dst_layout.shards[p.dst], p.offsets, p.sizes))
+    return copies * p.numel * _itemsize(m)
+
+
+def _split(m: Move, p: Piece, budget: int) -> list[Piece]:
+    """``p`` cut along dim 0 into pieces whose buffers fit in ``budget`` bytes (one row at least)."""
+    per_row = _staged(m, p) // max(p.sizes[0], 1)
+    if not per_row or per_row * p.sizes[0] <= budget:
+        return [p]
+    rows = max(1, budget // per_row)
+    lo, n = p.offsets[0], p.sizes[0]
+    return [dataclasses.replace(p, offsets=(o, *p.offsets[1:]), sizes=(min(rows, lo + n - o), *p.sizes[1:]))
+            for o in range(lo, lo + n, rows)]
+
+
+def _rounds(moves: Sequence[Move], budget: int | None) -> list[list[tuple[Move, Piece]]]:
+    """The travelling pieces in rounds whose buffers together fit in ``budget`` bytes (``None``: one round),
+    from the layouts alone: the same rounds on every rank, so every round's sends and receives pair up."""
+    rounds: list[list[tuple[Move, Piece]]] = [[]]
+    used = 0
+    for m in moves:
+        for whole in m.pieces:
+            if not whole.moves:
+                continue
+            for p in [whole] if budget is None else _split(m, whole, budget):
+                cost = 0 if budget is None else _staged(m, p)
+                if rounds[-1] and budget is not None and used + cost > budget:
+                    rounds.append([])
+                    used = 0
+                rounds[-1].append((m, p))
+                used += cost
+    return [r for r in rounds if r]
+
+
+def move_pieces(moves: Sequence[Move], *, group: dist.ProcessGroup | None = None, rank: int | None = None,
+                staging_bytes: int | None = None) -> int:
     """Copy every move's pieces into its destination tensors; *collective* over the ranks of the pieces.
 
-    Every rank taking part passes the same moves (the same layouts, in the same order); all their
-    sends and receives go in ONE ``batch_isend_irecv`` on ``group`` (peers named by global rank).
-    A contiguous destination piece is received in place; others go through a buffer.
+    Every rank taking part passes the same moves (the same layouts, in the same order). Pieces that stay
+    on a rank are copied locally; the others travel point to point on ``group`` (peers named by global
+    rank), a contiguous piece straight from its source and into its destination, any other through a
+    buffer. With ``staging_bytes`` they go in rounds (one ``batch_isend_irecv`` each) whose buffers take
+    at most that many bytes on any rank, a piece cut by rows where it needs more; without, in one batch.
 
     Returns:
         The bytes this rank sent.
     """
     me = dist.get_rank() if rank is None else rank
-    ops: list[dist.P2POp] = []
-    later: list[tuple[torch.Tensor, torch.Tensor]] = []
-    sent = 0
-    for m in moves:
-        src = _by_index(m.src_layout, m.src_local, me)
-        dst = _by_index(m.dst_layout, m.dst_local, me)
+    src = [_by_index(m.src_layout, m.src_local, me) for m in moves]
+    dst = [_by_index(m.dst_layout, m.dst_local, me) for m in moves]
+    which = {id(m): i for i, m in enumerate(moves)}
+    for i, m in enumerate(moves):
         for p in m.pieces:
+            if p.src_rank == me and p.dst_rank == me:
+                _view(dst[i][p.dst], m.dst_layout.shards[p.dst], p.offsets, p.sizes).copy_(
+                    _view(src[i][p.src], m.src_layout.shards[p.src], p.offsets, p.sizes))
+    sent = 0
+    for batch in _rounds(moves, staging_bytes):
+        ops: list[dist.P2POp] = []
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for m, p in batch:
+            i = which[id(m)]
             if p.src_rank == me:
-                part = _view(src[p.src], m.src_layout.shards[p.src], p.offsets, p.sizes)
-                if p.dst_rank == me:
-                    _view(dst[p.dst], m.dst_layout.shards[p.dst], p.offsets, p.sizes).copy_(part)
-                    continue
-                part = part.contiguous()
+                part = _view(src[i][p.src], m.src_layout.shards[p.src], p.offsets, p.sizes).contiguous()
                 ops.append(dist.P2POp(dist.isend, part, p.dst_rank, group))
                 sent += part.numel() * part.element_size()
             elif p.dst_rank == me:
-                into = _view(dst[p.dst], m.dst_layout.shards[p.dst], p.offsets, p.sizes)
+                into = _view(dst[i][p.dst], m.dst_layout.shards[p.dst], p.offsets, p.sizes)
                 buf = into if into.is_contiguous() else torch.empty(p.sizes, dtype=into.dtype, device=into.device)
                 ops.append(dist.P2POp(dist.irecv, buf, p.src_rank, group))
                 if buf is not into:
                     later.append((into, buf))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    for into, buf in later:
-        into.copy_(buf)
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for into, buf in later:
+            into.copy_(buf)
     return sent
 
 

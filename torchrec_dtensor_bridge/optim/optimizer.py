@@ -247,10 +247,10 @@ class FusedOptimizer:
     def _table(self, name: str) -> TableState:
         return self._tables[name]
 
-    def _fresh_table(self, name: str, weight: DTensor, layout: ShardLayout) -> TableState:
-        """Zeroed state for table ``name`` over a new ``weight`` of ``layout`` (its step count shared with the
-        table's), not yet in use: :func:`~torchrec_dtensor_bridge.reshard` fills it, then installs it
-        (:meth:`_install_table`).
+    def _fresh_table(self, name: str, layout: ShardLayout, shards: list[torch.Tensor]) -> TableState:
+        """Zeroed state for table ``name`` once its weight holds ``shards`` in ``layout`` (its step count shared
+        with the table's), not yet in use: :func:`~torchrec_dtensor_bridge.reshard` fills it, then installs it
+        (:meth:`_install_table`) when the weight has moved to ``layout``.
 
         Raises:
             NotImplementedError: the kind's per-row state cannot follow ``layout`` (its column pieces cut
@@ -258,19 +258,16 @@ class FusedOptimizer:
         """
         old = self._tables[name]
         if layout.dtype is None:
-            layout = dataclasses.replace(layout, dtype=weight.dtype)
-        fresh = TableState(name, weight, layout.with_name(name), dist.get_rank(), local_shards_of(weight),
-                           self._kind, track_changed_rows=old.track_changed_rows)
+            layout = dataclasses.replace(layout, dtype=old.weight.dtype)
+        fresh = TableState(name, old.weight, layout.with_name(name), dist.get_rank(), list(shards), self._kind,
+                           track_changed_rows=old.track_changed_rows)
         fresh.step = old.step
         return fresh
 
     def _install_table(self, table: TableState) -> None:
-        """Put ``table`` (from :meth:`_fresh_table`) in place of the table of its name: lookups given its
-        weight update it from now on, and the old weight is no longer this optimizer's."""
-        old = self._tables[table.name]
-        self._by_id.pop(id(old.weight), None)
+        """Put ``table`` (from :meth:`_fresh_table`) in place of the table of its name: backward updates its
+        shards and state from now on."""
         self._tables[table.name] = table
-        self._by_id[id(table.weight)] = table.name
         if table.track_changed_rows:
             tracking.watch([*table.shards, *table.row_states, *(v for e in table.elements for v in e.values())])
 

@@ -6,12 +6,12 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .._compat import refill_dtensor
 from ..agreement import Problem, ProblemKind, Rejected, agree, check_same
 from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards_of
 from ..convert.reshard import Move, move_pieces, pieces
@@ -19,7 +19,7 @@ from ..groups import CommGroup, call_group
 from ..layout import ShardLayout
 from .dmp import reshard_dmp
 from .optimizers import Optimizer, check_optimizers, optimizer_moves
-from .tables import WHAT, Table, check_plan, sharded_tables
+from .tables import STAGING_BYTES, WHAT, Table, check_plan, sharded_tables
 from .torchrec_access import is_dmp
 
 __all__ = ["reshard"]
@@ -27,7 +27,7 @@ __all__ = ["reshard"]
 
 @dataclass
 class _Step:
-    """One table's move: the blocks to copy into its new storage, and what swaps it in afterwards."""
+    """One table's move: the blocks to copy into its new storage, and what puts it in use afterwards."""
 
     table: Table
     moves: list[Move]
@@ -44,8 +44,7 @@ def _prepare(table: Table, optimizers: Sequence[Optimizer], group: CommGroup, ra
     old = table.param
     mesh = old.device_mesh
     local = _new_blocks(table.target, group.device, rank)
-    new: Any = nn.Parameter(dtensor_from_local_shards(table.target, local, device_mesh=mesh),
-                            requires_grad=old.requires_grad)
+    refills = [(old, dtensor_from_local_shards(table.target, local, device_mesh=mesh))]
     weight = pieces(table.layout, table.target)
     moves = [Move(weight, table.layout, local_shards_of(old), table.target, local)]
     grad = old.grad
@@ -55,16 +54,39 @@ def _prepare(table: Table, optimizers: Sequence[Optimizer], group: CommGroup, ra
         blocks = _new_blocks(dst, group.device, rank)
         same = src.shards == table.layout.shards
         moves.append(Move(weight if same else pieces(src, dst), src, local_shards_of(grad), dst, blocks))
-        new.grad = dtensor_from_local_shards(dst, blocks, device_mesh=mesh)
-    state_moves, commits = optimizer_moves(optimizers, table, new, weight, group.device)
-    owner, attr = table.owner, table.attr
+        refills.append((grad, dtensor_from_local_shards(dst, blocks, device_mesh=mesh)))
+    state_moves, commits = optimizer_moves(optimizers, table, local, weight, group.device)
 
     def commit() -> None:
-        owner._parameters[attr] = new
+        for t, moved in refills:
+            refill_dtensor(t, moved)
         for c in commits:
             c()
 
     return _Step(table, moves + state_moves, commit)
+
+
+def _move(table: Table, optimizers: Sequence[Optimizer], group: CommGroup, rank: int) -> None:
+    """Move one table and its optimizer state to its target layout, in use once every rank has its blocks;
+    *collective*. Raises on every rank, the table as it was, when a rank could not allocate or receive."""
+    problem, step = None, None
+    try:
+        step = _prepare(table, optimizers, group, rank)
+    except Exception as e:  # noqa: BLE001 - shared with every rank, which all raise
+        problem = _failure(f"allocating the new blocks of table {table.name!r}", e)
+    agree(WHAT, problem, [], group, refused="could not allocate its new blocks")
+    assert step is not None, "every rank allocated (agreed)"
+    try:
+        move_pieces(step.moves, group=group.group, rank=rank, staging_bytes=STAGING_BYTES)
+    except Exception as e:  # noqa: BLE001 - every rank takes part in the move, then all raise
+        problem = _failure(f"moving table {table.name!r}", e)
+    agree(WHAT, problem, [], group, refused="did not receive all its new blocks")
+    step.commit()
+
+
+def _back(table: Table) -> Table:
+    """The move that undoes ``table``'s."""
+    return dataclasses.replace(table, layout=table.target, target=table.layout)
 
 
 def _digest(tables: Sequence[Table]) -> int:
@@ -91,30 +113,32 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
     1. check the plan against the model (names, shapes, dtypes, ranks, coverage) and the optimizers
        against the tables, and agree on the verdict and the plan (one ``all_gather``): on any problem
        every rank raises before anything is allocated;
-    2. allocate every changing table's new storage - weight, gradient, optimizer state - and agree that
-       every rank could (a DMP's sharded module whose plan changes is built anew by the DMP's own
-       sharder, which allocates its tables);
-    3. table by table, move into it only what changes owner: each overlap of an old block with a new
-       block travels from the rank holding it to the rank taking it (one ``batch_isend_irecv`` on the
-       tables' group per table, weights and states together); blocks that stay on their rank are
-       copied locally;
-    4. agree that every rank has all its new blocks; only then swap: each table's parameter becomes a
-       new ``nn.Parameter`` over its new storage (``requires_grad`` and its gradient kept), each
-       ``torch.optim`` optimizer's parameter groups and ``state`` refer to it (states shaped like the
-       table moved, single values such as ``step`` kept), and each
-       :class:`~torchrec_dtensor_bridge.FusedOptimizer` holding the table updates the new parameter
-       with the moved state. A DMP's new sharded module takes the old one's place in the model, in
-       ``dmp.plan`` and in ``dmp.fused_optimizer`` (each table's ``lr`` kept); its dense parameters,
-       their optimizers and its data-parallel wrapper are left as they are. The old storage is freed
-       when nothing else refers to it.
+    2. table by table: allocate the table's new storage - weight, gradient, optimizer state - and agree
+       that every rank could; move into it only what changes owner: each overlap of an old block with a
+       new block travels from the rank holding it to the rank taking it, point to point on the tables'
+       group (weights and states together, pieces that are not contiguous through buffers of at most
+       :data:`STAGING_BYTES`), blocks that stay on their rank copied locally; agree that every rank has
+       all its new blocks, and only then put them in use: the table's parameter - the same object,
+       which the module and the optimizers keep referring to - holds the new storage, and so do its
+       gradient and each ``torch.optim`` state shaped like it (single values such as ``step`` kept);
+       each :class:`~torchrec_dtensor_bridge.FusedOptimizer` holding the table updates it with the moved
+       state. The table's old storage is freed then, so a rank's memory grows by one table's new share
+       (and the buffers) at most. If a rank fails to allocate or receive, every rank raises, after the
+       tables already moved have been moved back.
+
+    A DMP's sharded module whose plan changes is built anew by the DMP's own sharder (which allocates
+    all its tables at once), takes its tables and fused optimizer state from the old one the same way,
+    and then takes the old one's place in the model, in ``dmp.plan`` and in ``dmp.fused_optimizer``
+    (each table's ``lr`` kept); its dense parameters, their optimizers and its data-parallel wrapper are
+    left as they are.
 
     Optimizer state moves as a checkpoint load would convert it: TorchRec's row-wise Adagrad keeps one
     value per row and column block of a column-cut table; those move block for block into the same
     column blocks, and combine (weighted by the blocks' widths) into a plan with one column block; a
     split into other column blocks is refused.
 
-    Pass every optimizer over the resharded tables of a ``shard_module`` model: one left out keeps
-    referring to the old parameters.
+    Pass every optimizer over the resharded tables of a ``shard_module`` model: the state of one left
+    out stays in the old layout.
 
     Args:
         model: a module sharded by ``shard_module``, or a ``DistributedModelParallel``.
@@ -133,7 +157,8 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
             not covering the table; an optimizer state that cannot follow the table; a DMP table not
             trained by the fused kernel; ranks passing different plans.
         RuntimeError: on every rank when a rank could not allocate or receive its new blocks; the
-            model and the optimizers are then as before.
+            model and the optimizers are then as before (the message says so when moving the tables
+            already moved back failed too).
 
     Example::
 
@@ -162,18 +187,24 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
     rows = agree(WHAT, problem, [_digest(tables), len(opts)], group)
     check_same(WHAT, "the plan (a digest of its layouts)", [r[0] for r in rows])
     check_same(WHAT, "the number of optimizers", [r[1] for r in rows])
-    steps: list[_Step] = []
+    done: list[Table] = []
     try:
-        steps = [_prepare(t, opts, group, rank) for t in tables if t.changes]
-    except Exception as e:  # noqa: BLE001 - shared with every rank, which all raise
-        problem = _failure("allocating the new blocks", e)
-    agree(WHAT, problem, [], group, refused="could not allocate its new blocks")
-    for step in steps:
-        try:
-            move_pieces(step.moves, group=group.group, rank=rank)
-        except Exception as e:  # noqa: BLE001 - every rank takes part in every table's move, then all raise
-            problem = problem or _failure(f"moving table {step.table.name!r}", e)
-    agree(WHAT, problem, [], group, refused="did not receive all its new blocks")
-    for step in steps:
-        step.commit()
+        for table in tables:
+            if table.changes:
+                _move(table, opts, group, rank)  # the old storage goes once nothing refers to it
+                done.append(table)
+    except Exception as error:
+        _move_back(done, opts, group, rank, error)
+        raise
     return model
+
+
+def _move_back(done: list[Table], optimizers: Sequence[Optimizer], group: CommGroup, rank: int,
+               error: Exception) -> None:
+    """After a failed move, every table moved before it goes back to its old layout (*collective*)."""
+    try:
+        for table in reversed(done):
+            _move(_back(table), optimizers, group, rank)
+    except Exception as e:
+        raise RuntimeError(f"{WHAT}: {error}; moving the tables already moved back failed too ({e}): "
+                           f"{[t.name for t in done]} may be under the new plan") from error

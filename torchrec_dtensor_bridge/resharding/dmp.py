@@ -35,7 +35,7 @@ from ..layout import ShardLayout, ShardSpec
 from ..optim_kinds import OptimKind, StateKind
 from ..torchrec_plan import layout_from_parameter_sharding
 from . import torchrec_access as trec
-from .tables import WHAT
+from .tables import STAGING_BYTES, WHAT
 
 __all__ = ["reshard_dmp"]
 
@@ -252,7 +252,7 @@ def reshard_dmp(dmp: Any, plan: object) -> Any:
     for m in modules:
         for name, moves, finish in m.moves:
             try:
-                move_pieces(moves, group=group.group, rank=rank)
+                move_pieces(moves, group=group.group, rank=rank, staging_bytes=STAGING_BYTES)
                 for f in finish:
                     f()
             except Exception as e:  # noqa: BLE001 - every rank takes part in every table's move, then all raise

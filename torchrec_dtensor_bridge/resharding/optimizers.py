@@ -4,11 +4,12 @@ Two kinds, each in two steps (:func:`check_optimizers` before anything is alloca
 :func:`optimizer_moves` returning the moves to run and what to do once every rank has its blocks):
 
 - a ``torch.optim`` optimizer keeps ``state[param]``: every DTensor shaped like the table (Adam's
-  ``exp_avg``, Adagrad's ``sum``) moves into the table's new layout, anything else (a step count) stays
-  as it is; the new parameter takes the old one's place in its parameter group and in ``state``;
+  ``exp_avg``, Adagrad's ``sum``) moves into the table's new layout - the same tensor object, refilled,
+  as the parameter itself - and anything else (a step count) stays as it is; its parameter groups and
+  the keys of its ``state`` need no change;
 - a :class:`~torchrec_dtensor_bridge.FusedOptimizer` keeps per-row state in the row cuts of the table's
-  layout and per-element state in the layout itself: both move, into a fresh table state of the new
-  weight, which then replaces the old one (its step count kept).
+  layout and per-element state in the layout itself: both move, into a fresh table state over the
+  table's new shards, which then replaces the old one (its step count kept).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._compat import refill_dtensor
 from ..agreement import Rejected
 from ..convert.dtensor import dtensor_from_local_shards, layout_of, local_shards_of
 from ..convert.reshard import Move, Piece, pieces
@@ -85,65 +87,60 @@ def _empty_like_layout(layout: ShardLayout, device: torch.device) -> list[torch.
     return [torch.empty(s.sizes, dtype=layout.dtype, device=device) for s in layout.shards_on(dist.get_rank())]
 
 
-def _torch_optim(opt: torch.optim.Optimizer, table: Table, new: DTensor, weight: list[Piece],
-                 device: torch.device) -> tuple[list[Move], Commit]:
-    old = table.param
+def _torch_optim(opt: torch.optim.Optimizer, table: Table, weight: list[Piece], device: torch.device,
+                 ) -> tuple[list[Move], Commit]:
     moves: list[Move] = []
-    state: dict[str, Any] = {}
-    mesh = new.device_mesh
-    for key, value in opt.state.get(old, {}).items():
-        if not _moving(value, old):
-            state[key] = value
+    refills: list[tuple[DTensor, DTensor]] = []
+    for key, value in opt.state.get(table.param, {}).items():
+        if not _moving(value, table.param):
             continue
         src = layout_of(value, name=f"{table.name}.{key}")
         dst = dataclasses.replace(table.target, dtype=value.dtype, name=src.name)
         local = _empty_like_layout(dst, device)
         same = src.shards == table.layout.shards
         moves.append(Move(weight if same else pieces(src, dst), src, local_shards_of(value), dst, local))
-        state[key] = dtensor_from_local_shards(dst, local, device_mesh=mesh)
+        refills.append((value, dtensor_from_local_shards(dst, local, device_mesh=value.device_mesh)))
 
     def commit() -> None:
-        for group in opt.param_groups:
-            group["params"] = [new if p is old else p for p in group["params"]]
-        if old in opt.state:
-            del opt.state[old]
-            opt.state[new] = state
+        for value, moved in refills:
+            refill_dtensor(value, moved)
 
     return moves, commit
 
 
-def _fused(opt: FusedOptimizer, name: str, table: Table, new: DTensor, weight: list[Piece],
+def _fused(opt: FusedOptimizer, name: str, table: Table, shards: list[torch.Tensor], weight: list[Piece],
            ) -> tuple[list[Move], Commit]:
     was = opt._table(name)
-    fresh = opt._fresh_table(name, new, table.target)  # zeroed; every element is written below
+    fresh = opt._fresh_table(name, table.target, shards)  # zeroed; every element is written below
     moves: list[Move] = []
     if was.rows is not None and fresh.rows is not None:
         src_rows, dst_rows = was.rows[0], fresh.rows[0]
         moves.append(Move(pieces(src_rows, dst_rows), src_rows, was.row_states, dst_rows, fresh.row_states))
     for state in [s.name for s in lookup(opt.kind).states if s.shape is StateKind.ELEMENT]:
-        dtype = state_dtype(table.layout.dtype or new.dtype)
+        dtype = state_dtype(table.layout.dtype or table.param.dtype)
         src = dataclasses.replace(table.layout, dtype=dtype)
         dst = dataclasses.replace(table.target, dtype=dtype)
         moves.append(Move(weight, src, [e[state] for e in was.elements], dst, [e[state] for e in fresh.elements]))
     return moves, lambda: opt._install_table(fresh)
 
 
-def optimizer_moves(optimizers: Sequence[Optimizer], table: Table, new: DTensor, weight: list[Piece],
-                    device: torch.device) -> tuple[list[Move], list[Commit]]:
-    """What moves, for every optimizer holding ``table``, from its old layout to the new one (``weight``: the
-    table's own pieces, shared by the states in its layout), and what swaps the moved state in."""
+def optimizer_moves(optimizers: Sequence[Optimizer], table: Table, shards: list[torch.Tensor],
+                    weight: list[Piece], device: torch.device) -> tuple[list[Move], list[Commit]]:
+    """What moves, for every optimizer holding ``table``, from its old layout to the new one (``shards``: the
+    table's new blocks on this rank; ``weight``: the table's own pieces, shared by the states in its layout),
+    and what puts the moved state in use once the table has moved."""
     moves: list[Move] = []
     commits: list[Commit] = []
     for opt in optimizers:
         if isinstance(opt, torch.optim.Optimizer):
             if not any(p is table.param for g in opt.param_groups for p in g["params"]):
                 continue
-            m, c = _torch_optim(opt, table, new, weight, device)
+            m, c = _torch_optim(opt, table, weight, device)
         else:
             name = opt.table_name(table.param)
             if name is None:
                 continue
-            m, c = _fused(opt, name, table, new, weight)
+            m, c = _fused(opt, name, table, shards, weight)
         moves += m
         commits.append(c)
     return moves, commits

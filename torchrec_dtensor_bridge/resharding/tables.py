@@ -20,9 +20,13 @@ from ..convert.dtensor import layout_of
 from ..layout import ShardLayout
 from ..sharding.modules import is_sharded_class
 
-__all__ = ["Table", "check_plan", "sharded_tables"]
+__all__ = ["STAGING_BYTES", "WHAT", "Table", "check_plan", "sharded_tables"]
 
 WHAT = "reshard"
+
+STAGING_BYTES = 64 << 20
+"""The most bytes of transfer buffers a rank holds at once while a table moves: pieces not contiguous in
+their old or new block (column cuts) travel through buffers, in rounds of at most this many bytes."""
 
 
 @dataclass(frozen=True)
