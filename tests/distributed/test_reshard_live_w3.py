@@ -2,7 +2,7 @@
 
 A TorchRec ``EmbeddingBagCollection`` of five tables, sharded by ``tdb.shard_module`` under ``BEFORE``,
 trains 4 steps (``torch.optim.Adam``, ``torch.optim.Adagrad``, or a ``FusedOptimizer`` with row-wise
-Adagrad or Adam applied in backward), is resharded in memory to ``AFTER`` (every table changes its
+Adagrad or Adam applied in backward; row-wise Adagrad on fp16 tables too), is resharded in memory to ``AFTER`` (every table changes its
 layout: row-wise even and uneven, table-wise, column-wise, grid, a rank holding nothing) and trains 4 more.
 The reference is the same job saved after step 4 with ``tdb.checkpoint.save`` and loaded into a fresh
 model sharded under ``AFTER``: losses, tables and every optimizer state ``torch.equal``. The bytes each
@@ -46,7 +46,7 @@ AFTER = {
     "e": ShardLayout.row_wise((7, 4), 3),
 }
 STEPS = 4
-OPTIMIZERS = ["adam", "adagrad", "fused_rowwise_adagrad", "fused_adam"]
+OPTIMIZERS = ["adam", "adagrad", "fused_rowwise_adagrad", "fused_adam", "fused_rowwise_adagrad_fp16"]
 
 
 def _key(n: str) -> str:
@@ -58,14 +58,17 @@ def _plan(layouts: dict[str, ShardLayout]) -> dict[str, ShardLayout]:
 
 
 def _job(layouts: dict[str, ShardLayout], kind: str):
-    model = tdb.shard_module(build_ebc(CFG, seed=5), _plan(layouts), world_mesh("cpu"))
+    ebc = build_ebc(CFG, seed=5)
+    half = kind.endswith("_fp16")
+    model = tdb.shard_module(ebc.half() if half else ebc, _plan(layouts), world_mesh("cpu"))
     if kind == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=0.05)
     elif kind == "adagrad":
         opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
     else:
         weights = {n: model.embedding_bags[n].weight for n in TABLES}
-        opt = tdb.FusedOptimizer(weights, kind.removeprefix("fused_"), lr=0.05, eps=1e-3)
+        opt = tdb.FusedOptimizer(weights, kind.removeprefix("fused_").removesuffix("_fp16"), lr=0.05, eps=1e-3,
+                                 stochastic_rounding=not half)  # rounding to nearest: no random state to match
     return model, opt
 
 
@@ -195,12 +198,13 @@ def _resumed(rank: int, kind: str, schedule: list[tuple[dict, int]], path: str) 
     return losses, _snapshot(model, opt)
 
 
-PER_ELEMENT = {"adam": 12, "adagrad": 8, "fused_rowwise_adagrad": 4, "fused_adam": 12}  # weight + states, bytes
+PER_ELEMENT = {"adam": 12, "adagrad": 8, "fused_rowwise_adagrad": 4, "fused_adam": 12,  # weight + states, bytes
+               "fused_rowwise_adagrad_fp16": 2}
 
 
 def _equals_a_checkpoint_resume(rank: int, world: int, kind: str, path: str) -> None:
     losses, final, sent = _live(rank, kind, [(BEFORE, STEPS), (AFTER, STEPS)])
-    per_row = 4 if kind == "fused_rowwise_adagrad" else 0
+    per_row = 4 if kind.startswith("fused_rowwise_adagrad") else 0
     assert sent == [_changing_bytes(rank, PER_ELEMENT[kind], per_row)], (sent, rank)
     want, want_final = _resumed(rank, kind, [(BEFORE, STEPS), (AFTER, STEPS)], path)
     for s, (a, b) in enumerate(zip(losses, want, strict=True)):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -23,9 +24,9 @@ __all__ = ["shard_module"]
 def _sharded_parameter(entry: PlanEntry, device_mesh: DeviceMesh, src_rank: int, group: CommGroup) -> nn.Parameter:
     with torch.no_grad():
         shards = scatter_blocks(entry.param.detach(), entry.layout, src_rank, group.members)
-    dt = dtensor_from_local_shards(
-        entry.layout, shards, device_mesh=device_mesh, device=entry.param.device
-    )
+    # the table's dtype, also where this rank holds none of it (an fp16 table is fp16 on every rank)
+    layout = dataclasses.replace(entry.layout, dtype=entry.param.dtype)
+    dt = dtensor_from_local_shards(layout, shards, device_mesh=device_mesh, device=entry.param.device)
     return nn.Parameter(dt, requires_grad=entry.param.requires_grad)
 
 
