@@ -47,6 +47,7 @@ bench: setup
 	$(PY) scripts/bench_train.py --reps 5 --out $(BENCH_OUT)
 	$(PY) scripts/bench_train.py --dtype fp16 --reps 5 --out $(BENCH_OUT)
 	$(PY) scripts/bench_torch_optim.py --reps 7 --out $(BENCH_OUT)
+	$(PY) scripts/bench_reshard.py --reps 2 --out $(BENCH_OUT)
 	$(PY) scripts/plot_bench.py --results $(BENCH_OUT) --out bench
 
 clean:
