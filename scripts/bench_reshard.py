@@ -191,7 +191,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
                 assert _same(_sums(model, opt), want), "the reshard changed a value"
                 share = max(sum(s.numel * 4 for s in lay.shards_on(rank)) for lay in dst.values())
                 steps.append({
-                    "rep": rep, "step": f"{CYCLE[i]} -> {CYCLE[i + 1]}", "reshard_s": dt, "checkpoint_save_s": t1 - t0,
+                    "rep": rep, "step": f"{CYCLE[i]} -> {CYCLE[i + 1]}", "reshard_s": dt,
+                    "checkpoint_save_s": t1 - t0,
                     "checkpoint_load_s": t2 - t1, "sent_bytes": sent[0],
                     "changing_bytes": _changing_bytes(src, dst, rank), "peak_growth_bytes": growth,
                     "bound_bytes": share + (64 << 20),

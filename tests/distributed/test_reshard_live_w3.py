@@ -2,8 +2,9 @@
 
 A TorchRec ``EmbeddingBagCollection`` of five tables, sharded by ``tdb.shard_module`` under ``BEFORE``,
 trains 4 steps (``torch.optim.Adam``, ``torch.optim.Adagrad``, or a ``FusedOptimizer`` with row-wise
-Adagrad or Adam applied in backward; row-wise Adagrad on fp16 tables too), is resharded in memory to ``AFTER`` (every table changes its
-layout: row-wise even and uneven, table-wise, column-wise, grid, a rank holding nothing) and trains 4 more.
+Adagrad or Adam applied in backward; row-wise Adagrad on fp16 tables too), is resharded in memory to
+``AFTER`` (every table changes its layout: row-wise even and uneven, table-wise, column-wise, grid, a rank
+holding nothing) and trains 4 more.
 The reference is the same job saved after step 4 with ``tdb.checkpoint.save`` and loaded into a fresh
 model sharded under ``AFTER``: losses, tables and every optimizer state ``torch.equal``. The bytes each
 rank sends are counted by wrapping ``batch_isend_irecv`` and equal those of the blocks that change owner,
