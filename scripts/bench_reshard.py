@@ -245,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     record(args.out, "reshard", result)
     for name, s in result["steps"].items():
         sent = ", ".join(f"rank {r['rank']}: sent {r['sent_bytes'] / 2**20:.1f} MiB (changing "
-                         f"{r['changing_bytes'] / 2**20:.1f}), peak +{r['peak_growth_bytes'] / 2**20:.0f} MiB above steady "
-                         f"(bound {r['bound_bytes'] / 2**20:.0f})" for r in s["per_rank"])
+                         f"{r['changing_bytes'] / 2**20:.1f}), peak +{r['peak_growth_bytes'] / 2**20:.0f} MiB "
+                         f"above steady (bound {r['bound_bytes'] / 2**20:.0f})" for r in s["per_rank"])
         print(f"{name:34s} reshard {s['reshard_s']:7.3f} s  checkpoint {s['checkpoint_roundtrip_s']:7.3f} s "
               f"({s['speedup']:.1f}x)  {sent}")
     bad = [n for n, s in result["steps"].items() if any(r["sent_bytes"] != r["changing_bytes"]
