@@ -20,10 +20,10 @@ Steps of a choice (:func:`pool_impl`, :func:`update_impl`, :func:`dense_impl`; :
 
 A lookup's ranks agree on what they have (:func:`choice_code` travels in the lookup's agreement): an
 implementation runs only where every rank has it (a rank that forces one offers that one alone: forcing
-``torch`` on one rank makes every rank run torch's), so the ranks run the same kernels. Once settled, a
-choice is remembered (per op, device type, dtype, optimizer kind, weight decay or not, and
-``$TDB_KERNELS`` / ``$TDB_NATIVE_KERNELS``): a call then consults nothing else; an agreement that settles
-on other codes forgets every remembered choice.
+``torch`` on one rank makes every rank run torch's), so that no rank runs what another lacks. Once settled,
+a choice is remembered (per op, device type, dtype, optimizer kind, weight decay or not, the side of the
+rule's size threshold, and ``$TDB_KERNELS`` / ``$TDB_NATIVE_KERNELS``): a call then consults nothing else;
+an agreement that settles on other codes forgets every remembered choice.
 
 Which kinds an update can run with is the kinds' registry's (:mod:`...optim_kinds`): a kind neither kernel
 lists gets :attr:`Impl.TORCH`: its torch-op math on the touched rows.
