@@ -2,8 +2,9 @@
 
 The demo checks itself (tables, pictures, lookups against ``F.embedding_bag``,
 a checkpoint reloaded into another plan on 3 ranks) and exits non-zero on any
-mismatch; this test keeps the README's command working in CI, and the demo
-quiet and tidy: no warning a user cannot act on, no temporary directory left.
+mismatch; this test (under ``-m slow``: CI runs ``make demo`` itself, beside
+``make test``) keeps the demo quiet and tidy too: no warning a user cannot act
+on, no temporary directory left.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from .harness import ROOT, launch
 
 
+@pytest.mark.slow  # `make demo` runs the same in CI (.ci/run), outside make test's time
 @pytest.mark.timeout(300)
 def test_demo_passes_on_four_ranks():
     before = set(Path(tempfile.gettempdir()).glob("tdb-demo-*"))
