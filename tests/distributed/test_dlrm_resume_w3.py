@@ -93,23 +93,24 @@ def _dense_params(dmp) -> dict[str, torch.nn.Parameter]:
     return dict(in_backward_optimizer_filter(dmp.named_parameters()))
 
 
-def _batch(step: int, rank: int, world: int):
-    """This rank's share of step ``step``'s global batch: dense features, ids, labels."""
+def _batch(step: int, rank: int, world: int, tables: dict[str, int] = TABLES, seed: int = 1000):
+    """This rank's share of step ``step``'s global batch of ``GLOBAL_BATCH`` samples over ``tables`` (name ->
+    rows): dense features, ids, labels."""
     from torchrec import KeyedJaggedTensor
 
-    g = torch.Generator().manual_seed(1000 + step)
+    g = torch.Generator().manual_seed(seed + step)
     dense = torch.rand(GLOBAL_BATCH, DENSE_IN, generator=g)
-    lengths = torch.randint(0, 3, (len(TABLES), GLOBAL_BATCH), generator=g)
-    ids = [torch.randint(0, rows, (int(lengths[t].sum()),), generator=g) for t, rows in enumerate(TABLES.values())]
+    lengths = torch.randint(0, 3, (len(tables), GLOBAL_BATCH), generator=g)
+    ids = [torch.randint(0, rows, (int(lengths[t].sum()),), generator=g) for t, rows in enumerate(tables.values())]
     labels = torch.randint(0, 2, (GLOBAL_BATCH,), generator=g).float()
     per = GLOBAL_BATCH // world
     lo, hi = rank * per, (rank + 1) * per
     values = []
-    for t in range(len(TABLES)):
+    for t in range(len(tables)):
         ends = torch.cumsum(lengths[t], 0).tolist()
         start = ends[lo - 1] if lo else 0
         values.append(ids[t][start : ends[hi - 1]])
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{n}" for n in TABLES], values=torch.cat(values),
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{n}" for n in tables], values=torch.cat(values),
                                               lengths=lengths[:, lo:hi].reshape(-1))
     return dense[lo:hi], kjt, labels[lo:hi]
 

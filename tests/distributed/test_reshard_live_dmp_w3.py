@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import torchrec_dtensor_bridge as tdb
 
 from .harness import make_pool_fixture
+from .test_dlrm_resume_w3 import _batch as _dlrm_batch
 from .test_dlrm_resume_w3 import _dense_params, _snapshot
 
 pool = make_pool_fixture(3)
@@ -99,22 +100,7 @@ def _dmp(kinds: dict[str, tuple], *, ddp: bool = False):
 
 
 def _batch(step: int, rank: int, world: int):
-    from torchrec import KeyedJaggedTensor
-
-    g = torch.Generator().manual_seed(2000 + step)
-    dense = torch.rand(GLOBAL_BATCH, DENSE_IN, generator=g)
-    lengths = torch.randint(0, 3, (len(TABLES), GLOBAL_BATCH), generator=g)
-    ids = [torch.randint(0, r, (int(lengths[t].sum()),), generator=g) for t, r in enumerate(TABLES.values())]
-    labels = torch.randint(0, 2, (GLOBAL_BATCH,), generator=g).float()
-    per = GLOBAL_BATCH // world
-    lo, hi = rank * per, (rank + 1) * per
-    values = []
-    for t in range(len(TABLES)):
-        ends = torch.cumsum(lengths[t], 0).tolist()
-        values.append(ids[t][(ends[lo - 1] if lo else 0): ends[hi - 1]])
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=[f"f_{n}" for n in TABLES], values=torch.cat(values),
-                                              lengths=lengths[:, lo:hi].reshape(-1))
-    return dense[lo:hi], kjt, labels[lo:hi]
+    return _dlrm_batch(step, rank, world, TABLES, seed=2000)
 
 
 def _step(dmp, adam, step: int, rank: int, world: int) -> torch.Tensor:
