@@ -44,17 +44,8 @@
 
 #include "tdb_kernels.h"
 
-#define TDB_SGD 0
-#define TDB_ROWWISE_ADAGRAD 1
-#define TDB_ADAGRAD 2
-#define TDB_ADAM 3
-#define TDB_DECAY_NONE 0
-#define TDB_DECAY_L2 1
-#define TDB_DECAY_DECOUPLED 2
 #define TDB_PREFETCH 8 /* rows ahead, updates */
 #define TDB_POOL_PREFETCH 16 /* ids ahead, pooling */
-#define TDB_MAX_DIM 8192
-#define TDB_BAD_ARGUMENTS (-1000000) /* an update's kind, decay or width refused (checked before any write) */
 
 /* One copy per x86-64 feature level, picked at load time by what the CPU supports (levels, not CPU
    names: virtual machines report generic models, which "arch=<cpu>" clones never match); v3 and v4 have

@@ -27,17 +27,6 @@
 
 #include "tdb_kernels.h"
 
-#define TDB_SGD 0
-#define TDB_ROWWISE_ADAGRAD 1
-#define TDB_ADAGRAD 2
-#define TDB_ADAM 3
-#define TDB_DECAY_NONE 0
-#define TDB_DECAY_L2 1
-#define TDB_DECAY_DECOUPLED 2
-#define TDB_MAX_DIM 8192
-#define TDB_BAD_ARGUMENTS (-1000000)
-#define TDB_F16 1
-#define TDB_BF16 2
 #define TDB_PREFETCH 8
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && !defined(TDB_NO_CLONES)

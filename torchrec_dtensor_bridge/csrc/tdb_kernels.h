@@ -12,7 +12,16 @@
 extern "C" {
 #endif
 
-#define TDB_BAD_ARGUMENTS (-1000000)
+#define TDB_BAD_ARGUMENTS (-1000000) /* arguments refused (kind, decay, width, weights' type), before any write */
+#define TDB_MAX_DIM 8192              /* the widest table the kernels take (kernels/native.py's MAX_DIM) */
+/* An update's optimizer kind (the kinds' `native` codes, optim_kinds.py) and weight decay mode */
+#define TDB_SGD 0
+#define TDB_ROWWISE_ADAGRAD 1
+#define TDB_ADAGRAD 2
+#define TDB_ADAM 3
+#define TDB_DECAY_NONE 0
+#define TDB_DECAY_L2 1
+#define TDB_DECAY_DECOUPLED 2
 #define TDB_F16 1
 #define TDB_BF16 2
 #define TDB_HYPER_VALUES 7 /* lr, eps, weight decay, beta1, beta2, Adam's step size, Adam's second bias correction */
