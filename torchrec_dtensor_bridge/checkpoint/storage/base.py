@@ -2,8 +2,8 @@
 
 Every byte the checkpoint package reads or writes goes through a :class:`Storage`;
 no other module of the package opens, renames, locks or removes a file. A
-backend is one module: :mod:`.local` (a POSIX file system, the default),
-:mod:`.s3` (an S3-compatible object store).
+backend is one module (S3 with its object streams beside it): :mod:`.local` (a POSIX file system, the default),
+:mod:`.s3` (an S3-compatible object store; :mod:`.s3_streams`).
 Code above this boundary names things by :class:`Loc`: a storage and a key,
 joined with ``/`` like a ``pathlib.Path`` and printed as the user wrote it (a
 path, or ``s3://bucket/key``).

@@ -33,8 +33,6 @@ How the operations of :mod:`.` are kept on a store without rename or locks:
 
 from __future__ import annotations
 
-import concurrent.futures
-import io
 import json
 import os
 import threading
@@ -46,11 +44,11 @@ from email.utils import parsedate_to_datetime
 from typing import Any, BinaryIO
 
 from .base import Conflict, Handle, Loc, Lock, Storage
+from .s3_streams import Reader, Transfers, Upload
 
 __all__ = ["S3Storage", "s3_location"]
 
 _OWN = ("part_bytes", "max_concurrency", "lease_seconds", "grace_seconds")
-_PIECE = 16 << 20  # bytes a ranged read fetches per request when it splits a large range
 
 
 def _code(e: Exception) -> str:
@@ -64,170 +62,6 @@ def _missing(e: Exception) -> bool:
 
 def _precondition(e: Exception) -> bool:
     return _code(e) in ("412", "PreconditionFailed", "409", "ConditionalRequestConflict")
-
-
-class _Reader(Handle):
-    def __init__(self, store: S3Storage, key: str) -> None:
-        self._store = store
-        self._key = key
-        head = store.client.head_object(Bucket=store.bucket, Key=key)
-        self.size = int(head["ContentLength"])
-        self._etag = head["ETag"]
-
-    def _range(self, buf: memoryview, offset: int) -> int:
-        end = min(offset + len(buf), self.size) - 1
-        if end < offset:
-            return 0
-        r = self._store.client.get_object(Bucket=self._store.bucket, Key=self._key, IfMatch=self._etag,
-                                          Range=f"bytes={offset}-{end}")
-        body = r["Body"]
-        done = 0
-        try:
-            while done < end - offset + 1:
-                chunk = body.read(min(8 << 20, end - offset + 1 - done))
-                if not chunk:
-                    break
-                buf[done : done + len(chunk)] = chunk
-                done += len(chunk)
-        finally:
-            body.close()
-        return done
-
-    def readinto(self, buf: memoryview, offset: int) -> int:
-        n = min(len(buf), max(self.size - offset, 0))
-        if n <= _PIECE:
-            return self._range(buf[:n], offset)
-        starts = range(0, n, _PIECE)
-        got = list(self._store.pool.map(lambda s: self._range(buf[s : min(s + _PIECE, n)], offset + s), starts))
-        return sum(got)
-
-
-class _Body(io.RawIOBase):
-    """The first ``size`` bytes of a part buffer as the seekable stream boto3 sends (and hashes): no copy."""
-
-    def __init__(self, buf: bytearray, size: int) -> None:
-        super().__init__()
-        self._view = memoryview(buf)[:size]
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = min(max(base + offset, 0), len(self._view))
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = min(len(b), len(self._view) - self._pos)
-        memoryview(b).cast("B")[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def read(self, size: int = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(self._pos + size, len(self._view))
-        out = self._view[self._pos : end].tobytes()
-        self._pos = end
-        return out
-
-
-class _Upload(io.RawIOBase):
-    """A write-only stream uploading ``part_bytes`` parts as they fill (see the module docstring).
-
-    Bytes written are copied once, into a part buffer of the store's (:meth:`S3Storage._part_buffer`: reused
-    from part to part, so its pages are not faulted in again), which is sent as it is when full."""
-
-    def __init__(self, store: S3Storage, key: str) -> None:
-        super().__init__()
-        self._store, self._key = store, key
-        self._buf: bytearray | None = None
-        self._fill = 0
-        self._written = 0
-        self._upload_id: str | None = None
-        self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
-        self._slots = threading.BoundedSemaphore(store.max_concurrency)
-
-    def writable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._written
-
-    def write(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        size, part = len(mv), self._store.part_bytes
-        done = 0
-        while done < size:
-            if self._buf is None:
-                self._buf, self._fill = self._store._part_buffer(), 0
-            n = min(size - done, part - self._fill)
-            self._buf[self._fill : self._fill + n] = mv[done : done + n]
-            self._fill += n
-            done += n
-            if self._fill == part:
-                self._send()
-        self._written += size
-        return size
-
-    def _send(self) -> None:
-        """Upload the part buffer (then back to the store's free buffers); at most ``max_concurrency`` at once."""
-        c, s = self._store.client, self._store
-        buf, size = self._buf, self._fill
-        assert buf is not None
-        self._buf, self._fill = None, 0
-        if self._upload_id is None:
-            self._upload_id = c.create_multipart_upload(Bucket=s.bucket, Key=self._key)["UploadId"]
-        number = len(self._parts) + 1
-        self._slots.acquire()
-
-        def send() -> dict[str, Any]:
-            try:
-                r = c.upload_part(Bucket=s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number,
-                                  Body=_Body(buf, size))
-                return {"PartNumber": number, "ETag": r["ETag"]}
-            finally:
-                s._give_back(buf)
-                self._slots.release()
-
-        self._parts.append(s.pool.submit(send))
-
-    def finish(self) -> None:
-        c, s = self._store.client, self._store
-        if self._upload_id is None:
-            data = bytes(memoryview(self._buf)[: self._fill]) if self._buf is not None else b""
-            if self._buf is not None:
-                s._give_back(self._buf)
-            self._buf = None
-            c.put_object(Bucket=s.bucket, Key=self._key, Body=data)
-            return
-        if self._buf is not None:
-            self._send()
-        parts = [f.result() for f in self._parts]
-        c.complete_multipart_upload(Bucket=s.bucket, Key=self._key, UploadId=self._upload_id,
-                                    MultipartUpload={"Parts": parts})
-
-    def abort(self) -> None:
-        for f in self._parts:
-            f.cancel()
-        concurrent.futures.wait(self._parts)
-        if self._buf is not None:
-            self._store._give_back(self._buf)
-            self._buf = None
-        if self._upload_id is not None:
-            try:
-                self._store.client.abort_multipart_upload(Bucket=self._store.bucket, Key=self._key,
-                                                          UploadId=self._upload_id)
-            except Exception:  # noqa: BLE001 - the store expires abandoned uploads; the first error is reported
-                pass
 
 
 class _Lease(Lock):
@@ -303,24 +137,8 @@ class S3Storage(Storage):
         config_kwargs.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
         self.bucket = bucket
         self.client = boto3.session.Session().client("s3", config=Config(**config_kwargs), **client_kwargs)
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.max_concurrency * 2,
-                                                          thread_name_prefix="tdb-s3")
+        self.transfers = Transfers(self.client, bucket, self.part_bytes, self.max_concurrency)
         self._owner = uuid.uuid4().hex
-        self._free: list[bytearray] = []  # part buffers to reuse (_part_buffer)
-        self._free_lock = threading.Lock()
-
-    def _part_buffer(self) -> bytearray:
-        """A buffer of ``part_bytes`` for an upload's next part: a free one if any, else a new one."""
-        with self._free_lock:
-            if self._free:
-                return self._free.pop()
-        return bytearray(self.part_bytes)
-
-    def _give_back(self, buf: bytearray) -> None:
-        """A part buffer done with; up to ``max_concurrency + 2`` are kept for reuse, the rest freed."""
-        with self._free_lock:
-            if len(self._free) < self.max_concurrency + 2:
-                self._free.append(buf)
 
     def show(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
@@ -336,7 +154,7 @@ class S3Storage(Storage):
 
     def open_read(self, key: str) -> Handle:
         try:
-            return _Reader(self, key)
+            return Reader(self.transfers, key)
         except Exception as e:
             if _missing(e):
                 raise FileNotFoundError(f"{self.show(key)} does not exist") from None
@@ -358,7 +176,7 @@ class S3Storage(Storage):
 
     @contextmanager
     def create(self, key: str) -> Generator[BinaryIO, None, None]:
-        up = _Upload(self, key)
+        up = Upload(self.transfers, key)
         try:
             yield up  # type: ignore[misc]
             up.finish()
