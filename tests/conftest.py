@@ -10,7 +10,6 @@ reach it the standard way. The test is skipped, saying why, only when the server
 
 from __future__ import annotations
 
-import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -26,16 +25,12 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3server.S3S
         server = s3server.start(tmp_path_factory.mktemp("s3server"))
     except s3server.ServerError as e:
         pytest.skip(f"the SeaweedFS S3 test server cannot start: {e}")
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
     try:
-        yield server
+        with pytest.MonkeyPatch.context() as mp:  # the AWS variables name the server; as they were after
+            for k, v in server.env.items():
+                mp.setenv(k, v)
+            yield server
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         server.stop()
 
 
