@@ -1,4 +1,4 @@
-"""Fixtures of the one-process tests that run lookups."""
+"""Fixtures of the one-process tests that run lookups, and of the fake-CUDA modules."""
 
 from __future__ import annotations
 
@@ -28,3 +28,15 @@ def own_kernel_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     in that module: later tests' direct op calls choose afresh (``pytestmark = usefixtures(...)``)."""
     monkeypatch.setattr(choose, "_agreed", {})
     monkeypatch.setattr(choose, "_settled", {})
+
+
+@pytest.fixture(scope="session")
+def fake_cuda_results(request: pytest.FixtureRequest) -> dict[str, dict[str, str | None]]:
+    """The results of the fake-CUDA checks of every test module of this session that asks for them (by module
+    import name, then check name), run in one subprocess (``test_fake_cuda.subprocess_results``): the modules
+    the session selected tests of, and those alone."""
+    from .test_fake_cuda import subprocess_results
+
+    modules = sorted({item.module.__name__ for item in request.session.items
+                      if "fake_cuda_results" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)})
+    return subprocess_results(modules)

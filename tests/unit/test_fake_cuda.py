@@ -25,12 +25,19 @@ lists fbgemm's CUDA functions receive (the weights as 5 tensors, optimizer state
 element offsets, placements ``DEVICE``, dtypes), and that no CPU tensor reaches them but the learning
 rate (a CPU scalar by fbgemm's design). Tables whose rows fbgemm's kernels cannot read (dims not a
 multiple of 4) take torch's ops; a fused update with weight decay is refused. The limits of fbgemm's CUDA
-kernels one by one, and the ids check the kernel calls of a lookup skip: ``test_fake_cuda_limits.py``, in a
-process of its own run by :func:`subprocess_results`.
+kernels one by one, and the ids check the kernel calls of a lookup skip: ``test_fake_cuda_limits.py``.
+
+The fake-CUDA modules (this one, ``test_fake_cuda_{copies,host_reads,limits,module}.py``) each give their checks
+by name (``checks()``); the checks of every such module a pytest session runs run in one subprocess
+(:func:`subprocess_results`, from the session fixture ``fake_cuda_results`` of ``conftest.py``), each module's
+in a fake-CUDA run of its own (:func:`_fake_cuda`: its recorder, its kernel choices, what it patches restored
+after it).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import itertools
 import json
 import os
@@ -182,16 +189,22 @@ def fbgemm_refuses(total_D: int, max_D: int, indices: torch.Tensor, offsets: tor
     assert not strided, f"fbgemm reads {strided} as flat arrays: given strided"
 
 
-def _register_kernel_fakes(rec: Recorder) -> None:
+_RECORDING: list[Recorder] = []
+"""The recorder of the fake-CUDA run in progress (:func:`_fake_cuda`): the kernel fakes, registered once per
+process, record into it."""
+
+
+def _register_kernel_fakes() -> None:
     """Fakes for fbgemm's forward kernels (and its dense lookup function), which the CPU build has none of:
-    each records what it got, checks that its tensors are on the device and refuses what fbgemm refuses
-    (:func:`fbgemm_refuses`)."""
+    each records what it got into the current run's recorder, checks that its tensors are on the device and
+    refuses what fbgemm refuses (:func:`fbgemm_refuses`). A fake is registered once per operator and process
+    (a second registration raises), so a later run's recorder is looked up at each call."""
 
     def forward(host_weights, dev_weights, uvm_weights, lxu_cache_weights, weights_placements, weights_offsets,
                 D_offsets, total_D, max_D, hash_size_cumsum, indices, offsets, pooling_mode, indice_weights,
                 lxu_cache_locations, uvm_cache_stats, is_experimental, output_dtype):  # type: ignore[no-untyped-def]
         got = dict(locals())
-        rec.kernel_args.append(got)
+        _RECORDING[-1].kernel_args.append(got)
         assert host_weights is None or host_weights.numel() == 0, "host weights given to a CUDA table"
         assert dev_weights.numel() > 0, "no device weights"
         on = {k: str(v.device) for k, v in got.items() if isinstance(v, torch.Tensor)}
@@ -269,27 +282,52 @@ def _define_cuda_only_ops() -> None:
             lib.define(f"{name}({schema}) -> Tensor")
 
 
+def _clear_tensor_caches() -> None:
+    """The tensors :mod:`..kernels.fbgemm` built and keeps per device (and learning rate) forgotten."""
+    for cached in (fbgemm._table_args, fbgemm._constant, fbgemm._unused, fbgemm._learning_rate):
+        cached.cache_clear()
+
+
+@functools.cache
+def _register_once() -> None:
+    """The CUDA-only ops and the kernel fakes, once per process (a fake registered twice raises)."""
+    _define_cuda_only_ops()
+    _register_kernel_fakes()
+
+
 @contextmanager
 def _fake_cuda(rec: Recorder) -> Iterator[None]:
+    """One fake-CUDA run recording into ``rec``; what it patches is restored after it, and the kernel choices it
+    settles and the tensors :mod:`..kernels.fbgemm` caches per device are its own: so that the runs of several
+    modules in one process do not see each other's (a cached fake tensor of another run's ``FakeTensorMode``
+    fails: "Mixing fake modes"; its values are not in this run's recorder)."""
     from torch._subclasses import fake_tensor
 
-    from torchrec_dtensor_bridge.kernels import ops
-
-    # a one-element torch.tensor(...) would be kept as a real constant, on a device this torch has none of
-    fake_tensor.CONSTANT_NUMEL_LIMIT = 0
-
-    fbgemm.cuda_available = lambda: True  # what fbgemm's CUDA build answers
+    from torchrec_dtensor_bridge.kernels import choose, ops
 
     def check_ids_on_device(op: str, *args: Any) -> None:  # it reads values: fake tensors have none
         rec.id_checks.append(op)
 
+    saved = (fake_tensor.CONSTANT_NUMEL_LIMIT, fbgemm.cuda_available, ops.check_ids_on_device, choose._agreed,
+             choose._settled)
+    # a one-element torch.tensor(...) would be kept as a real constant, on a device this torch has none of
+    fake_tensor.CONSTANT_NUMEL_LIMIT = 0
+    fbgemm.cuda_available = lambda: True  # what fbgemm's CUDA build answers
     ops.check_ids_on_device = check_ids_on_device
-    _define_cuda_only_ops()
+    choose._agreed, choose._settled = {}, {}
+    _clear_tensor_caches()
     for tables in range(1, 5):  # fbgemm's bit split for T tables: its meta kernel (under fake tensors) has none
         fbgemm._infos(tables)
-    _register_kernel_fakes(rec)
-    with fake_tensor.FakeTensorMode(), torch.no_grad(), _recording_mode(rec):
-        yield
+    _register_once()
+    _RECORDING.append(rec)
+    try:
+        with fake_tensor.FakeTensorMode(), torch.no_grad(), _recording_mode(rec):
+            yield
+    finally:
+        _RECORDING.pop()
+        _clear_tensor_caches()
+        (fake_tensor.CONSTANT_NUMEL_LIMIT, fbgemm.cuda_available, ops.check_ids_on_device, choose._agreed,
+         choose._settled) = saved
 
 
 def _place(shapes: list[tuple[int, int]], gap: int = GAP) -> tuple[int, list[int]]:
@@ -518,9 +556,9 @@ def _check_unaligned_tables_take_torch(rec: Recorder) -> None:
     assert kernels.pool_impl(torch.device(DEV)) is kernels.Impl.FBGEMM
 
 
-def run_checks(checks: dict[str, Callable[[Recorder], None]]) -> None:
-    """Every check, each over fake CUDA tensors with one :class:`Recorder`; prints each one's failure (``None``:
-    passed) for :func:`subprocess_results`."""
+def run_checks(checks: dict[str, Callable[[Recorder], None]]) -> dict[str, str | None]:
+    """Every check, each over fake CUDA tensors with one :class:`Recorder` (one fake-CUDA run): each one's
+    failure (``None``: passed)."""
     rec = Recorder()
     results: dict[str, str | None] = {}
     with _fake_cuda(rec):
@@ -531,23 +569,33 @@ def run_checks(checks: dict[str, Callable[[Recorder], None]]) -> None:
             except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 - reported per case to the test process
                 frames = "".join(traceback.format_list(traceback.extract_tb(e.__traceback__)[-8:]))
                 results[name] = f"{frames}{type(e).__name__}: {str(e)[:1500]}"
+    return results
+
+
+def checks() -> dict[str, Callable[[Recorder], None]]:
+    """This module's checks, by name (each fake-CUDA module has its ``checks()``, run by :func:`main`)."""
+    out: dict[str, Callable[[Recorder], None]] = {case: (lambda rec, c=case: _case(rec, c)) for case in CASES}
+    out["unaligned"] = _check_unaligned_tables_take_torch
+    return out
+
+
+def main(modules: list[str]) -> None:
+    """The subprocess: each named module's ``checks()`` in a fake-CUDA run of its own (:func:`run_checks`), one
+    module after the other; prints their results by module for :func:`subprocess_results`."""
+    results = {name: run_checks(importlib.import_module(name).checks()) for name in modules}
     print(MARK + json.dumps(results))
-
-
-def main() -> None:
-    checks: dict[str, Callable[[Recorder], None]] = {case: (lambda rec, c=case: _case(rec, c)) for case in CASES}
-    checks["unaligned"] = _check_unaligned_tables_take_torch
-    run_checks(checks)
 
 
 # --- the tests -----------------------------------------------------------------------------------------------
 
-def subprocess_results(module: str) -> dict[str, str | None]:
-    """Runs ``python -m module`` (whose ``main`` calls :func:`run_checks`) and returns its checks' results."""
+def subprocess_results(modules: list[str]) -> dict[str, dict[str, str | None]]:
+    """Runs the fake-CUDA checks of ``modules`` (import names) in one new interpreter (:func:`main`): their
+    results by module. One process for all of them: each would pay the same seconds of imports and set-up."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, "-m", module], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
+    code = "import sys; from tests.unit.test_fake_cuda import main; main(sys.argv[1:])"
+    proc = subprocess.run([sys.executable, "-c", code, *modules], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=300)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(MARK)]
     assert proc.returncode == 0 and lines, (
         f"the fake-CUDA process failed (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
@@ -555,8 +603,8 @@ def subprocess_results(module: str) -> dict[str, str | None]:
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, str | None]:
-    return subprocess_results("tests.unit.test_fake_cuda")
+def results(fake_cuda_results: dict[str, dict[str, str | None]]) -> dict[str, str | None]:
+    return fake_cuda_results[__name__]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -567,7 +615,3 @@ def test_fbgemm_cuda_arguments(results, case):
 
 def test_unaligned_tables_take_torch(results):
     assert results["unaligned"] is None, results["unaligned"]
-
-
-if __name__ == "__main__":
-    main()

@@ -13,6 +13,7 @@ listed at one element offset each time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 
 from torchrec_dtensor_bridge.kernels import fbgemm
 
-from .test_fake_cuda import BAGS, DEV, GAP, KINDS, Recorder, _place, given, one_call, run_checks, subprocess_results
+from .test_fake_cuda import BAGS, DEV, GAP, KINDS, Recorder, _place, given, one_call
 
 pytestmark = pytest.mark.skipif(not fbgemm.available(), reason="needs fbgemm_gpu")
 
@@ -100,14 +101,14 @@ def _check(rec: Recorder, fmap: list[int], kind: str) -> None:
     assert not problems, "\n".join(problems)
 
 
-def main() -> None:
-    run_checks({f"{name}-{kind}": (lambda rec, f=fmap, k=kind: _check(rec, f, k))
-                for name, fmap in MAPS.items() for kind in KINDS})
+def checks() -> dict[str, Callable[[Recorder], None]]:
+    return {f"{name}-{kind}": (lambda rec, f=fmap, k=kind: _check(rec, f, k))
+            for name, fmap in MAPS.items() for kind in KINDS}
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, str | None]:
-    return subprocess_results("tests.unit.test_fake_cuda_copies")
+def results(fake_cuda_results: dict[str, dict[str, str | None]]) -> dict[str, str | None]:
+    return fake_cuda_results[__name__]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -117,6 +118,3 @@ def test_copies_share_one_hash_size_cumsum_offset(results, name, kind):
     ``feature_table_map``."""
     assert results[f"{name}-{kind}"] is None, results[f"{name}-{kind}"]
 
-
-if __name__ == "__main__":
-    main()

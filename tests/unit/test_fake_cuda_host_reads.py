@@ -26,7 +26,7 @@ import torch
 
 from torchrec_dtensor_bridge.kernels import fbgemm
 
-from .test_fake_cuda import DEV, Recorder, run_checks, subprocess_results
+from .test_fake_cuda import DEV, Recorder
 
 pytestmark = pytest.mark.skipif(not fbgemm.available(), reason="needs fbgemm_gpu")
 
@@ -144,13 +144,13 @@ def _case(name: str) -> Callable[[Recorder], None]:
     return check
 
 
-def main() -> None:
-    run_checks({**{name: _case(name) for name in CASES}, "dense-no-scratch": _check_dense_scratch})
+def checks() -> dict[str, Callable[[Recorder], None]]:
+    return {**{name: _case(name) for name in CASES}, "dense-no-scratch": _check_dense_scratch}
 
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, str | None]:
-    return subprocess_results("tests.unit.test_fake_cuda_host_reads")
+def results(fake_cuda_results: dict[str, dict[str, str | None]]) -> dict[str, str | None]:
+    return fake_cuda_results[__name__]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -195,6 +195,3 @@ def test_dense_grad_allocates_no_scratch(monkeypatch):
     monkeypatch.setenv("TDB_KERNELS", "torch")
     torch.testing.assert_close(got, torch.ops.tdb.pool_sum_backward(grad, dims, rows, ids, offsets, None))
 
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,5 @@
 """The limits of fbgemm's CUDA kernels, and the id checks of a lookup's kernel calls, on fake ``cuda:0`` tensors
-(the machinery of ``test_fake_cuda.py``, in a process of its own).
+(the machinery of ``test_fake_cuda.py``, in its subprocess).
 
 fbgemm_gpu 1.8's CUDA forward and backward refuse tables wider than 2048 columns, rows that are not 16-byte
 aligned, no columns at all, and more than int32's ids or bag boundaries; its fakes here refuse the same
@@ -29,8 +29,7 @@ import torch
 
 from torchrec_dtensor_bridge.kernels import fbgemm
 
-from .test_fake_cuda import (BAGS, DEV, INT32_MAX, Recorder, Tables, choices, given, one_call, run_checks,
-                             subprocess_results)
+from .test_fake_cuda import BAGS, DEV, INT32_MAX, Recorder, Tables, choices, given, one_call
 
 pytestmark = pytest.mark.skipif(not fbgemm.available(), reason="needs fbgemm_gpu")
 
@@ -298,15 +297,15 @@ CHECKS: dict[str, Callable[[Recorder], None]] = {
 }
 
 
-def main() -> None:
-    run_checks(CHECKS)
+def checks() -> dict[str, Callable[[Recorder], None]]:
+    return CHECKS
 
 
 # --- the tests -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, str | None]:
-    return subprocess_results("tests.unit.test_fake_cuda_limits")
+def results(fake_cuda_results: dict[str, dict[str, str | None]]) -> dict[str, str | None]:
+    return fake_cuda_results[__name__]
 
 
 @pytest.mark.parametrize("name", LIMITS)
@@ -320,6 +319,3 @@ def test_past_a_limit_of_fbgemms_cuda_kernels_torch_runs(results, name):
 def test_fake_cuda_kernel_calls(results, name):
     assert results[name] is None, results[name]
 
-
-if __name__ == "__main__":
-    main()

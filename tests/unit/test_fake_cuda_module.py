@@ -77,7 +77,7 @@ import torch
 from torchrec_dtensor_bridge.kernels import fbgemm
 
 from .test_fake_cuda import (BAGS, CASES, DEV, GAP, KINDS, Call, Recorder, Tables, _arrangements, _place, choices,
-                             fbgemm_refuses, given, run_checks, subprocess_results)
+                             fbgemm_refuses, given)
 
 pytestmark = pytest.mark.skipif(not fbgemm.available(), reason="needs fbgemm_gpu")
 
@@ -696,22 +696,22 @@ def _dense_case(case: str) -> Callable[[Recorder], None]:
     return check
 
 
-def main() -> None:
-    checks: dict[str, Callable[[Recorder], None]] = {}
+def checks() -> dict[str, Callable[[Recorder], None]]:
+    out: dict[str, Callable[[Recorder], None]] = {}
     for case in CASES:
         for kind in KINDS:
             for dtype in DTYPES:
-                checks[f"{case}-{kind}-{dtype}"] = _split_case(case, kind, dtype)
-        checks[f"{case}-dense"] = _dense_case(case)
-    checks["wide_table"] = _check_wide_table
-    run_checks(checks)
+                out[f"{case}-{kind}-{dtype}"] = _split_case(case, kind, dtype)
+        out[f"{case}-dense"] = _dense_case(case)
+    out["wide_table"] = _check_wide_table
+    return out
 
 
 # --- the tests ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def results() -> dict[str, str | None]:
-    return subprocess_results("tests.unit.test_fake_cuda_module")
+def results(fake_cuda_results: dict[str, dict[str, str | None]]) -> dict[str, str | None]:
+    return fake_cuda_results[__name__]
 
 
 def _split_params() -> list[Any]:
@@ -741,6 +741,3 @@ def test_dense_grad_matches_fbgemm_module(results, case):
 def test_wide_table_never_reaches_fbgemm(results):
     assert results["wide_table"] is None, results["wide_table"]
 
-
-if __name__ == "__main__":
-    main()
