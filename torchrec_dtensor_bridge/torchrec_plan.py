@@ -13,6 +13,7 @@ __all__ = [
     "check_plan_ranks",
     "dmp_type",
     "embedding_bag_collection_type",
+    "embedding_collection_type",
     "jagged_types",
     "layout_from_parameter_sharding",
     "layouts_from_module_plan",
@@ -31,6 +32,15 @@ def embedding_bag_collection_type() -> type | None:
 
     mod = sys.modules.get("torchrec.modules.embedding_modules")
     return None if mod is None else mod.EmbeddingBagCollection
+
+
+def embedding_collection_type() -> type | None:
+    """TorchRec's ``EmbeddingCollection`` class if torchrec is already loaded, else ``None`` (as
+    :func:`embedding_bag_collection_type` reasons)."""
+    import sys
+
+    mod = sys.modules.get("torchrec.modules.embedding_modules")
+    return None if mod is None else mod.EmbeddingCollection
 
 
 def dmp_type() -> type | None:

@@ -5,9 +5,15 @@ by ``torch.optim.Adam``, trains 4 steps under ``BEFORE``, is resharded in memory
 changes sharding type: row-wise -> table-wise, table-wise -> table-row-wise, column-wise -> table-column-wise
 with the column blocks on other ranks, table-row-wise -> table-wise), trains 4 steps, is resharded to
 ``LAST`` (the table-column-wise table onto one rank: its per-block row states combined) and trains 2 more.
+A sequence model holds a TorchRec ``EmbeddingCollection`` (alone, and beside an ``EmbeddingBagCollection``
+in the same DMP), sharded by ``EmbeddingCollectionSharder`` with the same fused row-wise Adagrad, and is
+resharded so that every sequence table changes sharding type among the three its sharder builds on CPU
+(row-wise -> table-wise, table-wise -> row-wise, column-wise -> row-wise; into column-wise a row-wise
+Adagrad table comes only from the same column cut, so no table goes there).
 The reference is the same job whose every change of plan is a ``tdb.checkpoint.save`` and a load into a
 fresh DMP under the new plan: losses and every tensor of the model, the fused optimizer and the dense
-optimizer ``torch.equal``. Refused plans leave every tensor as it was, on every rank.
+optimizer ``torch.equal``; the bytes each rank sends are those of the weights and per-row states it holds
+that another rank holds under the new plan. Refused plans leave every tensor as it was, on every rank.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torchrec_dtensor_bridge as tdb
 from .harness import make_pool_fixture
 from .test_dlrm_resume_w3 import _batch as _dlrm_batch
 from .test_dlrm_resume_w3 import _dense_params, _snapshot
+from .test_reshard_live_w3 import _Sends
 
 pool = make_pool_fixture(3)
 
@@ -36,6 +43,11 @@ AFTER = {"t0": ("table_wise", 2), "t1": ("table_row_wise",), "t2": ("table_colum
          "t3": ("table_wise", 0)}
 LAST = dict(AFTER, t2=("table_wise", 1))
 
+SEQ = {"s0": 9, "s1": 8, "s2": 7}  # the EmbeddingCollection's tables: name -> rows
+SEQ_BEFORE = {"s0": ("row_wise",), "s1": ("table_wise", 1), "s2": ("column_wise", [0, 2])}
+SEQ_AFTER = {"s0": ("table_wise", 2), "s1": ("row_wise",), "s2": ("row_wise",)}
+TABLES_AT = {PATH: TABLES, "ebc": TABLES, "ec": SEQ}  # module path -> its tables; "ec": an EmbeddingCollection
+
 
 def _fused(gen):
     def make(*args, **kwargs):
@@ -43,8 +55,9 @@ def _fused(gen):
     return make
 
 
-def _module_plan(kinds: dict[str, tuple], world: int, *, rows: dict[str, int] = TABLES):
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+def _module_plan(kinds: dict[str, tuple], world: int, *, rows: dict[str, int] = TABLES, seq: bool = False):
+    """The plan of an ``EmbeddingBagCollection`` (an ``EmbeddingCollection`` if ``seq``) of tables ``rows``."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
     from torchrec.distributed import sharding_plan as sp
 
     def table_column_wise(ranks):
@@ -58,55 +71,93 @@ def _module_plan(kinds: dict[str, tuple], world: int, *, rows: dict[str, int] = 
             "column_wise": lambda ranks: sp.column_wise(ranks=ranks, compute_kernel="fused"),
             "table_row_wise": lambda: _fused(sp.table_row_wise(host_index=0)),
             "table_column_wise": table_column_wise}
-    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=r,
-                                                            feature_names=[f"f_{n}"]) for n, r in rows.items()],
-                                 device=torch.device("meta"))
+    cls, config = (EmbeddingCollection, EmbeddingConfig) if seq else (EmbeddingBagCollection, EmbeddingBagConfig)
+    module = cls(tables=[config(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f"f_{n}"])
+                         for n, r in rows.items()], device=torch.device("meta"))
     per_param = {n: make[kind](*args) for n, (kind, *args) in kinds.items()}
-    return sp.construct_module_sharding_plan(ebc, per_param_sharding=per_param, local_size=world,
-                                             world_size=world, device_type="cpu", sharder=_sharder())
+    return sp.construct_module_sharding_plan(module, per_param_sharding=per_param, local_size=world,
+                                             world_size=world, device_type="cpu", sharder=_sharder(seq))
 
 
-def _sharder():
+def _sharder(seq: bool = False):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-    return EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3})
+    cls = EmbeddingCollectionSharder if seq else EmbeddingBagCollectionSharder
+    return cls(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.1, "eps": 1e-3})
 
 
-def _dmp(kinds: dict[str, tuple], *, ddp: bool = False):
-    """The DLRM job under ``kinds``; without a data-parallel wrapper unless ``ddp`` (:func:`_step` averages the
-    dense gradients itself: DDP's buckets lay the gradients out in memory differently in a fresh DDP than in
-    one that has trained, and Adam's CPU kernels round an element by its place in memory, so a job resumed
-    into a fresh DDP differs from the one that kept training in the last bit, resharded or not)."""
+class _SeqModel(torch.nn.Module):
+    """A sequence model: the dense features through a linear layer, each sample's sequence of each
+    ``EmbeddingCollection`` feature summed (and the ``EmbeddingBagCollection``'s pooled features, when it has
+    one), all into a linear layer: one logit per sample."""
+
+    def __init__(self, ec: torch.nn.Module, ebc: torch.nn.Module | None) -> None:
+        super().__init__()
+        self.dense = torch.nn.Linear(DENSE_IN, DIM)
+        self.ec, self.ebc = ec, ebc
+        self.over = torch.nn.Linear((1 + len(SEQ) + (len(TABLES) if ebc is not None else 0)) * DIM, 1)
+
+    def forward(self, dense: torch.Tensor, seq: Any, bags: Any = None) -> torch.Tensor:
+        parts = [self.dense(dense)]
+        sequences = self.ec(seq)
+        for f in seq.keys():
+            jt = sequences[f]
+            sample = torch.repeat_interleave(torch.arange(dense.shape[0]), jt.lengths())
+            parts.append(torch.zeros(dense.shape[0], DIM).index_add(0, sample, jt.values()))
+        if self.ebc is not None:
+            parts.append(self.ebc(bags).values())
+        return self.over(torch.cat(parts, dim=1))
+
+
+def _dmp(plans: dict[str, dict[str, tuple]], *, ddp: bool = False):
+    """The job under ``plans`` (module path -> its tables' kinds): the DLRM job if it names ``PATH``, else the
+    sequence model (with an ``EmbeddingBagCollection`` if it names ``"ebc"``); without a data-parallel wrapper
+    unless ``ddp`` (:func:`_step` averages the dense gradients itself: DDP's buckets lay the gradients out in
+    memory differently in a fresh DDP than in one that has trained, and Adam's CPU kernels round an element by
+    its place in memory, so a job resumed into a fresh DDP differs from the one that kept training in the last
+    bit, resharded or not)."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
     from torchrec.models.dlrm import DLRM
 
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f"f_{n}"])
                 for n, r in TABLES.items()], device=torch.device("meta"))
-    model = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN, dense_arch_layer_sizes=[5, DIM],
-                 over_arch_layer_sizes=[4, 1])
-    world = dist.get_world_size()
+    if PATH in plans:
+        model: torch.nn.Module = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
+                                      dense_arch_layer_sizes=[5, DIM], over_arch_layer_sizes=[4, 1])
+    else:
+        ec = EmbeddingCollection(
+            tables=[EmbeddingConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f"f_{n}"])
+                    for n, r in SEQ.items()], device=torch.device("meta"))
+        model = _SeqModel(ec, ebc if "ebc" in plans else None)
     dmp = DistributedModelParallel(
         model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-        plan=ShardingPlan({PATH: _module_plan(kinds, world)}), sharders=[_sharder()], init_data_parallel=ddp)
+        plan=_plan_of(plans), sharders=[_sharder(), _sharder(seq=True)], init_data_parallel=ddp)
     for g in dmp.fused_optimizer.param_groups:
         g["lr"] = 0.04  # a hyper-parameter set after the DMP was built: a reshard keeps it
     return dmp, torch.optim.Adam(_dense_params(dmp).values(), lr=0.05)
 
 
-def _batch(step: int, rank: int, world: int):
-    return _dlrm_batch(step, rank, world, TABLES, seed=2000)
+def _batch(dmp, step: int, rank: int, world: int) -> tuple[tuple, torch.Tensor]:
+    """The model's inputs and the labels of this rank's share of step ``step``'s batch."""
+    dense, bags, labels = _dlrm_batch(step, rank, world, TABLES, seed=2000)
+    if not isinstance(dmp.module, _SeqModel):
+        return (dense, bags), labels
+    _, seq, _ = _dlrm_batch(step, rank, world, SEQ, seed=3000)
+    return ((dense, seq, bags) if dmp.module.ebc is not None else (dense, seq)), labels
 
 
 def _step(dmp, adam, step: int, rank: int, world: int) -> torch.Tensor:
-    dense, kjt, labels = _batch(step, rank, world)
+    inputs, labels = _batch(dmp, step, rank, world)
     dmp.fused_optimizer.zero_grad()  # where TorchRec hands its fused kernel the param groups' lr
-    loss = F.binary_cross_entropy_with_logits(dmp(dense, kjt).squeeze(1), labels)
+    loss = F.binary_cross_entropy_with_logits(dmp(*inputs).squeeze(1), labels)
     loss.backward()
     if not isinstance(dmp._dmp_wrapped_module, torch.nn.parallel.DistributedDataParallel):
         for p in _dense_params(dmp).values():  # DDP's average, one parameter at a time
@@ -131,38 +182,75 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[k], v), f"{what}: {k} differs on rank {dist.get_rank()}"
 
 
-def _plan_of(kinds: dict[str, tuple]):
+def _plan_of(plans: dict[str, dict[str, tuple]], world: int | None = None):
+    """The ``ShardingPlan`` of ``plans`` (module path -> its tables' kinds) on ``world`` ranks (this group's)."""
     from torchrec.distributed.types import ShardingPlan
 
-    return ShardingPlan({PATH: _module_plan(kinds, dist.get_world_size())})
+    world = world or dist.get_world_size()
+    return ShardingPlan({p: _module_plan(kinds, world, rows=TABLES_AT[p], seq=p == "ec") for p, kinds in plans.items()})
 
 
-SCHEDULE = [(BEFORE, 4), (AFTER, 4), (LAST, 2)]
+def _owners(ps) -> torch.Tensor:
+    """The rank holding each element of a table under a ``ParameterSharding`` (read from its shard metadata)."""
+    shards = ps.sharding_spec.shards
+    owner = torch.full([max(s.shard_offsets[d] + s.shard_sizes[d] for s in shards) for d in (0, 1)], -1)
+    for s in shards:
+        owner[tuple(slice(o, o + n) for o, n in zip(s.shard_offsets, s.shard_sizes))] = s.placement.rank()
+    return owner
 
 
-def _live_and_resumed(rank: int, world: int, path: str) -> None:
-    group = dist.group.WORLD
-    dmp, adam = _dmp(BEFORE)
+def _changing_bytes(old: dict, new: dict, rank: int) -> int:
+    """The bytes of the weights and row-wise Adagrad states (float32) ``rank`` holds under the plan ``old``
+    (module path -> table -> ``ParameterSharding``) that another rank holds under ``new``. The state keeps a
+    value per row and column block; into one column block a row's values go to the row's new holder, into the
+    same cut to the block's."""
+    total = 0
+    for path, tables in new.items():
+        for t, ps in tables.items():
+            before, after = _owners(old[path][t]), _owners(ps)
+            cols = sorted({s.shard_offsets[1] for s in old[path][t].sharding_spec.shards})
+            cut = len({s.shard_offsets[1] for s in ps.sharding_spec.shards}) > 1
+            rows_after = after[:, cols] if cut else after[:, :1].expand(-1, len(cols))
+            total += 4 * int(((before == rank) & (after != rank)).sum())
+            total += 4 * int(((before[:, cols] == rank) & (rows_after != rank)).sum())
+    return total
+
+
+SCHEDULES = {
+    "dlrm": [({PATH: BEFORE}, 4), ({PATH: AFTER}, 4), ({PATH: LAST}, 2)],
+    "ec": [({"ec": SEQ_BEFORE}, 3), ({"ec": SEQ_AFTER}, 3)],
+    "ebc_and_ec": [({"ebc": BEFORE, "ec": SEQ_BEFORE}, 3), ({"ebc": AFTER, "ec": SEQ_AFTER}, 3)],
+}
+
+
+def _live_and_resumed(rank: int, world: int, job: str, path: str) -> None:
+    group, schedule = dist.group.WORLD, SCHEDULES[job]
+    dmp, adam = _dmp(schedule[0][0])
     live, step = [], 0
-    for k, (kinds, steps) in enumerate(SCHEDULE):
+    for k, (plans, steps) in enumerate(schedule):
         if k:
             before = _snapshot(_state(dmp, adam), group)
-            assert tdb.reshard(dmp, _plan_of(kinds)) is dmp
+            old, new = {p: dict(v) for p, v in dmp.plan.plan.items()}, _plan_of(plans)
+            modules = {p: dmp.module.get_submodule(p) for p in plans}
+            with _Sends() as sends:
+                assert tdb.reshard(dmp, new) is dmp
+            assert sends.bytes == _changing_bytes(old, new.plan, rank), (sends.bytes, rank, k)
             _assert_equal(_snapshot(_state(dmp, adam), group), before, f"right after reshard {k}")
-            module = dmp.module.sparse_arch.embedding_bag_collection
-            assert {t: ps.sharding_type for t, ps in dmp.plan.plan[PATH].items()} == {
-                t: kind[0] for t, (kind) in kinds.items()}
-            assert module.module_sharding_plan is dmp.plan.plan[PATH]
+            for p, kinds in plans.items():
+                assert {t: ps.sharding_type for t, ps in dmp.plan.plan[p].items()} == {
+                    t: kind[0] for t, kind in kinds.items()}
+                module = dmp.module.get_submodule(p)
+                assert module is not modules[p] and module.module_sharding_plan is dmp.plan.plan[p]
             assert all(g["lr"] == 0.04 for g in dmp.fused_optimizer.param_groups), "the fused lr was reset"
         live += [_step(dmp, adam, step + s, rank, world) for s in range(steps)]
         step += steps
     final = _snapshot(_state(dmp, adam), group)
-    dmp, adam = _dmp(BEFORE)
+    dmp, adam = _dmp(schedule[0][0])
     resumed, step = [], 0
-    for k, (kinds, steps) in enumerate(SCHEDULE):
+    for k, (plans, steps) in enumerate(schedule):
         if k:
             tdb.checkpoint.save(_state(dmp, adam), f"{path}-{k}")
-            dmp, adam = _dmp(kinds)
+            dmp, adam = _dmp(plans)
             tdb.checkpoint.load(_state(dmp, adam), f"{path}-{k}")
         resumed += [_step(dmp, adam, step + s, rank, world) for s in range(steps)]
         step += steps
@@ -172,29 +260,38 @@ def _live_and_resumed(rank: int, world: int, path: str) -> None:
 
 
 def test_a_dlrm_job_resharded_twice_equals_checkpoint_resumes(pool, tmp_path):
-    pool.run(_live_and_resumed, str(tmp_path / "dlrm"))
+    pool.run(_live_and_resumed, "dlrm", str(tmp_path / "dlrm"))
+
+
+@pytest.mark.parametrize("job", ["ec", "ebc_and_ec"])
+def test_a_sequence_model_resharded_equals_a_checkpoint_resume(pool, tmp_path, job):
+    pool.run(_live_and_resumed, job, str(tmp_path / job))
 
 
 def _refused(rank: int, world: int, case: str) -> str:
     group = dist.group.WORLD
     from torchrec.distributed.types import ShardingPlan
 
-    dmp, adam = _dmp(BEFORE, ddp=True)
+    path = "ec" if case.startswith("ec_") else PATH
+    dmp, adam = _dmp({path: SEQ_BEFORE if path == "ec" else BEFORE}, ddp=True)
     _step(dmp, adam, 0, rank, world)
 
-    if case == "another_world_size":
+    if case == "ec_table_row_wise":  # a plan an EmbeddingBagCollectionSharder builds, not the EC's sharder
+        twrw = _module_plan({"s1": ("table_row_wise",)}, world, rows={"s1": SEQ["s1"]})["s1"]
+        plan = ShardingPlan({"ec": dict(_plan_of({"ec": SEQ_BEFORE}).plan["ec"], s1=twrw)})
+    elif case == "another_world_size":
         plan = ShardingPlan({PATH: _module_plan(dict(BEFORE, t0=("table_wise", 3)), 4)})
     elif case == "another_shape":
         plan = ShardingPlan({PATH: _module_plan(dict(BEFORE, t1=("row_wise",)), world, rows=dict(TABLES, t1=8))})
     elif case == "unknown_table":
         plan = {"t9": _module_plan({"t9": ("row_wise",)}, world, rows={"t9": 5})["t9"]}
     else:  # one value per row into two column blocks
-        plan = _plan_of(dict(BEFORE, t1=("column_wise", [0, 1])))
+        plan = _plan_of({PATH: dict(BEFORE, t1=("column_wise", [0, 1]))})
     before = _snapshot(_state(dmp, adam), group)
-    module = dmp.module.sparse_arch.embedding_bag_collection
+    module = dmp.module.get_submodule(path)
     with pytest.raises((ValueError, NotImplementedError)) as refused:
         tdb.reshard(dmp, plan)
-    assert dmp.module.sparse_arch.embedding_bag_collection is module
+    assert dmp.module.get_submodule(path) is module
     _assert_equal(_snapshot(_state(dmp, adam), group), before, f"{case}: after the refusal")
     _step(dmp, adam, 1, rank, world)
     return str(refused.value)
@@ -204,13 +301,13 @@ def _with_ddp(rank: int, world: int) -> None:
     """A DMP inside its DDP wrapper: resharded, every tensor as before, the wrapper the same object, and the
     next steps keep the dense parameters equal on every rank (DDP still averages their gradients)."""
     group = dist.group.WORLD
-    dmp, adam = _dmp(BEFORE, ddp=True)
+    dmp, adam = _dmp({PATH: BEFORE}, ddp=True)
     wrapper = dmp._dmp_wrapped_module
     assert isinstance(wrapper, torch.nn.parallel.DistributedDataParallel)
     for s in range(2):
         _step(dmp, adam, s, rank, world)
     before = _snapshot(_state(dmp, adam), group)
-    tdb.reshard(dmp, _plan_of(AFTER))
+    tdb.reshard(dmp, _plan_of({PATH: AFTER}))
     assert dmp._dmp_wrapped_module is wrapper
     _assert_equal(_snapshot(_state(dmp, adam), group), before, "right after the reshard")
     for s in range(2, 4):
@@ -231,6 +328,8 @@ REFUSALS = {
     "another_shape": "table 'sparse_arch.embedding_bag_collection.t1'",
     "unknown_table": "the tables ['t9'] are not all in one sharded module",
     "split_row_state": "column blocks of widths [8] do not convert into blocks of widths [4, 4]",
+    "ec_table_row_wise": "table 'ec.s1': table_row_wise sharding in the plan; the module at 'ec' is built with "
+                         "['column_wise', 'row_wise', 'table_wise'] only",
 }
 
 

@@ -1,10 +1,13 @@
 """``reshard`` of a TorchRec ``DistributedModelParallel``: its fused tables and their optimizer state.
 
-A sharded ``EmbeddingBagCollection`` whose plan changes is rebuilt by the DMP's own sharder under the new
-plan (TorchRec allocates its tables); each table then takes its values and fused optimizer state from the
-old module, only the blocks that change owner travelling (:func:`..convert.reshard.move_pieces`), and the
-new module replaces the old one in the model, the DMP's plan and its fused optimizer once every rank has
-all its blocks. Dense parameters, their optimizer and the data-parallel wrapper are not touched.
+A sharded ``EmbeddingBagCollection`` or ``EmbeddingCollection`` whose plan changes is rebuilt by the DMP's
+own sharder under the new plan (TorchRec allocates its tables); each table then takes its values and fused
+optimizer state from the old module, only the blocks that change owner travelling
+(:func:`..convert.reshard.move_pieces`), and the new module replaces the old one in the model, the DMP's
+plan and its fused optimizer once every rank has all its blocks. Dense parameters, their optimizer and the
+data-parallel wrapper are not touched. A plan is checked against the sharding types the module's class is
+built with (a sharded ``EmbeddingCollection``: table-wise, row-wise and column-wise, no table-row-wise,
+table-column-wise or grid), so that TorchRec is never asked to build what it refuses.
 
 TorchRec's fused optimizer state, per table (the registry's kinds, :mod:`..optim_kinds`):
 
@@ -115,12 +118,15 @@ def _module_plans(dmp: Any, plan: object, modules: Mapping[str, Any]) -> dict[st
 
 
 def _check_table(path: str, name: str, shape: tuple[int, int], old_ps: Any, new_ps: Any, group: CommGroup,
-                 kind: OptimKind | None) -> _Table:
+                 kind: OptimKind | None, types: tuple[str, ...] | None) -> _Table:
     full = f"{path}.{name}"
     for ps, which in ((old_ps, "now"), (new_ps, "in the plan")):
         if getattr(ps, "compute_kernel", None) != "fused" or ps.sharding_type == "data_parallel":
             raise _fail(NotImplementedError, full, f"{ps.sharding_type} with the {ps.compute_kernel!r} kernel "
                                                    f"{which}; reshard moves tables trained by the fused kernel")
+    if types is not None and new_ps.sharding_type not in types:
+        raise _fail(ValueError, full, f"{new_ps.sharding_type} sharding in the plan; the module at {path!r} is "
+                                      f"built with {[t for t in types if t != 'data_parallel']} only")
     try:
         old = layout_from_parameter_sharding(old_ps, shape, world_size=group.size, name=full)
         new = layout_from_parameter_sharding(new_ps, shape, world_size=group.size, name=full)
@@ -141,8 +147,8 @@ def _check(dmp: Any, plan: object, group: CommGroup) -> list[_Module]:
     out = []
     for path, given in _module_plans(dmp, plan, modules).items():
         if path not in modules:
-            raise Rejected(ValueError, f"{WHAT}: plan entry {path!r}: the model has no sharded module there; "
-                                       f"its sharded modules are {sorted(modules)}")
+            raise Rejected(ValueError, f"{WHAT}: plan entry {path!r}: the model has no sharded EmbeddingBagCollection "
+                                       f"or EmbeddingCollection there; those it has are at {sorted(modules)}")
         old = modules[path]
         shapes, now = trec.table_shapes(old), trec.module_plan(old)
         unknown = sorted(set(given) - set(shapes))
@@ -153,8 +159,8 @@ def _check(dmp: Any, plan: object, group: CommGroup) -> list[_Module]:
         if kind is not None and kind.states and not kind.torchrec_mapped:
             raise Rejected(NotImplementedError, f"{WHAT}: the fused optimizer {kind.name!r} of {path!r} keeps "
                                                 "state whose TorchRec form is not mapped")
-        merged = {**now, **given}
-        tables = [_check_table(path, t, shapes[t], now[t], merged[t], group, kind) for t in shapes]
+        merged, types = {**now, **given}, trec.sharding_types(old)
+        tables = [_check_table(path, t, shapes[t], now[t], merged[t], group, kind, types) for t in shapes]
         if any(t.old.shards != t.new.shards for t in tables):
             out.append(_Module(path, old, merged, tables))
     return out
@@ -183,7 +189,7 @@ def _local(value: object, layout: ShardLayout, rank: int, what: str) -> list[tor
 
 def _table_moves(m: _Module, t: _Table, kind: OptimKind | None, rank: int,
                  ) -> tuple[list[Move], list[Callable[[], None]]]:
-    key = f"embedding_bags.{t.name}.weight"
+    key = trec.weight_key(m.old, t.name)
     old_w, new_w = m.old.state_dict()[key], m.new.state_dict()[key]
     moves = [Move(pieces(t.old, t.new), t.old, _local(old_w, t.old, rank, key), t.new,
                   _local(new_w, t.new, rank, key))]

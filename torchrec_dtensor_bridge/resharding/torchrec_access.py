@@ -1,27 +1,54 @@
 """Every use of TorchRec's internals by :func:`~torchrec_dtensor_bridge.reshard`, in one place.
 
 A ``DistributedModelParallel`` keeps what a reshard needs in private attributes (TorchRec 1.8:
-``_sharder_map``, ``_env``, ``_plan``, ``_optim``, ``_init_optim``, ``_dmp_wrapped_module``), and a
-``ShardedEmbeddingBagCollection`` keeps its tables' configs in ``_embedding_bag_configs``. Nothing else of
-the package reads them; nothing here imports torchrec (the class tests go through
-:mod:`..torchrec_plan`).
+``_sharder_map``, ``_env``, ``_plan``, ``_optim``, ``_init_optim``, ``_dmp_wrapped_module``). Its sharded
+``EmbeddingBagCollection`` keeps its tables' configs in ``_embedding_bag_configs`` (state_dict keys
+``embedding_bags.<table>.weight``), its sharded ``EmbeddingCollection`` in ``_embedding_configs`` (keys
+``embeddings.<table>.weight``), each the flags its unsharded module was built with in others. The sharder
+of a sharded module is the one whose ``sharded_module_type`` it is: a ``ShardedEmbeddingCollection``
+reports ``nn.Module`` as its ``unsharded_module_type``, which keys no sharder. Nothing else of the package
+reads these; nothing here imports torchrec (the class tests go through :mod:`..torchrec_plan`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..torchrec_plan import dmp_type
+from ..torchrec_plan import dmp_type, embedding_bag_collection_type, embedding_collection_type
 
 __all__ = [
     "fused_optimizer_kind", "hyperparameters", "install", "is_dmp", "module_plan", "reshard_group", "shard_afresh",
-    "sharded_modules", "table_shapes",
+    "sharded_modules", "sharding_types", "table_shapes", "weight_key",
 ]
+
+
+@dataclass(frozen=True)
+class _Family:
+    """Where a sharded module of one unsharded class keeps what :func:`shard_afresh` rebuilds it from."""
+
+    configs: str  # the attribute holding its tables' configs
+    prefix: str  # its tables' state_dict keys: ``{prefix}.{table}.weight``
+    flags: tuple[tuple[str, str], ...]  # (the unsharded class's constructor argument, the attribute keeping it)
+    builds: tuple[str, ...] | None  # the sharding types the sharded class builds; None: every type
+
+
+_BAGS = _Family("_embedding_bag_configs", "embedding_bags", (("is_weighted", "_is_weighted"),), None)
+# ShardedEmbeddingCollection.create_embedding_sharding builds these and raises on any other type (the
+# sharder's ``sharding_types(device)`` lists what a planner may propose on a device, not what it builds)
+_SEQUENCES = _Family("_embedding_configs", "embeddings", (
+    ("need_indices", "_need_indices"), ("use_gather_select", "_use_gather_select"),
+    ("use_gather_select_per_sharding", "_use_gather_select_per_sharding")),
+    ("column_wise", "data_parallel", "row_wise", "table_wise"))
+
+
+def _family(sharded: Any) -> _Family:
+    return _BAGS if hasattr(sharded, _BAGS.configs) else _SEQUENCES
 
 
 def is_dmp(model: object) -> bool:
@@ -35,16 +62,25 @@ def _inner(dmp: Any) -> nn.Module:
     return dmp.module
 
 
+def _sharder(dmp: Any, sharded: Any) -> Any:
+    """The DMP's sharder that builds modules of ``sharded``'s class, or ``None``."""
+    return next((s for s in dmp._sharder_map.values()
+                 if getattr(s, "sharded_module_type", None) is type(sharded)), None)
+
+
 def sharded_modules(dmp: Any) -> dict[str, nn.Module]:
-    """Path -> each sharded ``EmbeddingBagCollection`` of the DMP's plan (paths as the plan names them)."""
+    """Path -> each sharded ``EmbeddingBagCollection`` and ``EmbeddingCollection`` of the DMP's plan (paths as
+    the plan names them); other sharded modules are not listed."""
     inner = _inner(dmp)
+    kinds = {embedding_bag_collection_type(), embedding_collection_type()} - {None}
     out = {}
     for path in dmp.plan.plan:
         try:
             m = inner.get_submodule(path)
         except AttributeError:
             continue
-        if hasattr(m, "_embedding_bag_configs") and hasattr(m, "module_sharding_plan"):
+        sharder = _sharder(dmp, m)
+        if sharder is not None and sharder.module_type in kinds and hasattr(m, "module_sharding_plan"):
             out[path] = m
     return out
 
@@ -55,8 +91,13 @@ def module_plan(sharded: Any) -> dict[str, Any]:
 
 
 def table_shapes(sharded: Any) -> dict[str, tuple[int, int]]:
-    """Table -> ``(rows, dim)`` of a sharded ``EmbeddingBagCollection``."""
-    return {c.name: (int(c.num_embeddings), int(c.embedding_dim)) for c in sharded._embedding_bag_configs}
+    """Table -> ``(rows, dim)`` of a module of :func:`sharded_modules`."""
+    return {c.name: (int(c.num_embeddings), int(c.embedding_dim)) for c in getattr(sharded, _family(sharded).configs)}
+
+
+def weight_key(sharded: Any, table: str) -> str:
+    """The key of ``table``'s weight in the module's ``state_dict`` and its fused optimizer's state."""
+    return f"{_family(sharded).prefix}.{table}.weight"
 
 
 def reshard_group(dmp: Any) -> dist.ProcessGroup | None:
@@ -64,9 +105,15 @@ def reshard_group(dmp: Any) -> dist.ProcessGroup | None:
     return dmp._env.process_group
 
 
+def sharding_types(sharded: Any) -> tuple[str, ...] | None:
+    """The sharding types a module of ``sharded``'s class can be built with (an ``EmbeddingCollection``'s: no
+    table-row-wise, table-column-wise or grid), or ``None`` where it takes every type."""
+    return _family(sharded).builds
+
+
 def fused_optimizer_kind(dmp: Any, sharded: Any) -> str | None:
     """The name of fbgemm's ``EmbOptimType`` the module's sharder trains its fused tables with, or ``None``."""
-    sharder = dmp._sharder_map.get(sharded.unsharded_module_type)
+    sharder = _sharder(dmp, sharded)
     params = getattr(sharder, "fused_params", None) or {}
     kind = params.get("optimizer")
     return None if kind is None else str(getattr(kind, "name", kind))
@@ -75,12 +122,13 @@ def fused_optimizer_kind(dmp: Any, sharded: Any) -> str | None:
 def shard_afresh(dmp: Any, path: str, sharded: Any, plan: Mapping[str, Any]) -> nn.Module:
     """A new sharded module of ``sharded``'s tables under ``plan``, built by the DMP's own sharder (its
     tables allocated and initialised by TorchRec; the global random state is left as it was)."""
-    cls = sharded.unsharded_module_type
-    unsharded = cls(tables=list(sharded._embedding_bag_configs), is_weighted=bool(sharded._is_weighted),
-                    device=torch.device("meta"))
+    family, sharder = _family(sharded), _sharder(dmp, sharded)
+    flags = {arg: getattr(sharded, attr) for arg, attr in family.flags}
+    unsharded = sharder.module_type(tables=list(getattr(sharded, family.configs)), device=torch.device("meta"),
+                                    **flags)
     devices = [torch.cuda.current_device()] if dmp.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        return dmp._sharder_map[cls].shard(unsharded, dict(plan), dmp._env, dmp.device, path)
+        return sharder.shard(unsharded, dict(plan), dmp._env, dmp.device, path)
 
 
 def hyperparameters(sharded: Any) -> dict[str, dict[str, Any]]:
