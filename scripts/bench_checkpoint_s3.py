@@ -30,6 +30,7 @@ the server, its clients and both ranks share the machine's cores.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -90,6 +91,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
         sd = _state(rank, world, cfg["gib"])
         dest = _state(rank, world, cfg["gib"], fill=float("nan"))
         url = f"s3://{cfg['bucket']}/bench"
+        opts = cfg["storage_options"]
 
         def agree(err: str | None) -> str | None:
             """The first rank's error, on every rank (None: it worked on all)."""
@@ -147,8 +149,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
                     else:
                         if ours_error is not None:
                             continue
-                        fn = (lambda: tdb.checkpoint.save(sd, target)) if what == "save" else \
-                            (lambda: tdb.checkpoint.load(dest, target))
+                        fn = (lambda: tdb.checkpoint.save(sd, target, storage_options=opts)) if what == "save" \
+                            else (lambda: tdb.checkpoint.load(dest, target, storage_options=opts))
                     dt, err = timed(fn, f"{name}_{what}" if keep else None)
                     if err is not None:
                         if name == "dcp":
@@ -259,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--changed", type=float, default=0.01, help="fraction of rows changed for --incremental")
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: under ./bench)")
     parser.add_argument("--volume-mb", type=int, default=1024, help="the server's volume size limit, MiB")
+    parser.add_argument("--storage-options", type=json.loads, default=None, metavar="JSON",
+                        help="ours' storage_options, e.g. '{\"max_concurrency\": 2}' (default: none)")
     parser.add_argument("--out", type=Path, default=Path("bench/results.json"))
     args = parser.parse_args(argv)
 
@@ -276,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         client.create_bucket(Bucket=bucket)
         cfg = {"gib": args.gib, "reps": args.reps, "warmup": args.warmup, "bucket": bucket,
                "incremental": args.incremental, "changed": args.changed, "collective_timeout_s": 600,
-               "master": f"http://127.0.0.1:{server.ports['master']}", "server_pid": server.proc.pid}
+               "master": f"http://127.0.0.1:{server.ports['master']}", "server_pid": server.proc.pid,
+               "storage_options": args.storage_options}
         per_rank = spawn_ranks(_worker, 2, (cfg,), name="checkpoint_s3", timeout_s=3600)
         r0 = per_rank[0]
         inc = r0.get("incremental")
@@ -292,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"gib": gib, "ranks": 2, "reps": args.reps, "cpu": cpu, "load1_before": load_before,
                            "load1_after": load_after, "server": "SeaweedFS 4.48 (weed server) on loopback",
                            "dcp_storage": "FsspecWriter/FsspecReader over s3fs (default settings)",
-                           "server_disk_bytes_at_end": disk}
+                           "server_disk_bytes_at_end": disk, "storage_options": args.storage_options}
     print(f"state_dict {gib:.2f} GiB on 2 ranks over S3 ({res['server']}); CPU {cpu}; "
           f"1-min load {load_before:.2f} before, {load_after:.2f} after")
     for k in ("dcp_save", "dcp_load", "ours_save", "ours_load"):

@@ -413,3 +413,20 @@ def test_s3_readers_keep_a_superseded_generation_for_the_grace_period_and_past_i
     dest = _blank()
     tdb.checkpoint.load(dest, path)
     assert _same(dest, _state(3))
+
+
+def test_s3_transfers_in_flight_default_to_the_ranks_share_of_the_cpus(monkeypatch):
+    from torchrec_dtensor_bridge.checkpoint.storage.s3 import S3Storage, default_concurrency
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the client is made, never used
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(32)))
+    for ranks, expected in (("1", 8), ("4", 8), ("8", 4), ("16", 2), ("64", 2), ("", 8), ("x", 8)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        assert default_concurrency() == expected, (ranks, default_concurrency())
+        assert S3Storage("b").max_concurrency == expected
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert S3Storage("b").max_concurrency == 2
+    assert S3Storage("b", {"max_concurrency": 5}).max_concurrency == 5  # asked for: kept
+    with pytest.raises(ValueError, match="max_concurrency=0"):
+        S3Storage("b", {"max_concurrency": 0})

@@ -6,7 +6,8 @@ Configured the way the ecosystem does: the standard AWS variables
 rest: ``endpoint_url``, ``key``, ``secret``, ``token``, ``region``,
 ``client_kwargs`` and ``config_kwargs`` (passed to boto3), and this module's
 own: ``part_bytes`` (multipart part size, 32 MiB), ``max_concurrency`` (parts
-and ranges in flight per object, 8), ``lease_seconds`` (a save lock's lease,
+and ranges in flight per object; by default this rank's share of the machine's
+cores, 2 to 8: :func:`default_concurrency`), ``lease_seconds`` (a save lock's lease,
 60) and ``grace_seconds`` (how long a superseded generation stays readable, 600).
 
 How the operations of :mod:`.` are kept on a store without rename or locks:
@@ -46,9 +47,29 @@ from typing import Any, BinaryIO
 from .base import Conflict, Handle, Loc, Lock, Storage
 from .s3_streams import Reader, Transfers, Upload
 
-__all__ = ["S3Storage", "s3_location"]
+__all__ = ["S3Storage", "default_concurrency", "s3_location"]
 
 _OWN = ("part_bytes", "max_concurrency", "lease_seconds", "grace_seconds")
+
+
+def default_concurrency() -> int:
+    """Parts and ranges in flight per object when ``storage_options`` does not set ``max_concurrency``.
+
+    This rank's share of the CPUs it may run on: the CPUs over ``LOCAL_WORLD_SIZE`` (the ranks torchrun starts on
+    the node; 1 when unset), at least 2 and at most 8. Every part in flight costs the client CPU (hashing,
+    signing, sending), and more transfers than cores only take turns: measured on a 2-core machine with 2 ranks
+    and the store on the same machine (BENCHMARKS.md, "Checkpoints on an object store"), 8 parts in flight per
+    rank cost the ranks ~50 % and the store ~35 % more CPU seconds per save than 2, for no more throughput.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE") or 1), 1)
+    except ValueError:
+        ranks = 1
+    return max(2, min(8, cpus // ranks))
 
 
 def _code(e: Exception) -> str:
@@ -116,11 +137,13 @@ class S3Storage(Storage):
         opts = dict(options or {})
         own = {k: opts.pop(k) for k in _OWN if k in opts}
         self.part_bytes = int(own.get("part_bytes", 32 << 20))
-        self.max_concurrency = int(own.get("max_concurrency", 8))
+        self.max_concurrency = int(own["max_concurrency"]) if "max_concurrency" in own else default_concurrency()
         self.lease_seconds = float(own.get("lease_seconds", 60.0))
         self.grace_seconds = float(own.get("grace_seconds", 600.0))
         if self.part_bytes < 5 << 20:
             raise ValueError(f"storage_options part_bytes={self.part_bytes}: S3 parts are at least 5 MiB")
+        if self.max_concurrency < 1:
+            raise ValueError(f"storage_options max_concurrency={self.max_concurrency}: at least 1 transfer at a time")
         client_kwargs = dict(opts.pop("client_kwargs", {}) or {})
         config_kwargs = dict(opts.pop("config_kwargs", {}) or {})
         for ours, theirs in (("endpoint_url", "endpoint_url"), ("key", "aws_access_key_id"),
