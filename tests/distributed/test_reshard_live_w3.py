@@ -4,13 +4,17 @@ A TorchRec ``EmbeddingBagCollection`` of five tables, sharded by ``tdb.shard_mod
 trains 4 steps (``torch.optim.Adam``, ``torch.optim.Adagrad``, or a ``FusedOptimizer`` with row-wise
 Adagrad or Adam applied in backward; row-wise Adagrad on fp16 tables too), is resharded in memory to
 ``AFTER`` (every table changes its layout: row-wise even and uneven, table-wise, column-wise, grid, a rank
-holding nothing) and trains 4 more.
+holding nothing) and trains 4 more; the same from and to data-parallel layouts (``REPLICATED_BEFORE`` ->
+``REPLICATED_AFTER``: whole tables and row or column blocks held by several ranks, a replicated table
+listed in another order of ranks, which must not move).
 The reference is the same job saved after step 4 with ``tdb.checkpoint.save`` and loaded into a fresh
-model sharded under ``AFTER``: losses, tables and every optimizer state ``torch.equal``. The bytes each
-rank sends are counted by wrapping ``batch_isend_irecv`` and equal those of the blocks that change owner,
-computed here from the two plans' ownership of every element. Refused plans (another world size, another
-shape, an unknown table) and a failed transfer leave the model and the optimizers as they were
-(``torch.equal``), and every rank raises.
+model sharded under ``AFTER``: losses, tables and every optimizer state ``torch.equal``, and every copy
+of every block equal to the whole tensor's box. The bytes each rank sends are counted by wrapping
+``batch_isend_irecv`` and equal those of the blocks that change owner, computed here from the two plans'
+holders of every element (a rank lacking an element takes it from its first holder). Gradients pending
+at the reshard move with their tables; a model on a sub-mesh reshards on its group. Refused plans
+(another world size, another shape, an unknown table, overlapping blocks) and a failed transfer leave the
+model and the optimizers as they were (``torch.equal``), and every rank raises.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import torchrec_dtensor_bridge as tdb
+from torchrec_dtensor_bridge.convert.dtensor import local_shards_of
 from torchrec_dtensor_bridge.convert.placements import world_mesh
 from torchrec_dtensor_bridge.layout import ShardLayout
+from torchrec_dtensor_bridge.resharding.tables import held
 
 from .checks import expect_raises
 from .harness import make_pool_fixture
@@ -130,26 +136,32 @@ class _Sends:
         dist.batch_isend_irecv = self._real
 
 
-def _owners(layout: ShardLayout) -> torch.Tensor:
-    """The rank holding each element (layouts without copies)."""
-    owner = torch.full(layout.global_shape, -1, dtype=torch.int64)
+def _first_holders(layout: ShardLayout) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """For each element, the rank of the first block (in layout order) holding it, the copy a replicated
+    element is sent from; and for each rank, which elements it holds."""
+    first = torch.full(layout.global_shape, -1, dtype=torch.int64)
+    for s in reversed(layout.shards):
+        first[s.slices()] = s.rank
+    holds: dict[int, torch.Tensor] = {}
     for s in layout.shards:
-        owner[s.slices()] = s.rank
-    return owner
+        holds.setdefault(s.rank, torch.zeros(layout.global_shape, dtype=torch.bool))[s.slices()] = True
+    return first, holds
 
 
-def _changing_bytes(rank: int, per_element: int, per_row: int = 0) -> int:
-    """The bytes of the elements (and per-row values) ``rank`` holds under ``BEFORE`` that another rank
-    takes under ``AFTER``: each new block's elements its rank did not hold, sent by their old owner."""
+def _changing_bytes(rank: int, per_element: int, per_row: int = 0, layouts: str = "mixed") -> int:
+    """The bytes of the elements (and per-row values) ``rank`` holds before that a rank not holding them
+    takes after (``layouts``: a key of :data:`SCHEDULES`): each new block's elements its rank did not hold,
+    sent by the first old block holding them."""
+    before_plan, after_plan = SCHEDULES[layouts]
     total = 0
-    for n, before in BEFORE.items():
-        old = _owners(before)
+    for n, before in before_plan.items():
+        first, holds = _first_holders(before)
         rows_sent: set[tuple[int, int]] = set()
-        for s in AFTER[n].shards:
+        for s in after_plan[n].shards:
             if s.rank == rank:
                 continue
-            mine = old[s.slices()] == rank
-            total += int(mine.sum()) * per_element
+            had = holds[s.rank][s.slices()] if s.rank in holds else torch.zeros(s.sizes, dtype=torch.bool)
+            total += int(((first[s.slices()] == rank) & ~had).sum()) * per_element
             for r in range(s.offsets[0], s.offsets[0] + s.sizes[0]):
                 if per_row and (s.rank, r) not in rows_sent:
                     holders = [b.rank for b in before.shards if b.offsets[0] <= r < b.offsets[0] + b.sizes[0]]
@@ -157,6 +169,26 @@ def _changing_bytes(rank: int, per_element: int, per_row: int = 0) -> int:
                         total += per_row
                     rows_sent.add((s.rank, r))
     return total
+
+
+def _replicas_agree(model, opt, what: str) -> None:
+    """Every block this rank holds of every table, gradient and optimizer state equals its box of the whole
+    tensor: each copy of a replicated block was filled, not only the one a whole tensor reads (collective)."""
+    values: dict[str, object] = {}
+    for k, p in model.named_parameters():
+        values[k] = p
+        values[f"{k}.grad"] = p.grad
+    if isinstance(opt, tdb.FusedOptimizer):
+        values.update(opt.state_dict())
+    else:
+        names = {id(p): k for k, p in model.named_parameters()}
+        values.update({f"{names[id(p)]}.{k}": v for p, state in opt.state.items() for k, v in state.items()})
+    for k, v in values.items():
+        if not isinstance(v, DTensor):
+            continue
+        whole = tdb.full_tensor(v)
+        for s, t in zip(tdb.layout_of(v).shards_on(dist.get_rank()), local_shards_of(v), strict=True):
+            assert torch.equal(t, whole[s.slices()]), f"{what}: {k}: rank {dist.get_rank()}'s block {s} differs"
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -171,16 +203,21 @@ def _live(rank: int, kind: str, schedule: list[tuple[dict, int]]) -> tuple[list[
         if k:
             before = _snapshot(model, opt)
             old = dict(model.named_parameters())
+            storage = {n: [t.data_ptr() for t in local_shards_of(p)] for n, p in old.items()}
             with _Sends() as sends:
                 assert tdb.reshard(model, _plan(layouts), optimizers=[opt]) is model
             sent.append(sends.bytes)
             for n, lay in layouts.items():
                 w = model.embedding_bags[n].weight
-                assert tdb.layout_of(w).shards == lay.shards, n
+                assert held(tdb.layout_of(w)) == held(lay), n
                 assert w is old[_key(n)], f"{n}: the parameter is another object"
+                if held(lay) == held(schedule[k - 1][0][n]):  # the same blocks, listed in another order
+                    assert [t.data_ptr() for t in local_shards_of(w)] == storage[_key(n)], f"{n} was moved"
             _assert_equal(_snapshot(model, opt), before, f"{kind}: right after reshard {k}")
+            _replicas_agree(model, opt, f"{kind}: right after reshard {k}")
         losses += [_step(model, opt, step + s, rank) for s in range(steps)]
         step += steps
+    _replicas_agree(model, opt, f"{kind}: at the end")
     return losses, _snapshot(model, opt), sent
 
 
@@ -203,11 +240,12 @@ PER_ELEMENT = {"adam": 12, "adagrad": 8, "fused_rowwise_adagrad": 4, "fused_adam
                "fused_rowwise_adagrad_fp16": 2}
 
 
-def _equals_a_checkpoint_resume(rank: int, world: int, kind: str, path: str) -> None:
-    losses, final, sent = _live(rank, kind, [(BEFORE, STEPS), (AFTER, STEPS)])
+def _equals_a_checkpoint_resume(rank: int, world: int, kind: str, path: str, layouts: str = "mixed") -> None:
+    before, after = SCHEDULES[layouts]
+    losses, final, sent = _live(rank, kind, [(before, STEPS), (after, STEPS)])
     per_row = 4 if kind.startswith("fused_rowwise_adagrad") else 0
-    assert sent == [_changing_bytes(rank, PER_ELEMENT[kind], per_row)], (sent, rank)
-    want, want_final = _resumed(rank, kind, [(BEFORE, STEPS), (AFTER, STEPS)], path)
+    assert sent == [_changing_bytes(rank, PER_ELEMENT[kind], per_row, layouts)], (sent, rank)
+    want, want_final = _resumed(rank, kind, [(before, STEPS), (after, STEPS)], path)
     for s, (a, b) in enumerate(zip(losses, want, strict=True)):
         assert torch.equal(a, b), f"{kind}: loss of step {s} on rank {rank}: {a} != {b}"
     _assert_equal(final, want_final, f"{kind}: after {2 * STEPS} steps")
@@ -216,6 +254,75 @@ def _equals_a_checkpoint_resume(rank: int, world: int, kind: str, path: str) -> 
 @pytest.mark.parametrize("kind", OPTIMIZERS)
 def test_reshard_mid_training_equals_a_checkpoint_resume_under_the_new_plan(pool, tmp_path, kind):
     pool.run(_equals_a_checkpoint_resume, kind, str(tmp_path / kind))
+
+
+def _hybrid(shape: tuple[int, int], rows: list[int], ranks: list[tuple[int, int]]) -> ShardLayout:
+    """Row blocks of ``rows`` heights, each held by the two ranks of its pair (hybrid replication)."""
+    starts = [sum(rows[:i]) for i in range(len(rows))]
+    return ShardLayout.from_shards(shape, [(r, (o, 0), (h, shape[1])) for o, h, pair in zip(starts, rows, ranks)
+                                           for r in pair])
+
+
+REPLICATED_BEFORE = {  # data parallel: every table's elements on two or three ranks, or on all of them
+    "a": ShardLayout.replicated((13, 8), [0, 1, 2]),
+    "b": ShardLayout.row_wise((11, 8), 3),
+    "c": ShardLayout.replicated((9, 12), [0, 1, 2]),
+    "d": ShardLayout.replicated((10, 6), [2, 1]),
+    "e": _hybrid((7, 4), [3, 4], [(0, 1), (2, 0)]),
+}
+REPLICATED_AFTER = {
+    "a": ShardLayout.row_wise((13, 8), [2, 5, 6], ranks=[1, 2, 0]),
+    "b": ShardLayout.replicated((11, 8), [2, 0, 1]),  # each rank takes the rows it lacks from their holder
+    "c": ShardLayout.replicated((9, 12), [2, 0, 1]),  # the same blocks listed in another order: nothing moves
+    "d": ShardLayout.from_shards((10, 6), [(0, (0, 0), (10, 2)), (2, (0, 0), (10, 2)), (1, (0, 2), (10, 4)),
+                                           (0, (0, 2), (10, 4))]),  # column blocks, each on two ranks
+    "e": ShardLayout.replicated((7, 4), [1, 2]),  # each row block from its first copy; rank 0 drops its rows
+}
+SCHEDULES = {"mixed": (BEFORE, AFTER), "replicated": (REPLICATED_BEFORE, REPLICATED_AFTER)}
+
+
+@pytest.mark.parametrize("kind", ["fused_rowwise_adagrad", *(  # torch.optim's replicated states: the next test
+    pytest.param(k, marks=pytest.mark.slow) for k in OPTIMIZERS if k != "fused_rowwise_adagrad")])
+def test_data_parallel_tables_reshard_as_a_checkpoint_resume_moving_each_missing_block_once(pool, tmp_path, kind):
+    """Replicated tables and blocks on both sides: every new copy is filled (each rank's blocks equal the
+    whole tensor's), each from one holder, and the bytes sent are those a rank lacked."""
+    pool.run(_equals_a_checkpoint_resume, kind, str(tmp_path / kind), "replicated")
+
+
+def _gradients_pending(rank: int, world: int) -> None:
+    """Resharded between backward and ``opt.step()``: the gradients (replicated ones too) move with their
+    tables, each copy filled, and the step then equals the one taken before resharding; the bytes sent
+    are those of weight, gradient and Adagrad's ``sum``."""
+    before, after = SCHEDULES["replicated"]
+    runs = []
+    for reshard_first in (True, False):
+        model, opt = _job(before, "adagrad")
+        losses = [_step(model, opt, s, rank) for s in range(2)]
+        out = model(random_kjt(CFG, batch=4, seed=999 + rank)).to_dict()
+        sum(out[k].sum() * (i + 1) for i, k in enumerate(sorted(out))).backward()
+        if reshard_first:
+            grads = {k: tdb.full_tensor(p.grad) for k, p in model.named_parameters()}
+            with _Sends() as sends:
+                tdb.reshard(model, _plan(after), optimizers=[opt])
+            assert sends.bytes == _changing_bytes(rank, 12, 0, "replicated"), (sends.bytes, rank)
+            for k, p in model.named_parameters():
+                assert held(tdb.layout_of(p.grad)) == held(tdb.layout_of(p)), k
+                assert torch.equal(tdb.full_tensor(p.grad), grads[k]), k
+            _replicas_agree(model, opt, "gradients pending")
+        opt.step()
+        opt.zero_grad()
+        if not reshard_first:
+            tdb.reshard(model, _plan(after), optimizers=[opt])
+        losses += [_step(model, opt, s, rank) for s in range(3, 5)]
+        runs.append((losses, _snapshot(model, opt)))
+    (got, got_final), (want, want_final) = runs
+    for s, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"loss of step {s} on rank {rank}: {a} != {b}"
+    _assert_equal(got_final, want_final, "resharded with gradients pending")
+
+
+def test_gradients_pending_move_with_their_tables(pool):
+    pool.run(_gradients_pending)
 
 
 DRAINED = {  # rank 2 holds nothing
@@ -240,6 +347,61 @@ def test_a_rank_drained_of_every_table_and_filled_again(pool, tmp_path):
     pool.run(_drain_and_return, str(tmp_path / "drain"))
 
 
+SUB_BEFORE = {  # on the mesh of ranks 1 and 2; rank 0 takes no part
+    "a": ShardLayout.row_wise((13, 8), [6, 7], ranks=[1, 2]),
+    "b": ShardLayout.replicated((11, 8), [1, 2]),
+    "c": ShardLayout.column_wise((9, 12), [4, 8], ranks=[2, 1]),
+    "d": ShardLayout.table_wise((10, 6), 1),
+    "e": ShardLayout.row_wise((7, 4), [3, 4], ranks=[2, 1]),
+}
+SUB_AFTER = {
+    "a": ShardLayout.replicated((13, 8), [1, 2]),
+    "b": ShardLayout.row_wise((11, 8), [5, 6], ranks=[2, 1]),
+    "c": ShardLayout.table_wise((9, 12), 2),
+    "d": ShardLayout.column_wise((10, 6), [2, 4], ranks=[2, 1]),
+    "e": ShardLayout.row_wise((7, 4), [7, 0], ranks=[1, 2]),
+}
+
+
+def _on_a_sub_mesh(rank: int, world: int, kind: str, path: str) -> None:
+    """A model sharded over the mesh of ranks 1 and 2 reshards on their group (peers named by global rank)
+    while rank 0 does nothing; the reference saves and loads on that group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", [1, 2])  # every rank makes the group
+    if rank == 0:
+        return
+
+    def job(layouts: dict[str, ShardLayout]):
+        model = tdb.shard_module(build_ebc(CFG, seed=5), _plan(layouts), mesh, src_rank=1)
+        if kind == "adam":
+            return model, torch.optim.Adam(model.parameters(), lr=0.05)
+        return model, tdb.FusedOptimizer({n: model.embedding_bags[n].weight for n in TABLES}, kind, lr=0.05)
+
+    runs = []
+    for live in (True, False):
+        model, opt = job(SUB_BEFORE)
+        losses = [_step(model, opt, s, rank) for s in range(2)]
+        if live:
+            tdb.reshard(model, _plan(SUB_AFTER), optimizers=[opt])
+        else:
+            tdb.checkpoint.save({"model": model, "opt": opt}, path, process_group=mesh.get_group())
+            model, opt = job(SUB_AFTER)
+            tdb.checkpoint.load({"model": model, "opt": opt}, path, process_group=mesh.get_group())
+        losses += [_step(model, opt, s, rank) for s in range(2, 4)]
+        runs.append((losses, _snapshot(model, opt)))
+    (got, got_final), (want, want_final) = runs
+    for s, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"{kind}: loss of step {s} on rank {rank}: {a} != {b}"
+    _assert_equal(got_final, want_final, f"{kind}: on a sub-mesh")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["adam", "rowwise_adagrad"])
+def test_a_model_on_a_sub_mesh_reshards_on_its_group(pool, tmp_path, kind):
+    pool.run(_on_a_sub_mesh, kind, str(tmp_path / kind))
+
+
 # ---------------------------------------------------------------------------------------------- refusals
 def _refused(rank: int, world: int, case: str) -> str:
     model, opt = _job(BEFORE, "adam")
@@ -252,6 +414,9 @@ def _refused(rank: int, world: int, case: str) -> str:
         plan[_key("b")] = ShardLayout.row_wise((12, 8), 3)
     elif case == "unknown_table":
         plan["embedding_bags.z.weight"] = ShardLayout.row_wise((13, 8), 3)
+    elif case == "overlapping_replicas":
+        plan[_key("d")] = ShardLayout.from_shards((10, 6), [(0, (0, 0), (6, 6)), (1, (0, 0), (6, 6)),
+                                                            (2, (4, 0), (6, 6))], validate=False)
     elif case == "one_rank_differs" and rank == 2:
         plan[_key("c")] = ShardLayout.table_wise((9, 12), 0)
     before = _snapshot(model, opt)
@@ -272,6 +437,9 @@ REFUSALS = {
                      "shape [11, 8]",
     "unknown_table": "plan entry 'embedding_bags.z.weight': the module has no table of that name",
     "one_rank_differs": "ranks disagree on the plan",
+    "overlapping_replicas": "plan entry 'embedding_bags.d.weight': table 'embedding_bags.d.weight' of shape [10, 6]: "
+                            "shard 0 (rank 0, offsets [0, 0], sizes [6, 6]) overlaps shard 2 (rank 2, offsets [4, 0], "
+                            "sizes [6, 6])",
 }
 
 

@@ -105,10 +105,13 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
     ``model`` is a module sharded by :func:`~torchrec_dtensor_bridge.shard_module`, or a TorchRec
     ``DistributedModelParallel`` whose tables train with TorchRec's fused kernel. For a ``shard_module``
     model ``plan`` maps table names (as ``shard_module`` takes them) to their new layouts over the ranks
-    of the tables' mesh; for a DMP it is a TorchRec ``ShardingPlan`` (module path -> table ->
-    ``ParameterSharding``) or one sharded module's ``{table: ParameterSharding}``. A table the plan does
-    not name stays as it is. Every rank of the tables' group calls it with the same plan. Steps, the
-    same on every rank:
+    of the tables' mesh, any layout on either side: cut by rows, columns or both, on some of the ranks or
+    all, replicated (data parallel: the whole table, or blocks, held by several ranks; a new copy is
+    filled from one holder of its box, the rank's own copy where it has one); for a DMP it is a TorchRec
+    ``ShardingPlan`` (module path -> table -> ``ParameterSharding``) or one sharded module's
+    ``{table: ParameterSharding}``. A table the plan does not name, or gives the blocks every rank holds
+    now (replicas listed in another order of ranks included), stays as it is. Every rank of the tables'
+    group calls it with the same plan. Steps, the same on every rank:
 
     1. check the plan against the model (names, shapes, dtypes, ranks, coverage) and the optimizers
        against the tables, and agree on the verdict and the plan (one ``all_gather``): on any problem
@@ -132,10 +135,11 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
     (each table's ``lr`` kept); its dense parameters, their optimizers and its data-parallel wrapper are
     left as they are.
 
-    Optimizer state moves as a checkpoint load would convert it: TorchRec's row-wise Adagrad keeps one
-    value per row and column block of a column-cut table; those move block for block into the same
-    column blocks, and combine (weighted by the blocks' widths) into a plan with one column block; a
-    split into other column blocks is refused.
+    Optimizer state moves as a checkpoint load would convert it. A ``FusedOptimizer``'s row-wise state
+    is one value per row (the whole row's statistic, whatever the column cut): it follows any plan
+    exactly. TorchRec's row-wise Adagrad (a DMP) keeps one value per row and column block of a
+    column-cut table; those move block for block into the same column blocks, and combine (weighted by
+    the blocks' widths) into a plan with one column block; a split into other column blocks is refused.
 
     Pass every optimizer over the resharded tables of a ``shard_module`` model: the state of one left
     out stays in the old layout.

@@ -20,7 +20,7 @@ from ..convert.dtensor import layout_of
 from ..layout import ShardLayout
 from ..sharding.modules import is_sharded_class
 
-__all__ = ["STAGING_BYTES", "WHAT", "Table", "check_plan", "sharded_tables"]
+__all__ = ["STAGING_BYTES", "WHAT", "Table", "check_plan", "held", "sharded_tables"]
 
 WHAT = "reshard"
 
@@ -54,8 +54,15 @@ class Table:
 
     @property
     def changes(self) -> bool:
-        """Whether some block changes (its box or its rank)."""
-        return self.layout.shards != self.target.shards
+        """Whether some rank's blocks change (a box, or their order on the rank): the same blocks listed in
+        another order of ranks (replicas of a data-parallel table) are the same layout."""
+        return held(self.layout) != held(self.target)
+
+
+def held(layout: ShardLayout) -> list[tuple[int | None, tuple[int, ...], tuple[int, ...]]]:
+    """Every rank's blocks, ranks in order, each rank's in its layout order: what a DTensor of ``layout``
+    holds, whatever order the layout lists the ranks in."""
+    return sorted(((s.rank, s.offsets, s.sizes) for s in layout.shards), key=lambda b: (b[0] is None, b[0] or 0))
 
 
 def sharded_tables(model: nn.Module) -> dict[str, tuple[nn.Module, DTensor]]:
