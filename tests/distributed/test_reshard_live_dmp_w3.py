@@ -7,7 +7,7 @@ with the column blocks on other ranks, table-row-wise -> table-wise), trains 4 s
 ``LAST`` (the table-column-wise table onto one rank: its per-block row states combined) and trains 2 more.
 A sequence model holds a TorchRec ``EmbeddingCollection`` (alone, and beside an ``EmbeddingBagCollection``
 in the same DMP), sharded by ``EmbeddingCollectionSharder`` with the same fused row-wise Adagrad, and is
-resharded so that every sequence table changes sharding type among the three its sharder builds on CPU
+resharded so that every sequence table changes sharding type among the three a sharded one is built with
 (row-wise -> table-wise, table-wise -> row-wise, column-wise -> row-wise; into column-wise a row-wise
 Adagrad table comes only from the same column cut, so no table goes there).
 The reference is the same job whose every change of plan is a ``tdb.checkpoint.save`` and a load into a
