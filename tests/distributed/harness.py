@@ -19,10 +19,10 @@ than after the group's collective timeout. A rank that hangs with no failure
 anywhere fails the test after ``timeout`` seconds, and the pool is restarted.
 
 Ranks are forked from one fork server per test session (multiprocessing's
-``forkserver``) that imported torch once (:mod:`.preload`): a pool starts in
-~0.3 s where fresh interpreters importing torch took ~2 s, and ends at once. Each
-rank imports this package itself, and gets the environment the fork server
-started with: a variable a test sets for its ranks is set inside the rank's
+``forkserver``) that imported torch, DTensor, DCP and TorchRec once (:mod:`.preload`):
+a pool starts in ~0.3 s where fresh interpreters importing torch took ~2 s, and ends
+at once. Each rank imports this package itself, and gets the environment the fork
+server started with: a variable a test sets for its ranks is set inside the rank's
 function, not in the test process.
 """
 
