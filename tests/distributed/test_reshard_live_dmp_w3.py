@@ -9,11 +9,16 @@ A sequence model holds a TorchRec ``EmbeddingCollection`` (alone, and beside an 
 in the same DMP), sharded by ``EmbeddingCollectionSharder`` with the same fused row-wise Adagrad, and is
 resharded so that every sequence table changes sharding type among the three a sharded one is built with
 (row-wise -> table-wise, table-wise -> row-wise, column-wise -> row-wise; into column-wise a row-wise
-Adagrad table comes only from the same column cut, so no table goes there).
+Adagrad table comes only from the same column cut, so no table goes there). With ``split_row_states=True``
+the DLRM job's per-row states are split into other column blocks: a table-wise table's one value per row
+into two column blocks, and a table's three column blocks of widths [4, 4, 8] into four of width 4, two on
+each of two ranks (which each receive a row's old values once).
 The reference is the same job whose every change of plan is a ``tdb.checkpoint.save`` and a load into a
 fresh DMP under the new plan: losses and every tensor of the model, the fused optimizer and the dense
 optimizer ``torch.equal``; the bytes each rank sends are those of the weights and per-row states it holds
 that another rank holds under the new plan. Refused plans leave every tensor as it was, on every rank.
+Tables are 16 wide: TorchRec's fused kernel takes column blocks whose widths are multiples of 4, and two
+cuts of other widths need more than 8 columns.
 """
 
 from __future__ import annotations
@@ -36,12 +41,16 @@ from .test_reshard_live_w3 import _Sends
 pool = make_pool_fixture(3)
 
 TABLES = {"t0": 11, "t1": 7, "t2": 9, "t3": 10}  # name -> rows
-DIM, DENSE_IN, GLOBAL_BATCH = 8, 3, 6
+DIM, DENSE_IN, GLOBAL_BATCH = 16, 3, 6
 PATH = "sparse_arch.embedding_bag_collection"
 BEFORE = {"t0": ("row_wise",), "t1": ("table_wise", 1), "t2": ("column_wise", [0, 2]), "t3": ("table_row_wise",)}
 AFTER = {"t0": ("table_wise", 2), "t1": ("table_row_wise",), "t2": ("table_column_wise", [2, 1]),
          "t3": ("table_wise", 0)}
 LAST = dict(AFTER, t2=("table_wise", 1))
+
+SPLIT_FROM = dict(BEFORE, t2=("column_sizes", [4, 4, 8]))  # t2: three column blocks, on ranks 0, 1, 2
+SPLIT_TO = dict(BEFORE, t1=("column_sizes", [8, 8]), t2=("column_wise", [1, 0, 1, 0]))  # blocks of 8, and of 4
+ONE_BLOCK = dict(BEFORE, t2=("table_wise", 2))  # the checkpoint reference's step between the two
 
 SEQ = {"s0": 9, "s1": 8, "s2": 7}  # the EmbeddingCollection's tables: name -> rows
 SEQ_BEFORE = {"s0": ("row_wise",), "s1": ("table_wise", 1), "s2": ("column_wise", [0, 2])}
@@ -69,6 +78,7 @@ def _module_plan(kinds: dict[str, tuple], world: int, *, rows: dict[str, int] = 
     make = {"row_wise": lambda: sp.row_wise(compute_kernel="fused"),
             "table_wise": lambda rank: sp.table_wise(rank=rank, compute_kernel="fused"),
             "column_wise": lambda ranks: sp.column_wise(ranks=ranks, compute_kernel="fused"),
+            "column_sizes": lambda sizes: sp.column_wise(size_per_rank=sizes, compute_kernel="fused"),  # block k on k
             "table_row_wise": lambda: _fused(sp.table_row_wise(host_index=0)),
             "table_column_wise": table_column_wise}
     cls, config = (EmbeddingCollection, EmbeddingConfig) if seq else (EmbeddingBagCollection, EmbeddingBagConfig)
@@ -199,20 +209,28 @@ def _owners(ps) -> torch.Tensor:
     return owner
 
 
+def _cut(ps) -> list[tuple[int, int]]:
+    """A ``ParameterSharding``'s column blocks: (first column, width)."""
+    return sorted({(s.shard_offsets[1], s.shard_sizes[1]) for s in ps.sharding_spec.shards})
+
+
 def _changing_bytes(old: dict, new: dict, rank: int) -> int:
     """The bytes of the weights and row-wise Adagrad states (float32) ``rank`` holds under the plan ``old``
     (module path -> table -> ``ParameterSharding``) that another rank holds under ``new``. The state keeps a
-    value per row and column block; into one column block a row's values go to the row's new holder, into the
-    same cut to the block's."""
+    value per row and column block; into the same cut a block's values go to the block's new holder, into
+    another cut a row's values to every rank holding a block of the row (once, however many it holds)."""
     total = 0
     for path, tables in new.items():
         for t, ps in tables.items():
             before, after = _owners(old[path][t]), _owners(ps)
-            cols = sorted({s.shard_offsets[1] for s in old[path][t].sharding_spec.shards})
-            cut = len({s.shard_offsets[1] for s in ps.sharding_spec.shards}) > 1
-            rows_after = after[:, cols] if cut else after[:, :1].expand(-1, len(cols))
+            cols = [c for c, _ in _cut(old[path][t])]
             total += 4 * int(((before == rank) & (after != rank)).sum())
-            total += 4 * int(((before[:, cols] == rank) & (rows_after != rank)).sum())
+            if _cut(old[path][t]) == _cut(ps):
+                total += 4 * int(((before[:, cols] == rank) & (after[:, cols] != rank)).sum())
+                continue
+            for row in range(after.shape[0]):
+                takers = set(after[row].tolist()) - {rank}
+                total += 4 * len(takers) * int((before[row, cols] == rank).sum())
     return total
 
 
@@ -268,6 +286,52 @@ def test_a_sequence_model_resharded_equals_a_checkpoint_resume(pool, tmp_path, j
     pool.run(_live_and_resumed, job, str(tmp_path / job))
 
 
+def _split_row_states(rank: int, world: int, path: str) -> None:
+    """``SPLIT_FROM`` -> ``SPLIT_TO``: refused without ``split_row_states=True`` (every rank, the same message,
+    nothing changed), and with it every new column block takes its row's value, the old blocks combined. The
+    reference saves and loads with ``split_row_states=True`` under ``SPLIT_TO``; a load refuses per-block
+    states into another column cut, so its t2 goes through ``ONE_BLOCK`` (a save and a load that combine
+    the blocks), as the reshard combines them before it splits."""
+    group, new = dist.group.WORLD, _plan_of({PATH: SPLIT_TO})
+    dmp, adam = _dmp({PATH: SPLIT_FROM})
+    live = [_step(dmp, adam, s, rank, world) for s in range(2)]
+    before, module = _snapshot(_state(dmp, adam), group), dmp.module.get_submodule(PATH)
+    with pytest.raises(NotImplementedError) as refused:
+        tdb.reshard(dmp, new)
+    messages: list[Any] = [None] * world
+    dist.all_gather_object(messages, str(refused.value))
+    assert len(set(messages)) == 1 and "pass split_row_states=True" in messages[0], messages
+    assert f"table '{PATH}.t1'" in messages[0], messages[0]  # the first table that would split
+    assert dmp.module.get_submodule(PATH) is module
+    _assert_equal(_snapshot(_state(dmp, adam), group), before, "after the refusal")
+    old = {p: dict(v) for p, v in dmp.plan.plan.items()}
+    with _Sends() as sends:
+        assert tdb.reshard(dmp, new, split_row_states=True) is dmp
+    assert sends.bytes == _changing_bytes(old, new.plan, rank), (sends.bytes, rank)
+    resharded = _snapshot(_state(dmp, adam), group)
+    live += [_step(dmp, adam, s, rank, world) for s in range(2, 4)]
+    final = _snapshot(_state(dmp, adam), group)
+
+    dmp, adam = _dmp({PATH: SPLIT_FROM})
+    resumed = [_step(dmp, adam, s, rank, world) for s in range(2)]
+    for k, (plans, split) in enumerate([(ONE_BLOCK, False), (SPLIT_TO, True)]):
+        tdb.checkpoint.save(_state(dmp, adam), f"{path}-{k}")
+        dmp, adam = _dmp({PATH: plans})
+        tdb.checkpoint.load(_state(dmp, adam), f"{path}-{k}", split_row_states=split)
+    loaded = _snapshot(_state(dmp, adam), group)
+    assert sorted(loaded) == sorted(resharded)
+    for key, v in loaded.items():
+        assert torch.equal(resharded[key], v), f"right after the reshard: {key} differs on rank {rank}"
+    resumed += [_step(dmp, adam, s, rank, world) for s in range(2, 4)]
+    for s, (a, b) in enumerate(zip(live, resumed, strict=True)):
+        assert torch.equal(a, b), f"loss of step {s} on rank {rank}: {a} != {b}"
+    _assert_equal(final, _snapshot(_state(dmp, adam), group), "at the end")
+
+
+def test_per_row_states_split_into_other_column_blocks_only_when_asked(pool, tmp_path):
+    pool.run(_split_row_states, str(tmp_path / "split"))
+
+
 def _refused(rank: int, world: int, case: str) -> str:
     group = dist.group.WORLD
     from torchrec.distributed.types import ShardingPlan
@@ -285,6 +349,8 @@ def _refused(rank: int, world: int, case: str) -> str:
         plan = ShardingPlan({PATH: _module_plan(dict(BEFORE, t1=("row_wise",)), world, rows=dict(TABLES, t1=8))})
     elif case == "unknown_table":
         plan = {"t9": _module_plan({"t9": ("row_wise",)}, world, rows={"t9": 5})["t9"]}
+    elif case == "split_column_cut":  # two column blocks into three of other widths
+        plan = _plan_of({PATH: dict(BEFORE, t2=("column_sizes", [4, 4, 8]))})
     else:  # one value per row into two column blocks
         plan = _plan_of({PATH: dict(BEFORE, t1=("column_wise", [0, 1]))})
     before = _snapshot(_state(dmp, adam), group)
@@ -327,7 +393,13 @@ REFUSALS = {
     "another_world_size": "table 'sparse_arch.embedding_bag_collection.t0'",
     "another_shape": "table 'sparse_arch.embedding_bag_collection.t1'",
     "unknown_table": "the tables ['t9'] are not all in one sharded module",
-    "split_row_state": "column blocks of widths [8] do not convert into blocks of widths [4, 4]",
+    "split_row_state": "table 'sparse_arch.embedding_bag_collection.t1': its rowwise_adagrad state keeps "
+                       "a value per row and column block; column blocks of widths [16] do not convert exactly into "
+                       "blocks of widths [8, 8] (only into the same blocks, or combined into one); pass "
+                       "split_row_states=True",
+    "split_column_cut": "table 'sparse_arch.embedding_bag_collection.t2': its rowwise_adagrad state keeps "
+                        "a value per row and column block; column blocks of widths [8, 8] do not convert exactly "
+                        "into blocks of widths [4, 4, 8]",
     "ec_table_row_wise": "table 'ec.s1': table_row_wise sharding in the plan; the module at 'ec' is built with "
                          "['column_wise', 'row_wise', 'table_wise'] only",
 }

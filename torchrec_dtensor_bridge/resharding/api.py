@@ -99,7 +99,7 @@ def _failure(message: str, error: BaseException) -> Problem:
 
 
 def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
-            optimizers: Sequence[Optimizer] = ()) -> nn.Module:
+            optimizers: Sequence[Optimizer] = (), split_row_states: bool = False) -> nn.Module:
     """Move ``model``'s tables, and every optimizer state over them, to ``plan``, in memory; *collective*.
 
     ``model`` is a module sharded by :func:`~torchrec_dtensor_bridge.shard_module`, or a TorchRec
@@ -137,9 +137,13 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
 
     Optimizer state moves as a checkpoint load would convert it. A ``FusedOptimizer``'s row-wise state
     is one value per row (the whole row's statistic, whatever the column cut): it follows any plan
-    exactly. TorchRec's row-wise Adagrad (a DMP) keeps one value per row and column block of a
-    column-cut table; those move block for block into the same column blocks, and combine (weighted by
-    the blocks' widths) into a plan with one column block; a split into other column blocks is refused.
+    exactly, and ``split_row_states`` changes nothing for it. TorchRec's row-wise Adagrad (a DMP) keeps
+    one value per row and column block of a column-cut table; those move block for block into the same
+    column blocks, and combine (weighted by the blocks' widths) into a plan with one column block. Into
+    another cut with several column blocks (one value per row split into blocks, or blocks of other
+    widths) the state does not convert exactly: refused unless ``split_row_states``, which gives every
+    new block its row's value (the old blocks' combined so), as
+    ``checkpoint.load(..., split_row_states=True)`` gives a block one value per row.
 
     Pass every optimizer over the resharded tables of a ``shard_module`` model: the state of one left
     out stays in the old layout.
@@ -150,6 +154,11 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
             ``ShardingPlan`` or ``{table: ParameterSharding}``.
         optimizers: ``torch.optim`` optimizers and ``FusedOptimizer``s over a ``shard_module`` model's
             tables (a DMP's fused optimizer moves by itself; its dense optimizers stay as they are).
+        split_row_states: a DMP's row-wise Adagrad table whose column cut changes into several blocks
+            takes, in every new block, its row's value (an approximation, hence asked for, as by
+            ``checkpoint.load``: a block's own statistic over its columns was never kept). Without it
+            such a plan is refused. For a ``shard_module`` model it changes nothing: a
+            ``FusedOptimizer`` keeps one value per whole row, which follows any column cut.
 
     Returns:
         ``model`` itself, resharded.
@@ -158,8 +167,9 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
         TypeError, ValueError, NotImplementedError: on every rank before any byte moves, naming the table
             and the values: a name that is no sharded table of the model; a layout of another shape or
             dtype, with a block on a rank outside the tables' group (a plan for another world size), or
-            not covering the table; an optimizer state that cannot follow the table; a DMP table not
-            trained by the fused kernel; ranks passing different plans.
+            not covering the table; an optimizer state that cannot follow the table (a DMP's per-row
+            state split into column blocks without ``split_row_states=True``); a DMP table not trained by
+            the fused kernel; ranks passing different plans.
         RuntimeError: on every rank when a rank could not allocate or receive its new blocks; the
             model and the optimizers are then as before (the message says so when moving the tables
             already moved back failed too).
@@ -172,9 +182,10 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
         >>> tdb.reshard(model, {"emb.weight": ShardLayout.row_wise((1000, 64), world)}, optimizers=[opt])
         >>> ...  # train on: model.emb.weight and opt's state are row-wise now
         >>> tdb.reshard(dmp, new_sharding_plan)  # a DistributedModelParallel, its fused optimizer with it
+        >>> tdb.reshard(dmp, column_wise_plan, split_row_states=True)  # row-wise Adagrad state into blocks
     """
     if is_dmp(model):  # its fused optimizer moves with its tables; its dense optimizers stay as they are
-        return reshard_dmp(model, plan)
+        return reshard_dmp(model, plan, split_row_states=split_row_states)
     if not isinstance(model, nn.Module):
         raise TypeError(f"{WHAT}: model must be an nn.Module, got {type(model).__name__}")
     found = sharded_tables(model)
@@ -184,6 +195,8 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
     rank = group.members[group.rank or 0]
     problem, tables, opts = None, [], []
     try:
+        if not isinstance(split_row_states, bool):
+            raise Rejected(TypeError, f"{WHAT}: split_row_states must be a bool, got {split_row_states!r}")
         tables = check_plan(found, plan, group.members)
         opts = check_optimizers(optimizers, tables)
     except Rejected as e:

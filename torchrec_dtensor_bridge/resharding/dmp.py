@@ -15,8 +15,10 @@ TorchRec's fused optimizer state, per table (the registry's kinds, :mod:`..optim
 - per-row state (row-wise Adagrad's ``momentum1``) is 1-D: for a table cut into ``n`` column blocks,
   ``n`` values per row, block ``k``'s at ``k * rows + row``. It moves as a ``(n, rows)`` table: between
   two plans with the same column blocks block for block; into a plan with one column block each row's
-  blocks combined, weighted by their widths, as a checkpoint load combines them; into another column cut
-  it is refused (one value per row does not split into per-block values exactly).
+  blocks combined, weighted by their widths, as a checkpoint load combines them (exact); into another
+  column cut only with ``split_row_states`` (an approximation, asked for as for a load): each row's blocks
+  combined so, and every new block given that value (a block's own statistic over its columns was never
+  kept), else refused.
 """
 
 from __future__ import annotations
@@ -117,8 +119,12 @@ def _module_plans(dmp: Any, plan: object, modules: Mapping[str, Any]) -> dict[st
     return {holders[0]: dict(plan)}
 
 
+def _widths(layout: ShardLayout) -> list[int]:
+    return [w for _, w in _columns(layout)]
+
+
 def _check_table(path: str, name: str, shape: tuple[int, int], old_ps: Any, new_ps: Any, group: CommGroup,
-                 kind: OptimKind | None, types: tuple[str, ...] | None) -> _Table:
+                 kind: OptimKind | None, types: tuple[str, ...] | None, split: bool) -> _Table:
     full = f"{path}.{name}"
     for ps, which in ((old_ps, "now"), (new_ps, "in the plan")):
         if getattr(ps, "compute_kernel", None) != "fused" or ps.sharding_type == "data_parallel":
@@ -133,16 +139,19 @@ def _check_table(path: str, name: str, shape: tuple[int, int], old_ps: Any, new_
     except (TypeError, ValueError) as e:
         raise _fail(type(e), full, f"the plan's {new_ps.sharding_type} sharding does not fit the table of shape "
                                    f"{list(shape)} on {group.size} ranks: {e}") from None
-    if kind is not None and kind.row_wise:
-        before, after = _columns(old), _columns(new)
-        if len(after) > 1 and [w for _, w in before] != [w for _, w in after]:
-            raise _fail(NotImplementedError, full, f"its {kind.name} state keeps a value per row and column "
-                        f"block; column blocks of widths {[w for _, w in before]} do not convert into blocks of "
-                        f"widths {[w for _, w in after]} (only into the same blocks, or into one)")
+    before, after = _widths(old), _widths(new)
+    if kind is not None and kind.row_wise and len(after) > 1 and before != after and not split:
+        raise _fail(NotImplementedError, full, f"its {kind.name} state keeps a value per row and column block; "
+                    f"column blocks of widths {before} do not convert exactly into blocks of widths {after} (only "
+                    "into the same blocks, or combined into one); pass split_row_states=True to give every new "
+                    "block its row's value (the old blocks' combined, weighted by their widths: an approximation, "
+                    "as checkpoint.load(..., split_row_states=True) makes)")
     return _Table(path, name, shape[0], _global(old, group.members), _global(new, group.members))
 
 
-def _check(dmp: Any, plan: object, group: CommGroup) -> list[_Module]:
+def _check(dmp: Any, plan: object, group: CommGroup, split: bool) -> list[_Module]:
+    if not isinstance(split, bool):
+        raise Rejected(TypeError, f"{WHAT}: split_row_states must be a bool, got {split!r}")
     modules = trec.sharded_modules(dmp)
     out = []
     for path, given in _module_plans(dmp, plan, modules).items():
@@ -160,7 +169,8 @@ def _check(dmp: Any, plan: object, group: CommGroup) -> list[_Module]:
             raise Rejected(NotImplementedError, f"{WHAT}: the fused optimizer {kind.name!r} of {path!r} keeps "
                                                 "state whose TorchRec form is not mapped")
         merged, types = {**now, **given}, trec.sharding_types(old)
-        tables = [_check_table(path, t, shapes[t], now[t], merged[t], group, kind, types) for t in shapes]
+        tables = [_check_table(path, t, shapes[t], now[t], merged[t], group, kind, types, split)
+                  for t in shapes]
         if any(t.old.shards != t.new.shards for t in tables):
             out.append(_Module(path, old, merged, tables))
     return out
@@ -205,22 +215,49 @@ def _table_moves(m: _Module, t: _Table, kind: OptimKind | None, rank: int,
         (old_flat, old_grid), (new_flat, new_grid) = _row_table(t.old, t.rows), _row_table(t.new, t.rows)
         src = [x.view(1, -1) for x in _local(old_s.get(skey), old_flat, rank, skey)]
         dst = _local(new_s.get(skey), new_flat, rank, skey)
-        if [w for _, w in _columns(t.old)] == [w for _, w in _columns(t.new)]:
+        if _widths(t.old) == _widths(t.new):
             moves.append(Move(pieces(old_grid, new_grid), old_grid, src, new_grid, [x.view(1, -1) for x in dst]))
             continue
-        widths = torch.tensor([w for _, w in _columns(t.old)], dtype=torch.float64)
-        blocks = len(widths)  # every row's blocks, then combined
-        into = ShardLayout((blocks, t.rows), tuple(ShardSpec(s.rank, (0, s.offsets[0]), (blocks, s.sizes[0]))
-                                                   for s in new_flat.shards), torch.float32, skey)
-        bufs = [torch.empty((blocks, x.numel()), dtype=x.dtype, device=x.device) for x in dst]
+        boxes, into, bufs = _row_boxes(t, skey, rank, dst[0].device if dst else torch.device("cpu"))
         moves.append(Move(pieces(old_grid, into), old_grid, src, into, bufs))
+        finish.append(_combiner(torch.tensor(_widths(t.old), dtype=torch.float64), boxes, dst))
+    return moves, finish
 
-        def combine(bufs: list[torch.Tensor] = bufs, dst: list[torch.Tensor] = dst) -> None:
-            for buf, out in zip(bufs, dst):
+
+def _row_boxes(t: _Table, key: str, rank: int, device: torch.device,
+               ) -> tuple[list[torch.Tensor | None], ShardLayout, list[torch.Tensor]]:
+    """Where the new per-row blocks of ``t`` on ``rank`` take their rows' old values from: one ``(old
+    blocks, rows)`` buffer per distinct row range a rank holds, received once however many new column
+    blocks of the rank cover it. Returns, per block of ``rank`` (layout order), its buffer (``None``: no
+    rows); the buffers' layout over every rank; and this rank's buffers in that layout's order."""
+    blocks = len(_columns(t.old))
+    ranges: list[tuple[int | None, int, int]] = []
+    for s in t.new.shards:
+        if s.sizes[0] and (s.rank, s.offsets[0], s.sizes[0]) not in ranges:
+            ranges.append((s.rank, s.offsets[0], s.sizes[0]))
+    into = ShardLayout((blocks, t.rows), tuple(ShardSpec(r, (0, first), (blocks, n)) for r, first, n in ranges),
+                       torch.float32, key)
+    mine = [(first, n) for r, first, n in ranges if r == rank]
+    bufs = [torch.empty((blocks, n), dtype=torch.float32, device=device) for _, n in mine]
+    per_block = [bufs[mine.index((s.offsets[0], s.sizes[0]))] if s.sizes[0] else None for s in t.new.shards_on(rank)]
+    return per_block, into, bufs
+
+
+def _combiner(widths: torch.Tensor, boxes: list[torch.Tensor | None], dst: list[torch.Tensor],
+              ) -> Callable[[], None]:
+    """What, once the old values are in, gives every new block its rows' values: the old blocks' weighted by
+    their widths (as a checkpoint load combines them; one old block: its values as they are)."""
+
+    def combine() -> None:
+        for buf, out in zip(boxes, dst):
+            if buf is None:
+                continue
+            if len(widths) == 1:
+                out.copy_(buf[0])
+            else:
                 out.copy_(((buf.to(torch.float64) * widths[:, None]).sum(0) / widths.sum()).to(out.dtype))
 
-        finish.append(combine)
-    return moves, finish
+    return combine
 
 
 def _digest(modules: list[_Module]) -> int:
@@ -232,13 +269,14 @@ def _failure(message: str, error: BaseException) -> Problem:
     return Problem.of(ProblemKind.FAILURE, f"{WHAT}: {message}: {type(error).__name__}: {error}")
 
 
-def reshard_dmp(dmp: Any, plan: object) -> Any:
-    """:func:`~torchrec_dtensor_bridge.reshard` of a ``DistributedModelParallel`` (steps as there)."""
+def reshard_dmp(dmp: Any, plan: object, *, split_row_states: bool = False) -> Any:
+    """:func:`~torchrec_dtensor_bridge.reshard` of a ``DistributedModelParallel`` (steps and
+    ``split_row_states`` as there)."""
     group = of_group(trec.reshard_group(dmp))
     rank = dist.get_rank()
     problem, modules = None, []
     try:
-        modules = _check(dmp, plan, group)
+        modules = _check(dmp, plan, group, split_row_states)
     except Rejected as e:
         problem = e.problem
     rows = agree(WHAT, problem, [_digest(modules)], group)
