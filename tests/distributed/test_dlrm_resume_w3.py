@@ -17,7 +17,10 @@ modified. Every step sees the same global batch of 6 samples, split over the
 ranks, so the runs differ only in summation order. First of all, every layout family
 (uneven row-wise, table-wise, column-wise, grid, and a row-wise state of each) goes
 through S3: saved on 2 ranks, full and as a chain of 3 links, loaded on 3 ranks into
-other layouts and in one process.
+other layouts and in one process. A 16-column table's row-wise Adagrad state goes between
+column cuts (blocks within blocks, other widths, counts that do not divide, uneven blocks)
+only with ``split_row_states=True``, by the width-weighted rule, and is refused on every
+rank without it, nothing modified.
 """
 
 from __future__ import annotations
@@ -611,3 +614,125 @@ def _column_wise_to_one_rank_next_step(rank: int, world: int, path: str) -> None
 def test_a_column_wise_table_resumes_on_one_rank_and_steps_as_the_unsharded_rowwise_adagrad(pool, tmp_path):
     pool.run(_column_wise_to_one_rank_next_step, str(tmp_path / "cw2"))
 
+
+
+# ------------------------------------------- row-wise Adagrad state between column cuts, split_row_states=True
+WIDE = (9, 16)  # table w: rows, columns (TorchRec's fused kernel takes column blocks whose widths are multiples of 4)
+CUTS = {"16": ("table_wise", 0), "8+8": ("column_wise", [1, 2]), "4+12": ("column_sizes", [4, 12]),
+        "4+4+8": ("column_sizes", [4, 4, 8]), "4x4": ("column_wise", [0, 1, 2, 0])}  # name -> TorchRec's plan
+WIDTHS = {"16": [16], "8+8": [8, 8], "4+12": [4, 12], "4+4+8": [4, 4, 8], "4x4": [4, 4, 4, 4]}
+SPLITS = [("8+8", "4x4"),  # blocks within blocks: new block 1 (columns 4-8) lies in saved block 0
+          ("4+12", "8+8"),  # as many blocks, other widths
+          ("8+8", "4+4+8"), ("4+4+8", "8+8"),  # block counts that do not divide each other
+          ("8+8", "4+12"), ("16", "4+12")]  # into uneven blocks, from two blocks and from one value per row
+WIDE_MOMENTUM, WIDE_WEIGHT = "fused.state.embedding_bags.w.weight.w.momentum1", "model.embedding_bags.w.weight"
+
+
+def _wide_ebc(cut: str, group: dist.ProcessGroup):
+    """A TorchRec EBC of table w (``WIDE``) with fused row-wise Adagrad, cut as ``CUTS[cut]`` (``column_sizes``:
+    block k on rank k), its per-row state filled with distinct values (one per row and column block)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.shard import shard
+    from torchrec.distributed.types import ShardingEnv
+
+    torch.manual_seed(5)
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="w", embedding_dim=WIDE[1], num_embeddings=WIDE[0],
+                                                            feature_names=["f_w"])], device=torch.device("cpu"))
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+                                                          "learning_rate": FUSED_LR, "eps": 1e-3})
+    kind, arg = CUTS[cut]
+    make = {"table_wise": lambda: sp.table_wise(rank=arg, compute_kernel="fused"),
+            "column_wise": lambda: sp.column_wise(ranks=arg, compute_kernel="fused"),
+            "column_sizes": lambda: sp.column_wise(size_per_rank=arg, compute_kernel="fused")}[kind]
+    world = group.size()
+    plan = sp.construct_module_sharding_plan(ebc, per_param_sharding={"w": make()}, sharder=sharder, local_size=world,
+                                             world_size=world, device_type="cpu")
+    sharded = shard(ebc, plan=plan, env=ShardingEnv.from_process_group(group), device=torch.device("cpu"),
+                    sharder=sharder)
+    held = sharded.fused_optimizer.state_dict()["state"].get("embedding_bags.w.weight")  # a rank holding a block
+    if held is not None:
+        state = held["w.momentum1"]
+        values = torch.rand(WIDE[0] * len(WIDTHS[cut]), generator=torch.Generator().manual_seed(len(cut))) + 0.1
+        for s in state.local_shards():  # views of the kernel's state
+            first = s.metadata.shard_offsets[0]
+            s.tensor.copy_(values[first : first + s.tensor.numel()])
+    return sharded
+
+
+def _by_the_rule(saved: torch.Tensor, widths: list[int], blocks: int) -> torch.Tensor:
+    """A per-row state saved under blocks of ``widths``, as ``blocks`` column blocks take it: each row's saved values
+    weighted by their blocks' widths (in float64, as ``tdb.reshard`` combines them), every new block that value."""
+    w = torch.tensor(widths, dtype=torch.float64)
+    rows = ((saved.view(len(widths), -1).to(torch.float64) * w[:, None]).sum(0) / w.sum()).to(saved.dtype)
+    return rows.repeat(blocks)
+
+
+def _split_into_other_cuts(rank: int, world: int, path: str) -> dict[str, str]:
+    """Every pair of ``SPLITS``: refused without ``split_row_states=True`` on every rank, nothing modified and no
+    collective left waiting; with it, the state is the saved one by the rule (:func:`_by_the_rule`) and the
+    weights are the saved ones. TorchRec's module does not take weights cut into uneven column blocks (its
+    load_state_dict reshapes every rank's blocks to the first block's width): that is refused as well, even with
+    the flag, and only the optimizer loads there. A checkpoint loads into its own cut block for block."""
+    group = dist.group.WORLD
+    ebcs = {cut: _wide_ebc(cut, group) for cut in CUTS}
+    saved = {}
+    for cut in sorted({src for src, _ in SPLITS}):
+        state = {"model": ebcs[cut], "fused": ebcs[cut].fused_optimizer}
+        saved[cut] = _snapshot(state, group)
+        assert saved[cut][WIDE_MOMENTUM].shape == (WIDE[0] * len(WIDTHS[cut]),)
+        assert len(set(saved[cut][WIDE_MOMENTUM].tolist())) == saved[cut][WIDE_MOMENTUM].numel(), "distinct values"
+        tdb.checkpoint.save(state, f"{path}/{cut}")
+    messages = {}
+    for src, dst in SPLITS:
+        even = len(set(WIDTHS[dst])) == 1
+        state = {"model": ebcs[dst], "fused": ebcs[dst].fused_optimizer}
+        before = _snapshot(state, group)
+        for split in (False,) if even else (False, True):
+            with pytest.raises(ValueError) as refused:
+                tdb.checkpoint.load(state, f"{path}/{src}", split_row_states=split)
+            after = _snapshot(state, group)
+            assert sorted(after) == sorted(before)
+            for key, was in before.items():
+                assert torch.equal(after[key], was), f"{src} -> {dst}: {key} modified by a refused load on rank {rank}"
+            messages[f"{src} -> {dst}{' split' if split else ''}"] = str(refused.value)
+            dist.barrier()  # the refusal left no collective waiting
+        if not even:
+            state = {"fused": ebcs[dst].fused_optimizer}
+        tdb.checkpoint.load(state, f"{path}/{src}", split_row_states=True)
+        got = _snapshot({"model": ebcs[dst], "fused": ebcs[dst].fused_optimizer}, group)
+        want = _by_the_rule(saved[src][WIDE_MOMENTUM], WIDTHS[src], len(WIDTHS[dst]))
+        assert torch.equal(got[WIDE_MOMENTUM], want), (src, dst, got[WIDE_MOMENTUM], want)
+        assert torch.equal(got[WIDE_WEIGHT], saved[src][WIDE_WEIGHT] if even else before[WIDE_WEIGHT]), (src, dst)
+    state = {"model": ebcs["8+8"], "fused": ebcs["8+8"].fused_optimizer}
+    tdb.checkpoint.load(state, f"{path}/8+8")  # the same blocks: block for block, no flag
+    got = _snapshot(state, group)
+    assert all(torch.equal(got[k], v) for k, v in saved["8+8"].items()), "the same cut loads as saved"
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_a_rowwise_adagrad_state_goes_into_other_column_cuts_only_when_asked_by_the_width_weighted_rule(pool, tmp_path):
+    """Per-block row states between column cuts that are neither the same blocks nor one block (blocks within
+    blocks, other widths, block counts that do not divide each other, uneven blocks): refused without
+    ``split_row_states=True`` on every rank with the same message naming the key, the table and both cuts'
+    widths; with it, every new block takes its row's saved values combined, weighted by their widths."""
+    outcomes = pool.run(_split_into_other_cuts, str(tmp_path / "cuts"))
+    assert outcomes[0] == outcomes[1] == outcomes[2], outcomes
+    for src, dst in SPLITS:
+        message = outcomes[0][f"{src} -> {dst}"]
+        assert f"key {WIDE_MOMENTUM!r}: saved shape [{WIDE[0] * len(WIDTHS[src])}], destination shape " \
+               f"[{WIDE[0] * len(WIDTHS[dst])}] (row-wise optimizer state of table 'embedding_bags.w.weight'" \
+               in message, message
+        def holds(cut: str) -> str:
+            n = len(WIDTHS[cut])
+            return "one value per row" + (f" for each of {n} column shards (widths {WIDTHS[cut]})" if n > 1 else "")
+
+        assert f"the checkpoint holds {holds(src)}, the destination {holds(dst)};" in message, message
+        assert "split_row_states=True" in message, message
+        if len(set(WIDTHS[dst])) > 1:  # refused with the flag too: TorchRec's module takes no uneven blocks
+            message = outcomes[0][f"{src} -> {dst} split"]
+            assert f"key {WIDE_WEIGHT!r}: a table cut into column blocks of widths {WIDTHS[dst]} does not load into " \
+                   "TorchRec's module" in message and "momentum1" not in message, message

@@ -345,12 +345,13 @@ def load(
         convert_dtypes: load a floating-point tensor saved in another floating-point dtype (an fp32
             checkpoint into fp16 tables: a routine memory saving), rounding as ``Tensor.copy_`` does. Off by
             default: a dtype mismatch is refused (plain DCP converts silently).
-        split_row_states: load a row-wise optimizer state saved with one value per row (a table not cut by
-            columns, or a ``FusedOptimizer``'s) into a column-wise table whose optimizer keeps one per row and
-            column block (TorchRec's row-wise Adagrad): every block takes its row's value. An approximation,
-            hence asked for: a block's own statistic (the mean of its columns' squared gradients) was never
-            saved; the row's (the mean over all its columns) stands in for it. The other way, per-block states
-            into one per row, is exact and needs no flag (the blocks' values weighted by their widths).
+        split_row_states: load a per-row optimizer state (TorchRec's row-wise Adagrad: one value per row and
+            column block) into another column cut of several blocks than the checkpoint's: each row's saved
+            values are combined, weighted by their blocks' widths (one value per row, a table saved uncut or by
+            a ``FusedOptimizer``: as it is), and every new block takes that value. An approximation, hence asked
+            for: a block's own statistic (the mean of its columns' squared gradients) was never saved. The same
+            blocks load block for block, and into one block the combination is exact: neither needs the flag
+            (:mod:`.keyed`; ``tdb.reshard`` follows the same rule).
         storage_options: for an ``s3://bucket/prefix/name`` path, the object store's settings in fsspec's
             spelling (``endpoint_url``, ``key``, ``secret``, ``region``, ``client_kwargs``, ...;
             :mod:`.storage.s3`); the standard AWS variables apply where they say nothing. ``None`` for local paths.

@@ -1,10 +1,14 @@
 """TorchRec's keyed optimizers in a checkpoint: what their ``state_dict()`` leaves out, or cannot say.
 
-- :func:`row_state_hint`: why a per-row optimizer state does not convert between two shapes (another
-  optimizer kind; per-column-block states of a column-wise table);
-- :func:`column_widths` and :func:`combine_row_states`: a column-wise table's per-block row states (TorchRec's
-  row-wise Adagrad keeps one per column block) combined into one value per row on load, weighted by the
-  blocks' widths, which a save records (:data:`ROW_STATE_COLUMNS`, read back by :func:`recorded_widths`);
+- :class:`Hint` (:func:`row_state_hint`): how a table's per-row optimizer state converts on load between
+  column cuts, or why it does not. TorchRec's row-wise Adagrad keeps one value per row and column block
+  (block ``k``'s at ``k * rows + row``); the rule is the one :func:`~torchrec_dtensor_bridge.reshard` follows
+  for a DMP: the same blocks load block for block; into one block each row's saved values are combined,
+  weighted by their blocks' widths (exact: each block's value is the mean over its own columns); into any
+  other cut only with ``split_row_states``, every new block given that combined value (an approximation),
+  else refused naming both cuts;
+- :func:`column_widths` and :func:`combine_row_states`: a column-cut table's blocks' widths, which a save
+  records (:data:`ROW_STATE_COLUMNS`, read back by :func:`recorded_widths`), and the conversion itself;
 - :func:`hyperparameters` and :func:`apply_hyperparameters`: each parameter's group hyper-parameters (``lr``,
   ...), which TorchRec's ``state_dict()`` omits, saved beside the state and restored per group.
 """
@@ -13,7 +17,8 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,12 +27,8 @@ from .._compat import ShardedTensor, shape_and_dtype
 from ..convert import layout_of, local_shards_of
 from ..convert.reshard import copy_into
 
-__all__ = ["HYPERPARAMETERS", "Hint", "ROW_STATE_COLUMNS", "apply_hyperparameters", "column_widths",
+__all__ = ["HYPERPARAMETERS", "Hint", "ROW_STATE_COLUMNS", "RowConversion", "apply_hyperparameters", "column_widths",
            "combine_row_states", "hyperparameters", "recorded_widths", "row_state_hint"]
-
-Hint = Callable[[tuple[int, ...], tuple[int, ...], "tuple[int, ...] | str"], str]
-"""Why a key whose saved and destination shapes differ (given in that order) cannot convert, given the column
-blocks' widths the checkpoint records for the key, or why it records none (:func:`recorded_widths`)."""
 
 
 def column_widths(param: Any) -> tuple[int, ...] | None:
@@ -105,31 +106,110 @@ def apply_hyperparameters(key: str, opt: Any, saved: Any) -> None:
                 group[k] = v
 
 
-def row_state_hint(table: str, shape: tuple[int, ...]) -> Hint:
-    """Why the per-row optimizer state of ``table`` (of ``shape`` in the destination) does not convert.
+def row_state_hint(table: str, shape: tuple[int, ...], columns: tuple[int, ...] | None = None) -> Hint:
+    """What a load needs to convert the per-row optimizer state of ``table`` (``shape``: the table's, in the
+    destination; ``columns``: its column blocks' widths there, when it is cut into several,
+    :func:`column_widths`), or to say why it does not convert."""
+    return Hint(table, shape, columns)
 
-    The saved state's size alone says little: the checkpoint's column blocks' widths, when it records them,
-    say how many blocks it holds and so how many rows the table had; without them only a whole multiple of
-    this table's rows reads as one value per row and block, and the reason they are absent is told as it is
-    (never "written before they were recorded" unless the checkpoint was).
+
+class RowConversion(NamedTuple):
+    """How a saved per-row state converts on load (:meth:`Hint.conversion`).
+
+    Attributes:
+        widths: the saved column blocks' widths; each row's values are combined weighted by them (one
+            block: one value per row, taken as it is).
+        blocks: the destination's number of column blocks; every one takes its row's combined value.
     """
-    rows = shape[0]
-    of = f"optimizer state of table {table!r}, {list(shape)} in the destination"
 
-    def holds(n: int) -> str:
-        if n == rows:
-            return "one value per row"
-        if rows and n % rows == 0:
-            return f"one value per row for each of {n // rows} column shards"
-        return f"{n} values"
+    widths: tuple[int, ...]
+    blocks: int
 
-    def kept(shape: tuple[int, ...]) -> str:
-        return holds(shape[0]) if len(shape) == 1 else f"one value per element ({list(shape)})"
 
-    def afresh(what: str) -> str:
-        return f"{what}, or leave its optimizer out of the load to start that state afresh)"
+def _holds(widths: tuple[int, ...]) -> str:
+    if len(widths) == 1:
+        return "one value per row"
+    return f"one value per row for each of {len(widths)} column shards (widths {list(widths)})"
 
-    def why(saved: tuple[int, ...], dest: tuple[int, ...], widths: tuple[int, ...] | str) -> str:
+
+@dataclass(frozen=True)
+class Hint:
+    """The per-row optimizer state of one table as the destination holds it (TorchRec's row-wise Adagrad:
+    one value per row and column block, block ``k``'s at ``k * rows + row``): whether and how a saved state
+    converts into it (:meth:`conversion`), or why not.
+
+    Attributes:
+        table: the table's name.
+        shape: the table's shape in the destination (rows, columns).
+        columns: its column blocks' widths in the destination, when it is cut into several; else ``None``.
+    """
+
+    table: str
+    shape: tuple[int, ...]
+    columns: tuple[int, ...] | None = None
+
+    def conversion(self, saved: tuple[int, ...], dest: tuple[int, ...], recorded: tuple[int, ...] | str,
+                   split: bool) -> RowConversion | str | None:
+        """How the saved state (of shape ``saved``; ``recorded``: its column blocks' widths as the checkpoint
+        records them, or why it records none, :func:`recorded_widths`) loads into the destination's (``dest``).
+
+        ``None``: as it is (the same column blocks, block for block; a checkpoint recording no widths that holds
+        as many blocks as the destination is taken to have its cut, as every load before the widths were
+        recorded took it). A :class:`RowConversion`: into one column block, each row's saved values combined
+        weighted by their blocks' widths (exact); into another cut of several blocks, only with ``split``,
+        every new block given that combined value (an approximation). A string: why it does not convert, as a
+        refusal of the key says it (the same on every rank that holds the key).
+        """
+        mismatch = f"saved shape {list(saved)}, destination shape {list(dest)}"
+        if len(saved) != 1 or len(dest) != 1 or len(self.shape) != 2:
+            return None if saved == dest else mismatch + self.why(saved, dest, recorded)
+        rows, cols = self.shape
+        into = self.columns or (cols,)
+        if dest[0] != len(into) * rows:  # not one value per row and block of this table: left to the shapes
+            return None if saved == dest else mismatch + self.why(saved, dest, recorded)
+        if isinstance(recorded, tuple) and saved[0] == len(recorded) * rows and sum(recorded) == cols:
+            was = recorded
+        elif not isinstance(recorded, tuple) and saved[0] == rows:
+            was = (cols,)
+        elif not isinstance(recorded, tuple) and saved == dest:
+            return None  # as many blocks, widths not recorded: taken as the destination's cut
+        else:
+            return mismatch + self.why(saved, dest, recorded)
+        if was == into:
+            return None
+        if len(into) == 1:
+            return RowConversion(was, 1)
+        if split:
+            return RowConversion(was, len(into))
+        return (f"{mismatch} (row-wise optimizer state of table {self.table!r}, {list(self.shape)} in the "
+                f"destination: the checkpoint holds {_holds(was)}, the destination {_holds(into)}; a per-row state "
+                "converts exactly only into the same column blocks or into one value per row (the blocks' values "
+                "combined, weighted by their widths): resume under the checkpoint's cut, "
+                "load(..., split_row_states=True) to give every new column block its row's saved values combined "
+                "that way (an approximation), or leave its optimizer out of the load to start that state afresh)")
+
+    def why(self, saved: tuple[int, ...], dest: tuple[int, ...], widths: tuple[int, ...] | str) -> str:
+        """Why a saved state of shape ``saved`` does not convert into ``dest`` (given the column blocks'
+        widths the checkpoint records, or why it records none), as appended to the key's refusal. The saved
+        state's size alone says little: the recorded widths say how many blocks it holds and so how many rows
+        the table had; without them only a whole multiple of this table's rows reads as one value per row and
+        block, and the reason they are absent is told as it is."""
+        rows = self.shape[0] if self.shape else 0
+        of = f"optimizer state of table {self.table!r}, {list(self.shape)} in the destination"
+
+        def holds(n: int) -> str:
+            if n == rows:
+                return "one value per row"
+            if rows and n % rows == 0:
+                return f"one value per row for each of {n // rows} column shards"
+            return f"{n} values"
+
+        def kept(shape: tuple[int, ...]) -> str:
+            return holds(shape[0]) if len(shape) == 1 else f"one value per element ({list(shape)})"
+
+        def afresh(what: str) -> str:
+            return f"{what}, or leave its optimizer out of the load to start that state afresh)"
+
         if len(saved) != len(dest):  # per element against per row: another optimizer kind
             return (f" ({of}: the checkpoint holds {kept(saved)}, the destination {kept(dest)}: the optimizer "
                     "changed between the save and the load (element-wise Adagrad keeps a value per element, "
@@ -140,11 +220,12 @@ def row_state_hint(table: str, shape: tuple[int, ...]) -> Hint:
             was = saved[0] // blocks
             head = (f" (row-wise {of}: the checkpoint holds one value per row for each of {blocks} column blocks "
                     f"(widths {list(widths)}) of a {was}-row table, the destination {holds(dest[0])}")
-            if was != rows:
+            if was != rows or saved[0] % blocks:
                 return afresh(f"{head}: the table had {was} rows when saved and has {rows} now, and a per-row "
                               f"state does not convert between numbers of rows; load into a {was}-row table")
-            return afresh(f"{head}; per-block states combine into one value per row, not into another column cut: "
-                          "resume under the checkpoint's cut or into a table not cut by columns")
+            cols = self.shape[1] if len(self.shape) > 1 else 0
+            return afresh(f"{head}: the table had {sum(widths)} columns when saved and has {cols} now, and a "
+                          "per-row state does not convert between tables; load into the table that saved it")
         head = (f" (row-wise {of}: the checkpoint holds {holds(saved[0])}, the destination {holds(dest[0])}; "
                 "TorchRec's row-wise Adagrad keeps a separate per-row state for each column shard of a column-wise "
                 "table")
@@ -153,49 +234,46 @@ def row_state_hint(table: str, shape: tuple[int, ...]) -> Hint:
                           f"this {rows}-row table nor one per row and column block: the table has another number "
                           "of rows than when it was saved, and a per-row state does not convert; load into a table "
                           "of the saved shape")
-        if dest[0] == rows:  # per-block states into one per row: exact given the blocks' widths
-            return afresh(f"{head}. They combine into one value per row given the column blocks' widths, which the "
-                          f"checkpoint does not record for this key ({widths}): resume under the same column cut")
-        if saved[0] == rows:
-            return (f"{head}, and one value per row does not split into per-shard values exactly: resume under the "
-                    "checkpoint's cut, load(..., split_row_states=True) to give every column block its row's value "
-                    "(an approximation), or leave its optimizer out of the load to start that state afresh)")
-        return afresh(f"{head}; per-shard states do not convert into another number of column shards: resume under "
-                      "the checkpoint's cut")
+        return afresh(f"{head}. They combine into one value per row, and so into any column cut, given the column "
+                      f"blocks' widths, which the checkpoint does not record for this key ({widths}): resume under "
+                      "the same column cut")
 
-    return why
+    __call__ = why
 
 
 def combine_row_states(row_states: Mapping[str, tuple[MutableMapping[str, Any], str]],
-                       conversions: Mapping[str, tuple[int, ...]], metadata: Any,
+                       conversions: Mapping[str, RowConversion | tuple[int, ...]], metadata: Any,
                        ) -> tuple[Callable[[], None], Callable[[], None]]:
     """Put a buffer of the saved shape in the view (where ``row_states`` says) under each key of
-    ``conversions`` (:func:`.loading.row_state_conversions`); return what, after the load, converts them into
-    the destinations and puts the destinations back, and what puts them back untouched (a failed load):
+    ``conversions`` (:meth:`Hint.conversion`; a bare tuple of the saved widths: into one value per row);
+    return what, after the load, converts them into the destinations and puts the destinations back, and
+    what puts them back untouched (a failed load).
 
-    - a column-cut table's per-block row states, saved, into one value per row: each row its blocks' values
-      weighted by their widths (the mean over all columns that each block's value is over its own);
-    - one value per row, saved, into a column-cut table's per-block states (asked for with
-      ``split_row_states``): every block its row's value.
-
-    Every rank reads each buffer whole; the result is copied into each rank's blocks of the destination
-    without communication."""
+    Each row's saved values are combined, weighted by their blocks' widths, in float64 as
+    :func:`~torchrec_dtensor_bridge.reshard` combines them (so that a resharded job and a resumed one hold the
+    same bits; one saved block: its values as they are), and every destination block takes that value. Every
+    rank reads each buffer whole; the result is copied into each rank's blocks of the destination without
+    communication."""
     swapped = []
-    for fqn, widths in conversions.items():
+    for fqn, how in conversions.items():
+        if not isinstance(how, RowConversion):  # a bare tuple of the saved widths: into one value per row
+            how = RowConversion(tuple(how), 1)
         mapping, key = row_states[fqn]
         dest = mapping[key]
         saved = metadata.state_dict_metadata[fqn]
         mapping[key] = buf = torch.zeros(tuple(saved.size), dtype=saved.properties.dtype)
-        swapped.append((fqn, mapping, key, dest, buf, widths))
+        swapped.append((fqn, mapping, key, dest, buf, how))
 
     def finish() -> None:
-        for fqn, mapping, key, dest, buf, widths in swapped:
-            if buf.numel() * len(widths) == shape_and_dtype(dest)[0][0]:  # one per row into one per row and block
-                rows = buf.repeat(len(widths)).to(shape_and_dtype(dest)[1])
-            else:
+        for fqn, mapping, key, dest, buf, (widths, blocks) in swapped:
+            dtype = shape_and_dtype(dest)[1]
+            if len(widths) > 1:
                 w = torch.tensor(widths, dtype=torch.float64)
-                per_block = buf.view(len(widths), -1).to(torch.float64)
-                rows = ((per_block * w[:, None]).sum(0) / w.sum()).to(shape_and_dtype(dest)[1])
+                rows = ((buf.view(len(widths), -1).to(torch.float64) * w[:, None]).sum(0) / w.sum()).to(dtype)
+            else:
+                rows = buf.to(dtype)
+            if blocks > 1:
+                rows = rows.repeat(blocks)
             if isinstance(dest, (DTensor, ShardedTensor)):  # this rank's blocks of it, from the whole
                 copy_into(layout_of(dest, name=fqn), local_shards_of(dest), rows, name=fqn)
             else:

@@ -50,7 +50,7 @@ from .common import dtype_of, global_shape, leaves
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.manifest import MANIFEST, item_key, item_record, read_manifest
 from .format.plan import needed_chunks
-from .keyed import Hint, recorded_widths
+from .keyed import Hint, RowConversion, recorded_widths
 from .agree import Wording, key_problems
 from .storage import Loc, Lock, NotAnObject
 from .format.validate import read_metadata
@@ -88,32 +88,20 @@ def _under(fqn: str, keys: frozenset[str]) -> bool:
 
 
 def row_state_conversions(flat: list[tuple[str, Any]], md: Metadata, manifest: dict[str, Any] | None,
-                          convertible: Mapping[str, Any] | None, *, split: bool = False,
-                          ) -> dict[str, tuple[int, ...]]:
-    """Per key of ``flat`` that ``convertible`` names (a keyed optimizer's per-row state), how it converts:
-
-    - the saved column blocks' widths, when the checkpoint holds one value per row and block (``rows x
-      blocks``) and the destination one per row (exact: combined weighted by the widths). Only widths the
-      manifest recorded count (:func:`recorded_widths`);
-    - with ``split``, one 0 per destination block, when the checkpoint holds one value per row and the
-      destination one per row and block (an approximation, asked for: every block takes its row's value).
-    """
-    if not convertible:
-        return {}
-    out: dict[str, tuple[int, ...]] = {}
+                          hints: Mapping[str, Hint] | None, *, split: bool = False,
+                          ) -> dict[str, RowConversion | str]:
+    """Per key of ``flat`` that ``hints`` names (a keyed optimizer's per-row state), how its saved state
+    converts (:meth:`.keyed.Hint.conversion`; only the column blocks' widths the manifest recorded count,
+    :func:`recorded_widths`), or why it does not (the key's refusal); keys loaded as they are are left out."""
+    out: dict[str, RowConversion | str] = {}
     for fqn, value in flat:
         m = md.state_dict_metadata.get(fqn)
-        if fqn not in convertible or not isinstance(value, torch.Tensor) or not isinstance(m, TensorStorageMetadata):
+        if not hints or fqn not in hints or not isinstance(value, torch.Tensor) or not isinstance(
+                m, TensorStorageMetadata):
             continue
-        dest, saved = global_shape(value), tuple(m.size)
-        if len(dest) != 1 or len(saved) != 1:
-            continue
-        if split and saved[0] and dest[0] % saved[0] == 0 and dest[0] // saved[0] > 1:
-            out[fqn] = (0,) * (dest[0] // saved[0])
-            continue
-        widths = recorded_widths(manifest, fqn)
-        if isinstance(widths, tuple) and saved == (dest[0] * len(widths),):
-            out[fqn] = widths
+        how = hints[fqn].conversion(tuple(m.size), global_shape(value), recorded_widths(manifest, fqn), split)
+        if how is not None:
+            out[fqn] = how
     return out
 
 
@@ -148,14 +136,15 @@ def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mappin
                 absent: frozenset[str] = frozenset(), *, convert_dtypes: bool = False,
                 manifest: dict[str, Any] | None = None, split_row_states: bool = False,
                 param_groups: Mapping[str, int] | None = None, where: str | None = None,
-                ) -> tuple[list[Problem], list[tuple[str, Any]], dict[str, tuple[int, ...]]]:
+                ) -> tuple[list[Problem], list[tuple[str, Any]], dict[str, RowConversion]]:
     """This rank's problems with ``sd`` against the checkpoint (at ``where``), its leaves, and the per-row states
     it converts (:func:`row_state_conversions`); ``param_groups``: per ``torch.optim`` optimizer's
     ``param_groups`` key, its number of groups (:func:`_group_count_problems`). Keys that do not match are told
     as :func:`.keylists.key_problems` tells them: a few by name, all on the exception."""
     problems: list[Problem] = _group_count_problems(md, param_groups or {})
     flat = [(fqn, v) for fqn, v in leaves(sd) if not (absent and _under(fqn, absent))]
-    combined = row_state_conversions(flat, md, manifest, hints, split=split_row_states)
+    rows = row_state_conversions(flat, md, manifest, hints, split=split_row_states)
+    combined = {fqn: how for fqn, how in rows.items() if not isinstance(how, str)}
     saved = md.state_dict_metadata
     missing: list[tuple[str, str]] = []
     mismatched: list[tuple[str, str]] = []
@@ -171,9 +160,11 @@ def _check_keys(sd: Mapping[str, Any], md: Metadata, strict: bool, hints: Mappin
             continue
         shape, dtype, was = global_shape(value), dtype_of(value), m.properties.dtype
         differ = []
-        if tuple(m.size) != shape and fqn not in combined:
-            why = hints[fqn](tuple(m.size), shape, recorded_widths(manifest, fqn)) if hints and fqn in hints else ""
-            differ.append(f"saved shape {list(m.size)}, destination shape {list(shape)}{why}")
+        refused = rows.get(fqn)
+        if isinstance(refused, str):
+            differ.append(refused)
+        elif tuple(m.size) != shape and fqn not in combined:
+            differ.append(f"saved shape {list(m.size)}, destination shape {list(shape)}")
         convertible = was.is_floating_point and dtype.is_floating_point  # fp32 <-> fp16 / bf16 / fp64
         if was != dtype and not (convert_dtypes and convertible):
             how = "; load(..., convert_dtypes=True) converts it" if convertible else ""
@@ -260,7 +251,7 @@ class Opened:
     manifest: dict[str, Any] | None
     metadata: Metadata
     absent: frozenset[str] = frozenset()  # the optional keys the checkpoint holds nothing under
-    row_states: dict[str, tuple[int, ...]] = field(default_factory=dict)  # combined on load (see above)
+    row_states: dict[str, RowConversion] = field(default_factory=dict)  # converted on load (keyed.py)
     chain: Chain | None = None  # an incremental checkpoint's links, newest first (locked below the head)
 
     def release(self) -> None:
@@ -274,7 +265,7 @@ def _examine(path: Loc, name: str, state_dict: Mapping[str, Any], strict: bool, 
              optional: tuple[str, ...], hints: Mapping[str, Hint] | None, convert_dtypes: bool = False,
              split_row_states: bool = False, param_groups: Mapping[str, int] | None = None,
              ) -> tuple[Lock | None, dict[str, Any] | None, Metadata | None, list[Problem], str | None,
-                        dict[str, tuple[int, ...]], Chain | None]:
+                        dict[str, RowConversion], Chain | None]:
     """One rank's look at generation ``name``: lock it, read and check everything short of the data."""
     try:
         lock = lock_generation(path, name)
@@ -286,7 +277,7 @@ def _examine(path: Loc, name: str, state_dict: Mapping[str, Any], strict: bool, 
     problems: list[Problem] = []
     manifest = md = None
     ident = None
-    combined: dict[str, tuple[int, ...]] = {}
+    combined: dict[str, RowConversion] = {}
     chain: Chain | None = None
     try:
         manifest = read_manifest(root)
@@ -340,9 +331,9 @@ def open_agreed(path: Loc, state_dict: Mapping[str, Any], strict: bool, verify: 
         extra: problems the caller found (e.g. in its arguments), raised with the rest after the agreement.
         optional: keys of ``state_dict`` (with everything below them) that the checkpoint need not hold:
             those it holds nothing under are not checked, and are listed in ``Opened.absent``.
-        hints: per key, why a shape mismatch cannot convert (appended to its refusal).
+        hints: per key of a keyed optimizer's per-row state, how it converts or why not (:class:`.keyed.Hint`).
         convert_dtypes: accept a floating-point destination of another floating-point dtype than the saved one.
-        split_row_states: give a column-cut table's per-block row states each its row's saved value.
+        split_row_states: convert a per-row state into another column cut of several blocks (:mod:`.keyed`).
         param_groups: per key of a ``torch.optim`` optimizer's ``param_groups``, its number of groups: a
             checkpoint holding another number there is refused.
 

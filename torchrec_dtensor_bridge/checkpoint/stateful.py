@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from .._compat import shape_and_dtype
+from .._compat import ShardedTensor, shape_and_dtype
 from .agree import Kind, Problem
 from .common import Flat, leaves
 from .keyed import HYPERPARAMETERS, Hint, apply_hyperparameters, column_widths, hyperparameters, row_state_hint
@@ -140,7 +140,7 @@ class Expanded:
         row_states: per flattened key of a keyed optimizer's per-row state, where it sits in the view.
         column_widths: per such key of a table cut by columns into several blocks, the blocks' widths (a save
             records them, so that a load can combine the per-block states into one per row).
-        hints: per flattened key, why a shape mismatch cannot convert (appended to the refusal).
+        hints: per flattened key of a keyed optimizer's per-row state, how a load converts it or why not.
         param_groups: per flattened key of a ``torch.optim`` optimizer's ``param_groups``, its number of groups
             (a load refuses a checkpoint holding another number, as ``Optimizer.load_state_dict`` does).
         loads: each Stateful's ``load_state_dict()`` with its view, in the state_dict's order.
@@ -216,6 +216,28 @@ class Expanded:
                     original[k] = view[k]
 
 
+def _blocks_torchrec_cannot_load(key: str, module: nn.Module, view: Mapping[str, Any]) -> list[Problem]:
+    """Tables of a TorchRec sharded module (a DMP, a sharded EBC or EC) whose blocks on this rank its own
+    ``load_state_dict()`` cannot take: TorchRec reshapes each rank's blocks of a table to the width of the
+    table's first block, so a column-wise table of uneven widths fails there on the ranks holding a block of
+    another width, after the others have loaded (and then wait for them). Refused before the load instead."""
+    if not any(type(m).__module__.startswith("torchrec.distributed") for m in module.modules()):
+        return []
+    problems = []
+    for name, value in view.items():
+        if not isinstance(value, ShardedTensor) or len(shape_and_dtype(value)[0]) != 2:
+            continue
+        first = value.metadata().shards_metadata[0].shard_sizes[1]
+        mine = [s.metadata.shard_sizes[1] for s in value.local_shards() if s.metadata.shard_sizes[1] != first]
+        if mine:
+            problems.append(Problem(Kind.VALUE, (
+                f"key {f'{key}.{name}'!r}: a table cut into column blocks of widths {list(column_widths(value) or ())} "
+                f"does not load into TorchRec's module: its load_state_dict() takes every rank's blocks of a table as "
+                f"wide as the first ({first} columns), and this rank holds one {mine[0]} wide; load under a plan whose "
+                "column blocks of that table have equal widths")))
+    return problems
+
+
 def expand(state_dict: Mapping[str, Any], *, for_load: bool) -> Expanded:
     """``state_dict`` with every Stateful replaced by its state; no collective of its own.
 
@@ -274,6 +296,8 @@ class _Expander:
                 part.state.pop(p, None)
             return None
         if not _is_keyed(obj):
+            if self.for_load and isinstance(obj, nn.Module):
+                self.out.problems += _blocks_torchrec_cannot_load(key, obj, view)
             self.out.loads.append(lambda: obj.load_state_dict(view))
             return view
         self.keyed_optimizer(key, obj, view, created)
@@ -357,7 +381,7 @@ class _Expander:
             for what, v in per.items():
                 if isinstance(v, torch.Tensor) and len(shape_and_dtype(v)[0]) == 1:
                     fqn = f"{key}.state.{name}.{what}"
-                    self.out.hints[fqn] = row_state_hint(name, tuple(shape))
+                    self.out.hints[fqn] = row_state_hint(name, tuple(shape), widths)
                     if isinstance(per, MutableMapping):
                         self.out.row_states[fqn] = (per, what)
                     if widths:
