@@ -392,7 +392,7 @@ def test_the_row_state_refusal_says_what_the_checkpoint_records_and_never_more()
     from torchrec_dtensor_bridge.checkpoint.keyed import ROW_STATE_COLUMNS, recorded_widths, row_state_hint
 
     key = "optim.state.t.weight.t.momentum1"
-    why = row_state_hint("t.weight", (10, 16))
+    why = row_state_hint("t.weight", (10, 16)).why
     grown = why((18,), (10,), recorded_widths({ROW_STATE_COLUMNS: {key: [8, 8]}}, key))
     assert "table 't.weight', [10, 16] in the destination" in grown, grown
     assert "2 column blocks (widths [8, 8]) of a 9-row table" in grown, grown

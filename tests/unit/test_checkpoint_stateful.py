@@ -165,7 +165,7 @@ def test_per_block_row_states_combine_weighted_by_the_blocks_widths():
     (3 * a + 5 * b) / 8, the mean over all 8 columns; the destination is put back in the view."""
     from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
 
-    from torchrec_dtensor_bridge.checkpoint.keyed import combine_row_states
+    from torchrec_dtensor_bridge.checkpoint.keyed import RowConversion, combine_row_states
     from torchrec_dtensor_bridge.checkpoint.stateful import Expanded
 
     rows = 6
@@ -174,7 +174,7 @@ def test_per_block_row_states_combine_weighted_by_the_blocks_widths():
     ex = Expanded(view={"opt": holder}, row_states={"opt.s": (holder, "s")})
     md = Metadata(state_dict_metadata={"opt.s": TensorStorageMetadata(
         TensorProperties(dtype=torch.float32), torch.Size([2 * rows]), [])})
-    combine, undo = combine_row_states(ex.row_states, {"opt.s": (3, 5)}, md)
+    combine, undo = combine_row_states(ex.row_states, {"opt.s": RowConversion((3, 5), 1)}, md)
     buf = holder["s"]
     assert buf is not dest and buf.shape == (2 * rows,)
     a, b = torch.arange(rows, dtype=torch.float32), torch.arange(rows, dtype=torch.float32) * 10 + 1
@@ -182,7 +182,7 @@ def test_per_block_row_states_combine_weighted_by_the_blocks_widths():
     combine()
     assert holder["s"] is dest
     assert torch.equal(dest, ((3 * a.double() + 5 * b.double()) / 8).float()), dest
-    combine2, undo2 = combine_row_states(ex.row_states, {"opt.s": (3, 5)}, md)
+    combine2, undo2 = combine_row_states(ex.row_states, {"opt.s": RowConversion((3, 5), 1)}, md)
     undo2()
     assert holder["s"] is dest  # a failed load puts the destination back untouched
 

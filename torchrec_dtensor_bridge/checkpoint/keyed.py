@@ -238,16 +238,13 @@ class Hint:
                       f"blocks' widths, which the checkpoint does not record for this key ({widths}): resume under "
                       "the same column cut")
 
-    __call__ = why
-
 
 def combine_row_states(row_states: Mapping[str, tuple[MutableMapping[str, Any], str]],
-                       conversions: Mapping[str, RowConversion | tuple[int, ...]], metadata: Any,
+                       conversions: Mapping[str, RowConversion], metadata: Any,
                        ) -> tuple[Callable[[], None], Callable[[], None]]:
     """Put a buffer of the saved shape in the view (where ``row_states`` says) under each key of
-    ``conversions`` (:meth:`Hint.conversion`; a bare tuple of the saved widths: into one value per row);
-    return what, after the load, converts them into the destinations and puts the destinations back, and
-    what puts them back untouched (a failed load).
+    ``conversions`` (:meth:`Hint.conversion`); return what, after the load, converts them into the
+    destinations and puts the destinations back, and what puts them back untouched (a failed load).
 
     Each row's saved values are combined, weighted by their blocks' widths, in float64 as
     :func:`~torchrec_dtensor_bridge.reshard` combines them (so that a resharded job and a resumed one hold the
@@ -256,8 +253,6 @@ def combine_row_states(row_states: Mapping[str, tuple[MutableMapping[str, Any], 
     communication."""
     swapped = []
     for fqn, how in conversions.items():
-        if not isinstance(how, RowConversion):  # a bare tuple of the saved widths: into one value per row
-            how = RowConversion(tuple(how), 1)
         mapping, key = row_states[fqn]
         dest = mapping[key]
         saved = metadata.state_dict_metadata[fqn]
