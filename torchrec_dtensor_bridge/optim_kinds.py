@@ -31,13 +31,15 @@ lists it, so its math runs on the touched rows::
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from types import MappingProxyType
 from dataclasses import dataclass, field
 
+import torch
+
 __all__ = [
     "ADAGRAD", "ADAM", "DEFAULTS", "Hyper", "OptimKind", "ROWWISE_ADAGRAD", "SGD", "StateKind", "StateSpec",
-    "REGISTERED", "WeightDecayMode", "lookup", "names", "register", "unregister",
+    "REGISTERED", "WeightDecayMode", "combine_column_blocks", "lookup", "names", "register", "unregister",
 ]
 
 
@@ -47,6 +49,16 @@ class StateKind(enum.Enum):
     ROW = "row"  # one value per row: a 1-D tensor cut by the weight's row cuts
     ELEMENT = "element"  # one value per weight element: the weight's own layout
     SCALAR = "scalar"  # one value per table (a step count): a plain tensor
+
+
+def combine_column_blocks(values: torch.Tensor, widths: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """One value per row from a per-row state kept per column block (TorchRec's row-wise Adagrad on a table
+    cut by columns): ``values`` is ``(blocks, rows)``, block ``k``'s row values in row ``k``; each row's
+    blocks weighted by their ``widths`` (exact: each block's value is the mean over its own columns), in
+    float64, then ``dtype``. The one formula of a checkpoint load and of a reshard, so that a resharded job
+    and a resumed one hold the same bits."""
+    w = torch.tensor(list(widths), dtype=torch.float64)
+    return ((values.to(torch.float64) * w[:, None]).sum(0) / w.sum()).to(dtype)
 
 
 class WeightDecayMode(enum.Enum):

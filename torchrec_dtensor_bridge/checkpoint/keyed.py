@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from .._compat import ShardedTensor, shape_and_dtype
 from ..convert import layout_of, local_shards_of
 from ..convert.reshard import copy_into
+from ..optim_kinds import combine_column_blocks
 
 __all__ = ["HYPERPARAMETERS", "Hint", "ROW_STATE_COLUMNS", "RowConversion", "apply_hyperparameters", "column_widths",
            "combine_row_states", "hyperparameters", "recorded_widths", "row_state_hint"]
@@ -263,8 +264,7 @@ def combine_row_states(row_states: Mapping[str, tuple[MutableMapping[str, Any], 
         for fqn, mapping, key, dest, buf, (widths, blocks) in swapped:
             dtype = shape_and_dtype(dest)[1]
             if len(widths) > 1:
-                w = torch.tensor(widths, dtype=torch.float64)
-                rows = ((buf.view(len(widths), -1).to(torch.float64) * w[:, None]).sum(0) / w.sum()).to(dtype)
+                rows = combine_column_blocks(buf.view(len(widths), -1), widths, dtype)
             else:
                 rows = buf.to(dtype)
             if blocks > 1:

@@ -37,7 +37,7 @@ from ..agreement import Problem, ProblemKind, Rejected, agree, check_same, gathe
 from ..convert.reshard import Move, move_pieces, pieces
 from ..groups import CommGroup, of_group
 from ..layout import ShardLayout, ShardSpec
-from ..optim_kinds import OptimKind, StateKind
+from ..optim_kinds import OptimKind, StateKind, combine_column_blocks
 from ..torchrec_plan import layout_from_parameter_sharding
 from . import torchrec_access as trec
 from .tables import STAGING_BYTES, WHAT
@@ -220,7 +220,7 @@ def _table_moves(m: _Module, t: _Table, kind: OptimKind | None, rank: int,
             continue
         boxes, into, bufs = _row_boxes(t, skey, rank, dst[0].device if dst else torch.device("cpu"))
         moves.append(Move(pieces(old_grid, into), old_grid, src, into, bufs))
-        finish.append(_combiner(torch.tensor(_widths(t.old), dtype=torch.float64), boxes, dst))
+        finish.append(_combiner(_widths(t.old), boxes, dst))
     return moves, finish
 
 
@@ -243,7 +243,7 @@ def _row_boxes(t: _Table, key: str, rank: int, device: torch.device,
     return per_block, into, bufs
 
 
-def _combiner(widths: torch.Tensor, boxes: list[torch.Tensor | None], dst: list[torch.Tensor],
+def _combiner(widths: list[int], boxes: list[torch.Tensor | None], dst: list[torch.Tensor],
               ) -> Callable[[], None]:
     """What, once the old values are in, gives every new block its rows' values: the old blocks' weighted by
     their widths (as a checkpoint load combines them; one old block: its values as they are)."""
@@ -255,7 +255,7 @@ def _combiner(widths: torch.Tensor, boxes: list[torch.Tensor | None], dst: list[
             if len(widths) == 1:
                 out.copy_(buf[0])
             else:
-                out.copy_(((buf.to(torch.float64) * widths[:, None]).sum(0) / widths.sum()).to(out.dtype))
+                out.copy_(combine_column_blocks(buf, widths, out.dtype))
 
     return combine
 
