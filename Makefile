@@ -14,10 +14,14 @@ setup: $(STAMP)
 $(STAMP): requirements/lock.txt requirements/nodeps.txt pyproject.toml setup.py $(CSRC) scripts/setup.sh
 	bash scripts/setup.sh
 
+# The package compiled to bytecode first: where PYTHONDONTWRITEBYTECODE is set, every interpreter a test
+# starts would compile it again from source (the dependencies in .venv were compiled by their install).
 test: setup
+	@$(PY) -m compileall -q torchrec_dtensor_bridge >/dev/null
 	$(PY) -m pytest -q
 
 test-all: setup
+	@$(PY) -m compileall -q torchrec_dtensor_bridge >/dev/null
 	$(PY) -m pytest -q -m ""
 
 typecheck: setup
