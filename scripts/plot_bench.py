@@ -224,6 +224,57 @@ def plot_sparse_update(res: dict, out: Path) -> Path:
     return _save(fig, out / "sparse_update.png")
 
 
+def plot_reshard(res: dict, dmp: dict | None, out: Path) -> Path:
+    """reshard.png: each move of the reshard cycle in memory against a checkpoint round trip to the same plan,
+    with each rank's peak memory growth against its bound; and, where recorded, a DMP's moves, ours against
+    TorchRec's own reshard."""
+    steps = res["steps"]
+    panels = 3 if dmp else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.6))
+    names = list(steps)
+    for j, k in enumerate(names):
+        st = steps[k]
+        for i, (key, lab, col) in enumerate((("checkpoint_roundtrip_s", "checkpoint save + load", "tab:gray"),
+                                             ("reshard_s", "tdb.reshard", "tab:blue"))):
+            axes[0].bar([j + (i - 0.5) * 0.4], st[key], 0.4, color=col, edgecolor="k", linewidth=0.3,
+                        label=lab if j == 0 else None)
+        axes[0].annotate(f"{st['speedup']:.1f}x", (j, st["checkpoint_roundtrip_s"] * 1.02), ha="center", fontsize=7)
+        for r in st["per_rank"]:
+            x = j + (r["rank"] - 0.5) * 0.4
+            axes[1].bar([x], r["peak_growth_bytes"] / 2**20, 0.4, color="tab:blue", edgecolor="k", linewidth=0.3,
+                        label="peak growth" if j == 0 and r["rank"] == 0 else None)
+            axes[1].plot([x - 0.2, x + 0.2], [r["bound_bytes"] / 2**20] * 2, color="tab:red",
+                         label="bound (new share of the largest table + 64 MiB)" if j == 0 and r["rank"] == 0 else None)
+    short = [n.replace("_", " ").replace(" -> ", "\n-> ") for n in names]
+    axes[0].set_xticks(range(len(names)), short, fontsize=7)
+    axes[0].set_ylabel("seconds (median)")
+    axes[0].set_ylim(top=axes[0].get_ylim()[1] * 1.15)  # room for the ratios
+    axes[0].legend(fontsize=7)
+    axes[1].set_xticks(range(len(names)), short, fontsize=7)
+    axes[1].set_ylabel("MiB per rank (rank 0, rank 1)")
+    axes[1].legend(fontsize=6)
+    if dmp:
+        ax = axes[2]
+        moves = [k for k, v in dmp["steps"].items() if "torchrec" in v and isinstance(v["torchrec"], dict)]
+        for j, k in enumerate(moves):
+            v = dmp["steps"][k]
+            for i, (key, lab, col) in enumerate((("torchrec", "TorchRec DMP.reshard", "tab:gray"),
+                                                 ("ours", "tdb.reshard", "tab:blue"))):
+                ax.bar([j + (i - 0.5) * 0.4], v[key]["s"], 0.4, color=col, edgecolor="k", linewidth=0.3,
+                       label=lab if j == 0 else None)
+            ax.annotate(f"{v['speedup']:.2f}x", (j, max(v["ours"]["s"], v["torchrec"]["s"]) * 1.02), ha="center",
+                        fontsize=7)
+        ax.set_xticks(range(len(moves)), [m.replace("_", " ").replace(" -> ", "\n-> ") for m in moves], fontsize=7)
+        ax.set_ylabel("seconds (median)")
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.25)
+        ax.set_title("a DMP's fused tables", fontsize=8)
+        ax.legend(fontsize=7)
+    cfg = res["config"]
+    fig.suptitle(f"{cfg['tables']} tables x {cfg['rows']:,} x {cfg['dim']} fp32, row-wise Adagrad state, 2 ranks",
+                 fontsize=8)
+    return _save(fig, out / "reshard.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=Path("bench/results.json"))
@@ -242,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         made.append(plot_sparse_update(res["sparse_update"], args.out))
     if "train" in res:
         made.append(plot_train(res["train"], args.out))
+    if "reshard" in res:
+        made.append(plot_reshard(res["reshard"], res.get("reshard_dmp"), args.out))
     for p in made:
         print(f"wrote {p}")
     return 0
