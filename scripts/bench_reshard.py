@@ -24,8 +24,8 @@ table-wise -> table-wise on the next rank, column-wise -> column-wise with the c
 in reverse, and column-wise -> table-wise (ours only: TorchRec 1.8's reshard keeps a table's sharding type;
 see ``TORCHREC_ABSENT``). Per move and rank: the time, the bytes sent (ours against the changing blocks'),
 the peak memory above the memory before (both rebuild the sharded module whole: the rank's new share of it),
-the memory after the call less before, and what a ``gc.collect()`` then frees (the old module is kept by
-reference cycles until the collector runs), and a check that every rank holds the planned blocks with the
+the memory after the call less before, and what a ``gc.collect()`` then frees (TorchRec's old module is kept
+by reference cycles until the collector runs; ``tdb.reshard`` breaks them), and a check that every rank holds the planned blocks with the
 values they held before (``torch.equal``; the per-row state of a table whose column blocks join: the mean
 of theirs, to 1e-6), for each implementation apart, so that both hold the same tables. What
 TorchRec's reshard needs on gloo: every rank hashing strings alike (``PYTHONHASHSEED``, set here before the

@@ -14,6 +14,7 @@ __all__ = [
     "dmp_type",
     "embedding_bag_collection_type",
     "embedding_collection_type",
+    "fused_kernel_types",
     "jagged_types",
     "layout_from_parameter_sharding",
     "layouts_from_module_plan",
@@ -50,6 +51,16 @@ def dmp_type() -> type | None:
 
     mod = sys.modules.get("torchrec.distributed.model_parallel")
     return None if mod is None else mod.DistributedModelParallel
+
+
+def fused_kernel_types() -> tuple[type, ...]:
+    """TorchRec's kernels of the ``fused`` compute kernel (``BatchedFusedEmbeddingBag`` of a pooled
+    collection, ``BatchedFusedEmbedding`` of a sequence one) if its ``batched_embedding_kernel`` is already
+    loaded, else ``()`` (a sharded module exists only once it is)."""
+    import sys
+
+    mod = sys.modules.get("torchrec.distributed.batched_embedding_kernel")
+    return () if mod is None else (mod.BatchedFusedEmbeddingBag, mod.BatchedFusedEmbedding)
 
 
 def jagged_types() -> tuple[type, type]:

@@ -24,6 +24,8 @@ cuts of other widths need more than 8 columns.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -330,6 +332,49 @@ def _split_row_states(rank: int, world: int, path: str) -> None:
 
 def test_per_row_states_split_into_other_column_blocks_only_when_asked(pool, tmp_path):
     pool.run(_split_row_states, str(tmp_path / "split"))
+
+
+def _storages(module: torch.nn.Module) -> list[weakref.ref]:
+    """Weak references to the storage of every local block of the module's tables and fused optimizer state."""
+    values = list(module.state_dict().values()) + [
+        v for state in module.fused_optimizer.state_dict()["state"].values() for v in state.values()]
+    return [weakref.ref(s.tensor.untyped_storage()) for v in values for s in v.local_shards()]
+
+
+def _old_module_freed(rank: int, world: int, job: str) -> None:
+    """Right after ``tdb.reshard`` returns, the garbage collector off: the old sharded modules are gone, and
+    the storage of their tables and fused optimizer state with them (TorchRec's modules hold reference cycles;
+    no collection ran, none is waited for). An old module the caller still holds refuses a call, naming
+    reshard, and the job trains on."""
+    (first, _), (second, _) = SCHEDULES[job][:2]
+    dmp, adam = _dmp(first)
+    _step(dmp, adam, 0, rank, world)
+    modules = [weakref.ref(dmp.module.get_submodule(p)) for p in first]
+    storages = [r for p in first for r in _storages(dmp.module.get_submodule(p))]
+    assert storages and all(r() is not None for r in storages)
+    gc.collect()
+    gc.disable()
+    try:
+        collections = gc.get_stats()[2]["collections"]
+        tdb.reshard(dmp, _plan_of(second))
+        assert gc.get_stats()[2]["collections"] == collections, "reshard ran a garbage collection"
+        assert [r() for r in modules] == [None] * len(modules), "an old sharded module outlived reshard"
+        assert all(r() is None for r in storages), "an old table's storage outlived reshard"
+    finally:
+        gc.enable()
+    kept = {p: dmp.module.get_submodule(p) for p in first}
+    tdb.reshard(dmp, _plan_of(first), split_row_states=True)  # back: a row-wise state into two column blocks
+    _, bags, _ = _dlrm_batch(1, rank, world, TABLES, seed=2000)
+    _, seq, _ = _dlrm_batch(1, rank, world, SEQ, seed=3000)
+    for p, old in kept.items():
+        with pytest.raises(RuntimeError, match=f"replaced by torchrec_dtensor_bridge.reshard.*{p!r}"):
+            old(seq if p == "ec" else bags)
+    _step(dmp, adam, 1, rank, world)
+
+
+@pytest.mark.parametrize("job", ["dlrm", "ebc_and_ec"])
+def test_the_old_sharded_modules_are_freed_when_reshard_returns(pool, job):
+    pool.run(_old_module_freed, job)
 
 
 def _refused(rank: int, world: int, case: str) -> str:

@@ -23,6 +23,7 @@ TorchRec's fused optimizer state, per table (the registry's kinds, :mod:`..optim
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -269,9 +270,19 @@ def _failure(message: str, error: BaseException) -> Problem:
     return Problem.of(ProblemKind.FAILURE, f"{WHAT}: {message}: {type(error).__name__}: {error}")
 
 
-def reshard_dmp(dmp: Any, plan: object, *, split_row_states: bool = False) -> Any:
-    """:func:`~torchrec_dtensor_bridge.reshard` of a ``DistributedModelParallel`` (steps and
-    ``split_row_states`` as there)."""
+def _agreed(problem: Problem | None, group: CommGroup, modules: list[_Module], refused: str) -> None:
+    """:func:`..agreement.agree` (*collective*); where it raises, the new modules built are let go of first
+    (the traceback keeps the frames that list them)."""
+    try:
+        agree(WHAT, problem, [], group, refused=refused)
+    except BaseException:
+        for m in modules:
+            m.new, m.moves = None, []
+        raise
+
+
+def _replace(dmp: Any, plan: object, split_row_states: bool) -> list[Any]:
+    """Steps 1-4 of :func:`reshard_dmp`; returns :func:`..torchrec_access.retire`'s weak references."""
     group = of_group(trec.reshard_group(dmp))
     rank = dist.get_rank()
     problem, modules = None, []
@@ -292,7 +303,7 @@ def reshard_dmp(dmp: Any, plan: object, *, split_row_states: bool = False) -> An
             m.moves = [(t.name, *_table_moves(m, t, kind, rank)) for t in m.tables]
     except Exception as e:  # noqa: BLE001 - shared with every rank, which all raise
         problem = _failure("building the new sharded modules", e)
-    agree(WHAT, problem, [], group, refused="could not build its new sharded modules")
+    _agreed(problem, group, modules, "could not build its new sharded modules")
     for m in modules:
         for name, moves, finish in m.moves:
             try:
@@ -301,8 +312,23 @@ def reshard_dmp(dmp: Any, plan: object, *, split_row_states: bool = False) -> An
                     f()
             except Exception as e:  # noqa: BLE001 - every rank takes part in every table's move, then all raise
                 problem = problem or _failure(f"moving table {m.path}.{name}", e)
-    agree(WHAT, problem, [], group, refused="did not receive all its new blocks")
+    _agreed(problem, group, modules, "did not receive all its new blocks")
     with torch.no_grad():
         for m, values in zip(modules, saved):
             trec.install(dmp, m.path, m.new, values)
+    return [r for m in modules for r in trec.retire(m.old, m.path)]
+
+
+def reshard_dmp(dmp: Any, plan: object, *, split_row_states: bool = False) -> Any:
+    """:func:`~torchrec_dtensor_bridge.reshard` of a ``DistributedModelParallel`` (steps and
+    ``split_row_states`` as there).
+
+    1. Check the plan against the model on every rank, and agree on the verdict (*collective*).
+    2. Build each changed sharded module afresh under the plan, and plan its tables' moves.
+    3. Move each table's blocks and fused optimizer state (*collective*), then agree that every rank has all.
+    4. Install the new modules; retire the old ones, so that their tables are freed when this returns.
+    """
+    retired = _replace(dmp, plan, split_row_states)
+    if any(r() is not None for r in retired):
+        gc.collect()  # a reference cycle retire does not know of, or the caller still refers to an old module
     return dmp

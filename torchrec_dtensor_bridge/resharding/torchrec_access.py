@@ -1,7 +1,11 @@
 """Every use of TorchRec's internals by :func:`~torchrec_dtensor_bridge.reshard`, in one place.
 
 A ``DistributedModelParallel`` keeps what a reshard needs in private attributes (TorchRec 1.8:
-``_sharder_map``, ``_env``, ``_plan``, ``_optim``, ``_init_optim``, ``_dmp_wrapped_module``). Its sharded
+``_sharder_map``, ``_env``, ``_plan``, ``_optim``, ``_init_optim``, ``_dmp_wrapped_module``). Its fused kernels
+fill their tables with random values when built (``init_parameters``), which :func:`shard_afresh` skips:
+every value is then written from the old module. A sharded module holds reference cycles (its
+state_dict hook closes over it; each fused table's weight lists, in ``_in_backward_optimizers``, an optimizer
+holding the weight and the kernel with every table), which :func:`retire` breaks. Its sharded
 ``EmbeddingBagCollection`` keeps its tables' configs in ``_embedding_bag_configs`` (state_dict keys
 ``embedding_bags.<table>.weight``), its sharded ``EmbeddingCollection`` in ``_embedding_configs`` (keys
 ``embeddings.<table>.weight``), each the flags its unsharded module was built with in others. The sharder
@@ -12,7 +16,9 @@ reads these; nothing here imports torchrec (the class tests go through :mod:`..t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +26,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..torchrec_plan import dmp_type, embedding_bag_collection_type, embedding_collection_type
+from ..torchrec_plan import dmp_type, embedding_bag_collection_type, embedding_collection_type, fused_kernel_types
 
 __all__ = [
-    "fused_optimizer_kind", "hyperparameters", "install", "is_dmp", "module_plan", "reshard_group", "shard_afresh",
-    "sharded_modules", "sharding_types", "table_shapes", "weight_key",
+    "fused_optimizer_kind", "hyperparameters", "install", "is_dmp", "module_plan", "reshard_group", "retire",
+    "shard_afresh", "sharded_modules", "sharding_types", "table_shapes", "weight_key",
 ]
 
 
@@ -119,15 +125,40 @@ def fused_optimizer_kind(dmp: Any, sharded: Any) -> str | None:
     return None if kind is None else str(getattr(kind, "name", kind))
 
 
+def _left_as_allocated(kernel: nn.Module) -> None:
+    """A fused kernel's ``init_parameters`` while :func:`_unfilled` holds: its tables stay as fbgemm allocated
+    them."""
+
+
+@contextmanager
+def _unfilled() -> Iterator[None]:
+    """TorchRec's fused kernels built without the random fill of their tables (a pass of ``uniform_`` over
+    every value, the larger part of building a module). The kernel classes are changed while it holds, so a
+    fused kernel another thread builds meanwhile is left unfilled too."""
+    kernels = fused_kernel_types()
+    own = [(cls, cls.__dict__.get("init_parameters")) for cls in kernels]
+    for cls in kernels:
+        setattr(cls, "init_parameters", _left_as_allocated)
+    try:
+        yield
+    finally:
+        for cls, method in own:
+            if method is None:
+                delattr(cls, "init_parameters")
+            else:
+                setattr(cls, "init_parameters", method)
+
+
 def shard_afresh(dmp: Any, path: str, sharded: Any, plan: Mapping[str, Any]) -> nn.Module:
-    """A new sharded module of ``sharded``'s tables under ``plan``, built by the DMP's own sharder (its
-    tables allocated and initialised by TorchRec; the global random state is left as it was)."""
+    """A new sharded module of ``sharded``'s tables under ``plan``, built by the DMP's own sharder: its tables
+    and optimizer state allocated by TorchRec, left as allocated (the caller writes every value), the global
+    random state as it was."""
     family, sharder = _family(sharded), _sharder(dmp, sharded)
     flags = {arg: getattr(sharded, attr) for arg, attr in family.flags}
     unsharded = sharder.module_type(tables=list(getattr(sharded, family.configs)), device=torch.device("meta"),
                                     **flags)
     devices = [torch.cuda.current_device()] if dmp.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), _unfilled():
         return sharder.shard(unsharded, dict(plan), dmp._env, dmp.device, path)
 
 
@@ -153,3 +184,31 @@ def install(dmp: Any, path: str, new: Any, saved: Mapping[str, Mapping[str, Any]
             for k, v in saved.get(names.get(id(p), ""), {}).items():
                 group[k] = v
     dmp._optim = dmp._init_optim(_inner(dmp))
+
+
+class _Replaced:
+    """The ``forward`` of a module :func:`retire` took out of use: a call raises, naming where its tables went."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path  # not the module: that would make a cycle again
+
+    def __call__(self, *args: object, **kwargs: object) -> Any:
+        raise RuntimeError(f"this sharded module was replaced by torchrec_dtensor_bridge.reshard: its tables are no "
+                           f"longer the model's; call the model, or the module now at {self.path!r}")
+
+
+def retire(sharded: Any, path: str) -> list[weakref.ref[Any]]:
+    """Take a module :func:`install` replaced out of use and out of its reference cycles, so that its tables
+    and optimizer state are freed as soon as nothing else refers to it, not at the next garbage collection:
+    its state_dict hooks are dropped, and each weight's ``_in_backward_optimizers``. A later call of it
+    raises ``RuntimeError``. Returns weak references to the module and every parameter and buffer of it and of
+    its kernels (which hold the tables' storage): all dead once it is freed."""
+    refs: list[weakref.ref[Any]] = [weakref.ref(sharded)]
+    sharded._state_dict_hooks.clear()
+    for top in [sharded, *getattr(sharded, "_lookups", ())]:
+        for m in top.modules():
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+                t.__dict__.pop("_in_backward_optimizers", None)
+                refs.append(weakref.ref(t))
+    sharded.forward = _Replaced(path)
+    return refs
