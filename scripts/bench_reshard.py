@@ -10,7 +10,7 @@ Two local gloo ranks hold ``--tables`` tables of ``--rows`` x ``--dim`` float32 
   plans' blocks), and its peak memory above the larger of the rank's memory before and after it
   (``VmHWM``, reset before the call; glibc told to map every allocation of 128 KiB or more on its own,
   so that resident memory follows what is allocated) against the bound of the largest table's new
-  share on the rank + 64 MiB;
+  share on the rank (its weights and its per-row state, 4 bytes a row) + 64 MiB;
 * the checkpoint round trip to the same plan: ``tdb.checkpoint.save`` of the model and optimizer under the
   old plan, then ``tdb.checkpoint.load`` into a model and optimizer under the new plan (built beforehand,
   not timed), the page cache warm (the save has just written the files);
@@ -25,8 +25,8 @@ in reverse, and column-wise -> table-wise (ours only: TorchRec 1.8's reshard kee
 see ``TORCHREC_ABSENT``). Per move and rank: the time, the bytes sent (ours against the changing blocks'),
 the peak memory above the memory before (both rebuild the sharded module whole: the rank's new share of it),
 the memory after the call less before, and what a ``gc.collect()`` then frees (TorchRec's old module is kept
-by reference cycles until the collector runs; ``tdb.reshard`` breaks them), and a check that every rank holds the planned blocks with the
-values they held before (``torch.equal``; the per-row state of a table whose column blocks join: the mean
+by reference cycles until the collector runs; ``tdb.reshard`` breaks them), and a check that every rank
+holds the planned blocks with the values they held before (``torch.equal``; the per-row state of a table whose column blocks join: the mean
 of theirs, to 1e-6), for each implementation apart, so that both hold the same tables. What
 TorchRec's reshard needs on gloo: every rank hashing strings alike (``PYTHONHASHSEED``, set here before the
 ranks start: its point-to-point tags are Python's ``hash()`` of the table name, and gloo matches tags, so
@@ -219,7 +219,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
                     shutil.rmtree(path, ignore_errors=True)
                 m = _measured(lambda: tdb.reshard(model, dst, optimizers=[opt]))  # ours, in memory
                 assert _same(_sums(model, opt), want), "the reshard changed a value"
-                share = max(sum(s.numel * 4 for s in lay.shards_on(rank)) for lay in dst.values())
+                share = max(sum((s.numel + s.sizes[0]) * 4 for s in lay.shards_on(rank)) for lay in dst.values())
                 steps.append({
                     "rep": rep, "step": f"{CYCLE[i]} -> {CYCLE[i + 1]}", "reshard_s": m["s"],
                     "checkpoint_save_s": t1 - t0,

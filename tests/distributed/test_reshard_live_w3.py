@@ -19,6 +19,8 @@ model and the optimizers as they were (``torch.equal``), and every rank raises.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -451,8 +453,8 @@ def test_a_bad_plan_is_refused_on_every_rank_before_anything_moves(pool, case):
 
 
 def _transfer_fails(rank: int, world: int) -> None:
-    """Rank 1 fails after the third table's blocks arrived: every rank raises, the two tables moved before
-    are moved back, everything is as it was; the next reshard works."""
+    """Rank 1 fails after the third batch of tables arrived: every rank raises, naming the batch's tables;
+    the tables moved before are moved back, one by one; everything is as it was; the next reshard works."""
     from torchrec_dtensor_bridge.resharding import api
 
     model, opt = _job(BEFORE, "fused_rowwise_adagrad")
@@ -461,21 +463,25 @@ def _transfer_fails(rank: int, world: int) -> None:
     before = _snapshot(model, opt)
     params = dict(model.named_parameters())
     real, calls = api.move_pieces, []
+    names = {_key(n) for n in BEFORE}
 
-    def failing(*args, **kwargs):
-        out = real(*args, **kwargs)
-        calls.append(1)
+    def failing(moves, *args, **kwargs):
+        out = real(moves, *args, **kwargs)
+        calls.append(sorted({m.dst_layout.name for m in moves} & names))
         if rank == 1 and len(calls) == 3:
             raise RuntimeError("injected: a block did not arrive")
         return out
 
     api.move_pieces = failing
     try:
-        expect_raises(RuntimeError, "table 'embedding_bags.c.weight': RuntimeError: injected",
-                      lambda: tdb.reshard(model, _plan(AFTER), optimizers=[opt]))
+        with pytest.raises(RuntimeError, match="injected") as caught:
+            tdb.reshard(model, _plan(AFTER), optimizers=[opt])
     finally:
         api.move_pieces = real
-    assert len(calls) == 3 + 2, "three tables moved (the third failing on rank 1), two moved back"
+    assert len(calls) > 3 and all(calls), calls
+    moved, failed, back = calls[:2], calls[2], calls[3:]
+    assert all(repr(n) in str(caught.value) for n in failed), (failed, str(caught.value))
+    assert back == [[n] for batch in reversed(moved) for n in reversed(batch)], ("moved back one by one", calls)
     assert all(p is params[k] for k, p in model.named_parameters()), "a table was swapped"
     _assert_equal(_snapshot(model, opt), before, "after the failed transfer")
     _step(model, opt, 2, rank)
@@ -499,12 +505,26 @@ def _status(field: str) -> int:
     raise KeyError(field)
 
 
-def _peak_growth(rank: int, world: int, staging: int) -> tuple[int, int]:
-    """Six 8 MiB tables, row-wise on ranks 0 and 1, moved column-wise onto ranks 1 and 0 (every element but
-    a quarter changes rank, every piece sent is a column half of rows: through buffers): each rank's peak
-    memory above the larger of its memory before and after, and the bound: its largest new share of a
-    table + the staging bytes. glibc is told to map every allocation of 128 KiB or more on its own, so that
-    resident memory follows what is allocated."""
+def _peak_moves(case: str) -> tuple[tuple[int, int], int, Any, Any]:
+    """``(table shape, tables, layout before, layout after)`` of each memory case: six 8 MiB tables
+    row-wise on ranks 0 and 1 moved column-wise onto ranks 1 and 0 (every element but a quarter changes rank,
+    every piece sent is a column half of rows: through buffers); four 16 MiB tables, table-wise on ranks 0
+    and 1 in turn, moved row-wise, 30 % on rank 0 and 70 % on rank 1 (in the order given, rank 1 would hold
+    the old storage of its last table and the new blocks of the others: 5 MiB past its bound)."""
+    if case == "rows_to_columns":
+        return BIG, BIG_TABLES, lambda i: ShardLayout.row_wise(BIG, [BIG[0] // 2] * 2), \
+            lambda i: ShardLayout.column_wise(BIG, [BIG[1] // 2] * 2, ranks=[1, 0])
+    shape = (2 * BIG[0], BIG[1])
+    cut = shape[0] * 3 // 10
+    return shape, 4, lambda i: ShardLayout.table_wise(shape, i % 2), \
+        lambda i: ShardLayout.row_wise(shape, [cut, shape[0] - cut, 0])
+
+
+def _peak_growth(rank: int, world: int, staging: int, case: str) -> tuple[int, int]:
+    """Each rank's peak memory above the larger of its memory before and after a reshard of
+    :func:`_peak_moves`'s ``case``, and the bound: its largest new share of a table + the staging bytes.
+    glibc is told to map every allocation of 128 KiB or more on its own, so that resident memory follows
+    what is allocated."""
     import ctypes
 
     import torch.nn as nn
@@ -512,34 +532,35 @@ def _peak_growth(rank: int, world: int, staging: int) -> tuple[int, int]:
     from torchrec_dtensor_bridge.resharding import api
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: fixed, freed blocks unmapped
+    shape, tables, before, after = _peak_moves(case)
     model = nn.Module()
-    for i in range(BIG_TABLES):
-        model.add_module(f"t{i}", nn.EmbeddingBag(*BIG, mode="sum"))
-    before = ShardLayout.row_wise(BIG, [BIG[0] // 2] * 2)
-    tdb.shard_module(model, {f"t{i}.weight": before for i in range(BIG_TABLES)}, world_mesh("cpu"))
-    opt = tdb.FusedOptimizer({f"t{i}": getattr(model, f"t{i}").weight for i in range(BIG_TABLES)},
+    for i in range(tables):
+        model.add_module(f"t{i}", nn.EmbeddingBag(*shape, mode="sum"))
+    tdb.shard_module(model, {f"t{i}.weight": before(i) for i in range(tables)}, world_mesh("cpu"))
+    opt = tdb.FusedOptimizer({f"t{i}": getattr(model, f"t{i}").weight for i in range(tables)},
                              "rowwise_adagrad", lr=0.1)
-    after = ShardLayout.column_wise(BIG, [BIG[1] // 2] * 2, ranks=[1, 0])
-    sums = [float(tdb.full_tensor(getattr(model, f"t{i}").weight).double().sum()) for i in range(BIG_TABLES)]
+    sums = [float(tdb.full_tensor(getattr(model, f"t{i}").weight).double().sum()) for i in range(tables)]
     real, api.STAGING_BYTES = api.STAGING_BYTES, staging
     try:
         dist.barrier()
         rss = _status("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS
-        tdb.reshard(model, {f"t{i}.weight": after for i in range(BIG_TABLES)}, optimizers=[opt])
+        tdb.reshard(model, {f"t{i}.weight": after(i) for i in range(tables)}, optimizers=[opt])
         peak = _status("VmHWM") - max(rss, _status("VmRSS"))
     finally:
         api.STAGING_BYTES = real
-    for i in range(BIG_TABLES):
+    for i in range(tables):
         assert float(tdb.full_tensor(getattr(model, f"t{i}").weight).double().sum()) == sums[i], i
-    share = max((s.numel * 4 for s in after.shards_on(rank)), default=0)
+    share = max(sum(s.numel * 4 for s in after(i).shards_on(rank)) for i in range(tables))
     return peak, share + staging
 
 
-def test_peak_memory_grows_by_one_tables_new_share_and_the_staging_bytes(pool):
-    """Every table's new share at once would be 24 MiB above the steady state on ranks 0 and 1; one table at
-    a time is 4 MiB, plus the buffers of the pieces (1 MiB here), plus 2 MiB of slack."""
-    for rank, (peak, bound) in enumerate(pool.run(_peak_growth, 1 << 20)):
+@pytest.mark.parametrize("case", ["rows_to_columns", "tables_to_uneven_rows"])
+def test_peak_memory_grows_by_one_tables_new_share_and_the_staging_bytes(pool, case):
+    """Every table's new share at once would be 24 MiB above the steady state on ranks 0 and 1 (rows to
+    columns); one table at a time is 4 MiB, plus the buffers of the pieces (1 MiB here), plus 2 MiB of
+    slack. Tables to uneven rows: the tables that free memory on rank 1 move before those that fill it."""
+    for rank, (peak, bound) in enumerate(pool.run(_peak_growth, 1 << 20, case)):
         assert peak <= bound + (2 << 20), f"rank {rank}: {peak / 2**20:.1f} MiB above the steady state, bound " \
                                           f"{bound / 2**20:.1f} MiB + 2 MiB"

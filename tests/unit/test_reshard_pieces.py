@@ -54,19 +54,28 @@ def test_pieces_fill_every_new_block_once_and_move_only_what_changes_rank(src, d
         assert bool((f == 1).all()), (s, f)
 
 
+def _per_rank(batch) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for m, p in batch:
+        for r, c in _staged(m, p).items():
+            out[r] = out.get(r, 0) + c
+    return out
+
+
+def _named(layout: ShardLayout, name: str = "t") -> ShardLayout:
+    return ShardLayout(layout.global_shape, layout.shards, torch.float32, name)
+
+
 @pytest.mark.parametrize("budget", [None, 4 * 8, 4 * 20, 4 * 1000])
 def test_rounds_keep_their_buffers_within_the_budget_and_cover_every_moving_element(budget):
-    old, new = LAYOUTS["row_wise"], ShardLayout.column_wise(SHAPE, [3, 5], ranks=[2, 0]).with_name("t")
-    old = ShardLayout(old.global_shape, old.shards, torch.float32, "t")
-    new = ShardLayout(new.global_shape, new.shards, torch.float32, "t")
+    old, new = _named(LAYOUTS["row_wise"]), _named(ShardLayout.column_wise(SHAPE, [3, 5], ranks=[2, 0]))
     move = Move(pieces(old, new), old, [], new, [])
     rounds = _rounds([move], budget)
-    per_row = max(_staged(move, p) // p.sizes[0] for p in move.pieces)
+    per_row = max(max(_staged(move, p).values(), default=0) // p.sizes[0] for p in move.pieces)
     covered = torch.zeros(SHAPE, dtype=torch.int64)
     for batch in rounds:
         assert batch
-        cost = sum(_staged(m, p) for m, p in batch)
-        assert budget is None or cost <= max(budget, per_row), (budget, cost)
+        assert budget is None or max(_per_rank(batch).values(), default=0) <= max(budget, per_row), budget
         for _, p in batch:
             covered[p.offsets[0]:p.offsets[0] + p.sizes[0], p.offsets[1]:p.offsets[1] + p.sizes[1]] += 1
     want = torch.zeros(SHAPE, dtype=torch.int64)
@@ -75,3 +84,17 @@ def test_rounds_keep_their_buffers_within_the_budget_and_cover_every_moving_elem
             want[p.offsets[0]:p.offsets[0] + p.sizes[0], p.offsets[1]:p.offsets[1] + p.sizes[1]] += 1
     assert torch.equal(covered, want)
     assert (len(rounds) == 1) == (budget is None or budget >= 4 * 1000)
+
+
+def test_one_round_carries_pieces_both_ways_each_rank_within_the_budget():
+    """Two column-cut tables going table-wise, one to each rank: each rank receives one table's other half
+    through a buffer; a budget of one half a rank fits both halves in one round (one on each rank), where a
+    budget counted over both ranks would need two."""
+    cut = _named(ShardLayout.column_wise(SHAPE, [4, 4], ranks=[0, 1]))
+    moves = [Move(pieces(cut, _named(ShardLayout.table_wise(SHAPE, r))), cut, [], _named(
+        ShardLayout.table_wise(SHAPE, r)), []) for r in (0, 1)]
+    half = SHAPE[0] * 4 * 4
+    rounds = _rounds(moves, half)
+    assert len(rounds) == 1 and _per_rank(rounds[0]) == {0: half, 1: half}
+    quarter = _rounds(moves, half // 2)  # each half cut in two: two rounds, each with a quarter on each rank
+    assert [_per_rank(r) for r in quarter] == [{0: half // 2, 1: half // 2}] * 2

@@ -10,7 +10,7 @@ In the order a caller uses it:
    destination block with a distinct source block, the same list on every rank. A destination
    block whose rank holds a copy of the source box takes it from there (a local copy);
 2. :func:`move_pieces` - the pieces of any number of tensors (a table and its optimizer states):
-   local copies, then sends and receives in ``batch_isend_irecv`` rounds (straight from the
+   local copies while the first round travels, sends and receives in ``batch_isend_irecv`` rounds (straight from the
    source and into the destination where the piece is contiguous, else through buffers whose
    bytes a round may bound); returns the bytes this rank sent;
 3. :func:`copy_into` - both for one tensor, with its shape and dtype checked first.
@@ -140,17 +140,23 @@ def _itemsize(m: Move) -> int:
     return dtype.itemsize if dtype is not None else 4
 
 
-def _staged(m: Move, p: Piece) -> int:
-    """The bytes of buffers a piece costs its two ranks: a copy where it is not contiguous in its source
-    block, a receiving buffer where it is not contiguous in its destination block."""
-    copies = (not _contiguous_in(m.src_layout.shards[p.src], p.offsets, p.sizes)) + (
-        not _contiguous_in(m.dst_layout.shards[p.dst], p.offsets, p.sizes))
-    return copies * p.numel * _itemsize(m)
+def _staged(m: Move, p: Piece) -> dict[int, int]:
+    """The bytes of buffers a piece costs each of its two ranks: a copy on the sending rank where it is not
+    contiguous in its source block, a receiving buffer on the other where it is not contiguous in its
+    destination block."""
+    nbytes = p.numel * _itemsize(m)
+    cost: dict[int, int] = {}
+    if not _contiguous_in(m.src_layout.shards[p.src], p.offsets, p.sizes):
+        cost[p.src_rank] = nbytes
+    if not _contiguous_in(m.dst_layout.shards[p.dst], p.offsets, p.sizes):
+        cost[p.dst_rank] = cost.get(p.dst_rank, 0) + nbytes
+    return cost
 
 
 def _split(m: Move, p: Piece, budget: int) -> list[Piece]:
-    """``p`` cut along dim 0 into pieces whose buffers fit in ``budget`` bytes (one row at least)."""
-    per_row = _staged(m, p) // max(p.sizes[0], 1)
+    """``p`` cut along dim 0 into pieces whose buffers fit in ``budget`` bytes on each rank (one row at
+    least)."""
+    per_row = max(_staged(m, p).values(), default=0) // max(p.sizes[0], 1)
     if not per_row or per_row * p.sizes[0] <= budget:
         return [p]
     rows = max(1, budget // per_row)
@@ -160,22 +166,97 @@ def _split(m: Move, p: Piece, budget: int) -> list[Piece]:
 
 
 def _rounds(moves: Sequence[Move], budget: int | None) -> list[list[tuple[Move, Piece]]]:
-    """The travelling pieces in rounds whose buffers together fit in ``budget`` bytes (``None``: one round),
-    from the layouts alone: the same rounds on every rank, so every round's sends and receives pair up."""
-    rounds: list[list[tuple[Move, Piece]]] = [[]]
-    used = 0
-    for m in moves:
-        for whole in m.pieces:
-            if not whole.moves:
-                continue
-            for p in [whole] if budget is None else _split(m, whole, budget):
-                cost = 0 if budget is None else _staged(m, p)
-                if rounds[-1] and budget is not None and used + cost > budget:
-                    rounds.append([])
-                    used = 0
-                rounds[-1].append((m, p))
-                used += cost
-    return [r for r in rounds if r]
+    """The travelling pieces in rounds whose buffers fit in ``budget`` bytes on every rank (``None``: one
+    round), each piece in the first round with room on both its ranks (so that one round carries pieces
+    between other pairs of ranks, and both ways), from the layouts alone: the same rounds on every rank,
+    so every round's sends and receives pair up."""
+    travelling = [(m, p) for m in moves for p in m.pieces if p.moves]
+    if budget is None:
+        return [travelling] if travelling else []
+    rounds: list[list[tuple[Move, Piece]]] = []
+    used: list[dict[int, int]] = []
+    for m, whole in travelling:
+        for p in _split(m, whole, budget):
+            cost = _staged(m, p)
+            k = next((k for k, u in enumerate(used) if all(u.get(r, 0) + c <= budget for r, c in cost.items())),
+                     None)
+            if k is None:
+                rounds.append([])
+                used.append({})
+                k = len(rounds) - 1
+            rounds[k].append((m, p))
+            for r, c in cost.items():
+                used[k][r] = used[k].get(r, 0) + c
+    return rounds
+
+
+class _Arena:
+    """The buffers of one call of :func:`move_pieces`: one allocation per device, sized for the largest round
+    on this rank and reused round after round (a fresh buffer a round would be mapped and faulted in anew)."""
+
+    ALIGN = 64
+
+    def __init__(self, rounds: Sequence[Sequence[tuple[str, torch.Tensor, int]]]) -> None:
+        need: dict[torch.device, int] = {}
+        for ends in rounds:
+            used: dict[torch.device, int] = {}
+            for _, view, _ in ends:
+                if not view.is_contiguous():
+                    used[view.device] = used.get(view.device, 0) + self._aligned(view)
+            for device, n in used.items():
+                need[device] = max(need.get(device, 0), n)
+        self._buffers = {d: torch.empty(n, dtype=torch.uint8, device=d) for d, n in need.items()}
+        self._at: dict[torch.device, int] = {}
+
+    def _aligned(self, view: torch.Tensor) -> int:
+        n = view.numel() * view.element_size()
+        return -(-n // self.ALIGN) * self.ALIGN
+
+    def reset(self) -> None:
+        """The next round's buffers start again at the arena's beginning."""
+        self._at.clear()
+
+    def like(self, view: torch.Tensor) -> torch.Tensor:
+        """A contiguous buffer of ``view``'s sizes and dtype, carved from the arena."""
+        at = self._at.get(view.device, 0)
+        self._at[view.device] = at + self._aligned(view)
+        nbytes = view.numel() * view.element_size()
+        return self._buffers[view.device][at:at + nbytes].view(view.dtype).view(view.shape)
+
+
+def _ends(batch: Sequence[tuple[Move, Piece]], which: dict[int, int], src: list[dict[int, torch.Tensor]],
+          dst: list[dict[int, torch.Tensor]], me: int) -> list[tuple[str, torch.Tensor, int]]:
+    """This rank's side of each travelling piece of a round: ``("send" | "recv", its view, the peer)``."""
+    out = []
+    for m, p in batch:
+        i = which[id(m)]
+        if p.src_rank == me:
+            out.append(("send", _view(src[i][p.src], m.src_layout.shards[p.src], p.offsets, p.sizes), p.dst_rank))
+        elif p.dst_rank == me:
+            out.append(("recv", _view(dst[i][p.dst], m.dst_layout.shards[p.dst], p.offsets, p.sizes), p.src_rank))
+    return out
+
+
+def _post(ends: Sequence[tuple[str, torch.Tensor, int]], arena: _Arena, group: dist.ProcessGroup | None
+          ) -> tuple[list[dist.Work], list[tuple[torch.Tensor, torch.Tensor]], int]:
+    """Start one round's sends and receives; returns its works, the (view, buffer) pairs to copy out once
+    they are done, and the bytes sent."""
+    arena.reset()
+    ops: list[dist.P2POp] = []
+    later: list[tuple[torch.Tensor, torch.Tensor]] = []
+    sent = 0
+    for kind, view, peer in ends:
+        buf = view if view.is_contiguous() else arena.like(view)
+        if kind == "send":
+            if buf is not view:
+                buf.copy_(view)
+            ops.append(dist.P2POp(dist.isend, buf, peer, group))
+            sent += buf.numel() * buf.element_size()
+        else:
+            ops.append(dist.P2POp(dist.irecv, buf, peer, group))
+            if buf is not view:
+                later.append((view, buf))
+    return (dist.batch_isend_irecv(ops) if ops else []), later, sent
 
 
 def move_pieces(moves: Sequence[Move], *, group: dist.ProcessGroup | None = None, rank: int | None = None,
@@ -183,10 +264,11 @@ def move_pieces(moves: Sequence[Move], *, group: dist.ProcessGroup | None = None
     """Copy every move's pieces into its destination tensors; *collective* over the ranks of the pieces.
 
     Every rank taking part passes the same moves (the same layouts, in the same order). Pieces that stay
-    on a rank are copied locally; the others travel point to point on ``group`` (peers named by global
-    rank), a contiguous piece straight from its source and into its destination, any other through a
-    buffer. With ``staging_bytes`` they go in rounds (one ``batch_isend_irecv`` each) whose buffers take
-    at most that many bytes on any rank, a piece cut by rows where it needs more; without, in one batch.
+    on a rank are copied locally while the first round of the others travels point to point on ``group``
+    (peers named by global rank), a contiguous piece straight from its source and into its destination,
+    any other through a buffer. With ``staging_bytes`` they go in rounds (one ``batch_isend_irecv`` each)
+    whose buffers take at most that many bytes on any rank (one allocation, reused by every round), a
+    piece cut by rows where it needs more; without, in one batch.
 
     Returns:
         The bytes this rank sent.
@@ -195,32 +277,22 @@ def move_pieces(moves: Sequence[Move], *, group: dist.ProcessGroup | None = None
     src = [_by_index(m.src_layout, m.src_local, me) for m in moves]
     dst = [_by_index(m.dst_layout, m.dst_local, me) for m in moves]
     which = {id(m): i for i, m in enumerate(moves)}
-    for i, m in enumerate(moves):
+    rounds = [_ends(batch, which, src, dst, me) for batch in _rounds(moves, staging_bytes)]
+    arena = _Arena(rounds)
+    pending = _post(rounds[0], arena, group) if rounds else None
+    for i, m in enumerate(moves):  # the local copies, while the first round travels
         for p in m.pieces:
             if p.src_rank == me and p.dst_rank == me:
                 _view(dst[i][p.dst], m.dst_layout.shards[p.dst], p.offsets, p.sizes).copy_(
                     _view(src[i][p.src], m.src_layout.shards[p.src], p.offsets, p.sizes))
     sent = 0
-    for batch in _rounds(moves, staging_bytes):
-        ops: list[dist.P2POp] = []
-        later: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for m, p in batch:
-            i = which[id(m)]
-            if p.src_rank == me:
-                part = _view(src[i][p.src], m.src_layout.shards[p.src], p.offsets, p.sizes).contiguous()
-                ops.append(dist.P2POp(dist.isend, part, p.dst_rank, group))
-                sent += part.numel() * part.element_size()
-            elif p.dst_rank == me:
-                into = _view(dst[i][p.dst], m.dst_layout.shards[p.dst], p.offsets, p.sizes)
-                buf = into if into.is_contiguous() else torch.empty(p.sizes, dtype=into.dtype, device=into.device)
-                ops.append(dist.P2POp(dist.irecv, buf, p.src_rank, group))
-                if buf is not into:
-                    later.append((into, buf))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+    for k, ends in enumerate(rounds):
+        works, later, n = pending if k == 0 and pending is not None else _post(ends, arena, group)
+        for work in works:
+            work.wait()
         for into, buf in later:
             into.copy_(buf)
+        sent += n
     return sent
 
 

@@ -66,22 +66,81 @@ def _prepare(table: Table, optimizers: Sequence[Optimizer], group: CommGroup, ra
     return _Step(table, moves + state_moves, commit)
 
 
-def _move(table: Table, optimizers: Sequence[Optimizer], group: CommGroup, rank: int) -> None:
-    """Move one table and its optimizer state to its target layout, in use once every rank has its blocks;
-    *collective*. Raises on every rank, the table as it was, when a rank could not allocate or receive."""
-    problem, step = None, None
-    try:
-        step = _prepare(table, optimizers, group, rank)
-    except Exception as e:  # noqa: BLE001 - shared with every rank, which all raise
-        problem = _failure(f"allocating the new blocks of table {table.name!r}", e)
+def _move(batch: Sequence[Table], optimizers: Sequence[Optimizer], group: CommGroup, rank: int) -> None:
+    """Move a batch of tables and their optimizer state to their target layouts, in use once every rank has
+    its blocks of all of them; *collective*. Raises on every rank, the tables as they were, when a rank
+    could not allocate or receive."""
+    problem, steps = None, []
+    for table in batch:
+        try:
+            steps.append(_prepare(table, optimizers, group, rank))
+        except Exception as e:  # noqa: BLE001 - shared with every rank, which all raise
+            problem = _failure(f"allocating the new blocks of table {table.name!r}", e)
+            steps = []
+            break
     agree(WHAT, problem, [], group, refused="could not allocate its new blocks")
-    assert step is not None, "every rank allocated (agreed)"
     try:
-        move_pieces(step.moves, group=group.group, rank=rank, staging_bytes=STAGING_BYTES)
+        move_pieces([m for step in steps for m in step.moves], group=group.group, rank=rank,
+                    staging_bytes=STAGING_BYTES)
     except Exception as e:  # noqa: BLE001 - every rank takes part in the move, then all raise
-        problem = _failure(f"moving table {table.name!r}", e)
+        names = ", ".join(repr(t.name) for t in batch)
+        problem = _failure(f"moving table{'s' if len(batch) > 1 else ''} {names}", e)
     agree(WHAT, problem, [], group, refused="did not receive all its new blocks")
-    step.commit()
+    for step in steps:
+        step.commit()
+
+
+def _bytes_on(layout: ShardLayout, members: Sequence[int]) -> list[int]:
+    """The bytes of ``layout``'s blocks on each rank of ``members``."""
+    size = layout.dtype.itemsize if layout.dtype is not None else 4
+    per = dict.fromkeys(members, 0)
+    for s in layout.shards:
+        per[s.rank] += s.numel * size
+    return [per[r] for r in members]
+
+
+def schedule(tables: Sequence[Table], members: Sequence[int]) -> list[list[Table]]:
+    """The changing tables in the batches they move in, in order: from the layouts alone, so the same on
+    every rank.
+
+    A rank's memory while a batch moves is what it holds before the batch plus the batch's new blocks on
+    it (the old ones are freed once the batch is in use). Each rank's bound is the larger of its memory
+    before and after the whole reshard, plus its largest new share of one table. Greedily: the next batch
+    starts with the table that keeps the worst rank furthest under its bound once moved (a table that frees
+    memory on the rank where it is tightest goes first), and takes in, in that order, every further table
+    with which no rank passes its bound: tables whose new blocks are on different ranks move together,
+    each rank filling its own at once. A table alone in its batch may pass the bound where no order avoids
+    it.
+    """
+    moving = [t for t in tables if t.changes]
+    new = [_bytes_on(t.target, members) for t in moving]
+    delta = [[n - o for n, o in zip(nb, _bytes_on(t.layout, members))] for t, nb in zip(moving, new)]
+    ranks = range(len(members))
+    target = [max(0, sum(d[r] for d in delta)) for r in ranks]
+    bound = [target[r] + max((n[r] for n in new), default=0) for r in ranks]
+    held = [0] * len(members)
+    left = list(range(len(moving)))
+    batches: list[list[Table]] = []
+    while left:
+        def after(i: int) -> int:  # the worst rank's memory after table i, against where it ends
+            return max(held[r] + delta[i][r] - target[r] for r in ranks)
+
+        order = sorted(left, key=lambda i: (after(i), i))
+        peak = list(held)
+        batch: list[int] = []
+        for i in order:
+            if batch and any(peak[r] + new[i][r] > bound[r] for r in ranks):
+                continue
+            batch.append(i)
+            for r in ranks:
+                peak[r] += new[i][r]
+        batch.sort()
+        for i in batch:
+            left.remove(i)
+            for r in ranks:
+                held[r] += delta[i][r]
+        batches.append([moving[i] for i in batch])
+    return batches
 
 
 def _back(table: Table) -> Table:
@@ -116,18 +175,21 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
     1. check the plan against the model (names, shapes, dtypes, ranks, coverage) and the optimizers
        against the tables, and agree on the verdict and the plan (one ``all_gather``): on any problem
        every rank raises before anything is allocated;
-    2. table by table: allocate the table's new storage - weight, gradient, optimizer state - and agree
-       that every rank could; move into it only what changes owner: each overlap of an old block with a
-       new block travels from the rank holding it to the rank taking it, point to point on the tables'
-       group (weights and states together, pieces that are not contiguous through buffers of at most
-       :data:`STAGING_BYTES`), blocks that stay on their rank copied locally; agree that every rank has
-       all its new blocks, and only then put them in use: the table's parameter - the same object,
-       which the module and the optimizers keep referring to - holds the new storage, and so do its
-       gradient and each ``torch.optim`` state shaped like it (single values such as ``step`` kept);
-       each :class:`~torchrec_dtensor_bridge.FusedOptimizer` holding the table updates it with the moved
-       state. The table's old storage is freed then, so a rank's memory grows by one table's new share
-       (and the buffers) at most. If a rank fails to allocate or receive, every rank raises, after the
-       tables already moved have been moved back.
+    2. batch by batch (:func:`schedule`: one table, or several whose new blocks are on different ranks,
+       ordered so that the tables freeing memory where it is tightest go first): allocate the tables'
+       new storage - weight, gradient, optimizer state - and agree that every rank could; move into it
+       only what changes owner: each overlap of an old block with a new block travels from the rank
+       holding it to the rank taking it, point to point on the tables' group (weights and states
+       together, pieces that are not contiguous through buffers of at most :data:`STAGING_BYTES` a
+       rank), blocks that stay on their rank copied locally while the first pieces travel; agree that
+       every rank has all its new blocks, and only then put them in use: each table's parameter - the
+       same object, which the module and the optimizers keep referring to - holds the new storage, and
+       so do its gradient and each ``torch.optim`` state shaped like it (single values such as ``step``
+       kept); each :class:`~torchrec_dtensor_bridge.FusedOptimizer` holding the table updates it with
+       the moved state. The old storage is freed then, so a rank's memory grows by its largest new share
+       of one table (and the buffers) above the larger of its memory before and after the call, wherever
+       an order of the tables allows it. If a rank fails to allocate or receive, every rank raises, after
+       the tables already moved have been moved back (one by one).
 
     A DMP's sharded module whose plan changes is built anew by the DMP's own sharder (which allocates
     all its tables at once), takes its tables and fused optimizer state from the old one the same way,
@@ -206,10 +268,9 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
     check_same(WHAT, "the number of optimizers", [r[1] for r in rows])
     done: list[Table] = []
     try:
-        for table in tables:
-            if table.changes:
-                _move(table, opts, group, rank)  # the old storage goes once nothing refers to it
-                done.append(table)
+        for batch in schedule(tables, group.members):
+            _move(batch, opts, group, rank)  # the old storage goes once nothing refers to it
+            done.extend(batch)
     except Exception as error:
         _move_back(done, opts, group, rank, error)
         raise
@@ -221,7 +282,7 @@ def _move_back(done: list[Table], optimizers: Sequence[Optimizer], group: CommGr
     """After a failed move, every table moved before it goes back to its old layout (*collective*)."""
     try:
         for table in reversed(done):
-            _move(_back(table), optimizers, group, rank)
+            _move([_back(table)], optimizers, group, rank)
     except Exception as e:
         raise RuntimeError(f"{WHAT}: {error}; moving the tables already moved back failed too ({e}): "
                            f"{[t.name for t in done]} may be under the new plan") from error

@@ -304,14 +304,15 @@ def _replace(dmp: Any, plan: object, split_row_states: bool) -> list[Any]:
     except Exception as e:  # noqa: BLE001 - shared with every rank, which all raise
         problem = _failure("building the new sharded modules", e)
     _agreed(problem, group, modules, "could not build its new sharded modules")
-    for m in modules:
-        for name, moves, finish in m.moves:
-            try:
-                move_pieces(moves, group=group.group, rank=rank, staging_bytes=STAGING_BYTES)
+    for m in modules:  # all of a module's tables at once: the new module holds them all anyway
+        try:
+            move_pieces([x for _, moves, _ in m.moves for x in moves], group=group.group, rank=rank,
+                        staging_bytes=STAGING_BYTES)
+            for _, _, finish in m.moves:
                 for f in finish:
                     f()
-            except Exception as e:  # noqa: BLE001 - every rank takes part in every table's move, then all raise
-                problem = problem or _failure(f"moving table {m.path}.{name}", e)
+        except Exception as e:  # noqa: BLE001 - every rank takes part in every module's move, then all raise
+            problem = problem or _failure(f"moving the tables of {m.path} ({', '.join(n for n, _, _ in m.moves)})", e)
     _agreed(problem, group, modules, "did not receive all its new blocks")
     with torch.no_grad():
         for m, values in zip(modules, saved):
@@ -325,7 +326,8 @@ def reshard_dmp(dmp: Any, plan: object, *, split_row_states: bool = False) -> An
 
     1. Check the plan against the model on every rank, and agree on the verdict (*collective*).
     2. Build each changed sharded module afresh under the plan, and plan its tables' moves.
-    3. Move each table's blocks and fused optimizer state (*collective*), then agree that every rank has all.
+    3. Move every table's blocks and fused optimizer state, a module's tables together (*collective*), then agree
+       that every rank has all.
     4. Install the new modules; retire the old ones, so that their tables are freed when this returns.
     """
     retired = _replace(dmp, plan, split_row_states)
