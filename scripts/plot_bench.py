@@ -244,7 +244,8 @@ def plot_reshard(res: dict, dmp: dict | None, out: Path) -> Path:
             axes[1].bar([x], r["peak_growth_bytes"] / 2**20, 0.4, color="tab:blue", edgecolor="k", linewidth=0.3,
                         label="peak growth" if j == 0 and r["rank"] == 0 else None)
             axes[1].plot([x - 0.2, x + 0.2], [r["bound_bytes"] / 2**20] * 2, color="tab:red",
-                         label="bound (new share of the largest table + 64 MiB)" if j == 0 and r["rank"] == 0 else None)
+                         label=("bound (largest new share of a table, weights + row state, + 64 MiB)"
+                                if j == 0 and r["rank"] == 0 else None))
     short = [n.replace("_", " ").replace(" -> ", "\n-> ") for n in names]
     axes[0].set_xticks(range(len(names)), short, fontsize=7)
     axes[0].set_ylabel("seconds (median)")
