@@ -5,6 +5,7 @@ by ``torch.optim.Adam``, trains 4 steps under ``BEFORE``, is resharded in memory
 changes sharding type: row-wise -> table-wise, table-wise -> table-row-wise, column-wise -> table-column-wise
 with the column blocks on other ranks, table-row-wise -> table-wise), trains 4 steps, is resharded to
 ``LAST`` (the table-column-wise table onto one rank: its per-block row states combined) and trains 2 more.
+The same job with fp16 tables (their row-wise state fp32) is resharded once, ``BEFORE`` -> ``AFTER``.
 A sequence model holds a TorchRec ``EmbeddingCollection`` (alone, and beside an ``EmbeddingBagCollection``
 in the same DMP), sharded by ``EmbeddingCollectionSharder`` with the same fused row-wise Adagrad, and is
 resharded so that every sequence table changes sharding type among the three a sharded one is built with
@@ -66,8 +67,10 @@ def _fused(gen):
     return make
 
 
-def _module_plan(kinds: dict[str, tuple], world: int, *, rows: dict[str, int] = TABLES, seq: bool = False):
-    """The plan of an ``EmbeddingBagCollection`` (an ``EmbeddingCollection`` if ``seq``) of tables ``rows``."""
+def _module_plan(kinds: dict[str, tuple], world: int, *, rows: dict[str, int] = TABLES, seq: bool = False,
+                 half: bool = False):
+    """The plan of an ``EmbeddingBagCollection`` (an ``EmbeddingCollection`` if ``seq``) of tables ``rows``
+    (fp16 if ``half``)."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
     from torchrec.distributed import sharding_plan as sp
 
@@ -84,11 +87,17 @@ def _module_plan(kinds: dict[str, tuple], world: int, *, rows: dict[str, int] = 
             "table_row_wise": lambda: _fused(sp.table_row_wise(host_index=0)),
             "table_column_wise": table_column_wise}
     cls, config = (EmbeddingCollection, EmbeddingConfig) if seq else (EmbeddingBagCollection, EmbeddingBagConfig)
-    module = cls(tables=[config(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f"f_{n}"])
-                         for n, r in rows.items()], device=torch.device("meta"))
+    module = cls(tables=[config(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f"f_{n}"],
+                                data_type=_data_type(half)) for n, r in rows.items()], device=torch.device("meta"))
     per_param = {n: make[kind](*args) for n, (kind, *args) in kinds.items()}
     return sp.construct_module_sharding_plan(module, per_param_sharding=per_param, local_size=world,
                                              world_size=world, device_type="cpu", sharder=_sharder(seq))
+
+
+def _data_type(half: bool):
+    from torchrec import DataType
+
+    return DataType.FP16 if half else DataType.FP32
 
 
 def _sharder(seq: bool = False):
@@ -123,7 +132,7 @@ class _SeqModel(torch.nn.Module):
         return self.over(torch.cat(parts, dim=1))
 
 
-def _dmp(plans: dict[str, dict[str, tuple]], *, ddp: bool = False):
+def _dmp(plans: dict[str, dict[str, tuple]], *, ddp: bool = False, half: bool = False):
     """The job under ``plans`` (module path -> its tables' kinds): the DLRM job if it names ``PATH``, else the
     sequence model (with an ``EmbeddingBagCollection`` if it names ``"ebc"``); without a data-parallel wrapper
     unless ``ddp`` (:func:`_step` averages the dense gradients itself: DDP's buckets lay the gradients out in
@@ -139,8 +148,8 @@ def _dmp(plans: dict[str, dict[str, tuple]], *, ddp: bool = False):
 
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f"f_{n}"])
-                for n, r in TABLES.items()], device=torch.device("meta"))
+        tables=[EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f"f_{n}"],
+                                   data_type=_data_type(half)) for n, r in TABLES.items()], device=torch.device("meta"))
     if PATH in plans:
         model: torch.nn.Module = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
                                       dense_arch_layer_sizes=[5, DIM], over_arch_layer_sizes=[4, 1])
@@ -151,7 +160,7 @@ def _dmp(plans: dict[str, dict[str, tuple]], *, ddp: bool = False):
         model = _SeqModel(ec, ebc if "ebc" in plans else None)
     dmp = DistributedModelParallel(
         model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-        plan=_plan_of(plans), sharders=[_sharder(), _sharder(seq=True)], init_data_parallel=ddp)
+        plan=_plan_of(plans, half=half), sharders=[_sharder(), _sharder(seq=True)], init_data_parallel=ddp)
     for g in dmp.fused_optimizer.param_groups:
         g["lr"] = 0.04  # a hyper-parameter set after the DMP was built: a reshard keeps it
     return dmp, torch.optim.Adam(_dense_params(dmp).values(), lr=0.05)
@@ -194,12 +203,13 @@ def _assert_equal(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[k], v), f"{what}: {k} differs on rank {dist.get_rank()}"
 
 
-def _plan_of(plans: dict[str, dict[str, tuple]], world: int | None = None):
+def _plan_of(plans: dict[str, dict[str, tuple]], world: int | None = None, *, half: bool = False):
     """The ``ShardingPlan`` of ``plans`` (module path -> its tables' kinds) on ``world`` ranks (this group's)."""
     from torchrec.distributed.types import ShardingPlan
 
     world = world or dist.get_world_size()
-    return ShardingPlan({p: _module_plan(kinds, world, rows=TABLES_AT[p], seq=p == "ec") for p, kinds in plans.items()})
+    return ShardingPlan({p: _module_plan(kinds, world, rows=TABLES_AT[p], seq=p == "ec", half=half)
+                         for p, kinds in plans.items()})
 
 
 def _owners(ps) -> torch.Tensor:
@@ -216,9 +226,10 @@ def _cut(ps) -> list[tuple[int, int]]:
     return sorted({(s.shard_offsets[1], s.shard_sizes[1]) for s in ps.sharding_spec.shards})
 
 
-def _changing_bytes(old: dict, new: dict, rank: int) -> int:
-    """The bytes of the weights and row-wise Adagrad states (float32) ``rank`` holds under the plan ``old``
-    (module path -> table -> ``ParameterSharding``) that another rank holds under ``new``. The state keeps a
+def _changing_bytes(old: dict, new: dict, rank: int, weight_bytes: int = 4) -> int:
+    """The bytes of the weights (``weight_bytes`` an element) and row-wise Adagrad states (float32) ``rank``
+    holds under the plan ``old`` (module path -> table -> ``ParameterSharding``) that another rank holds under
+    ``new``. The state keeps a
     value per row and column block; into the same cut a block's values go to the block's new holder, into
     another cut a row's values to every rank holding a block of the row (once, however many it holds)."""
     total = 0
@@ -226,7 +237,7 @@ def _changing_bytes(old: dict, new: dict, rank: int) -> int:
         for t, ps in tables.items():
             before, after = _owners(old[path][t]), _owners(ps)
             cols = [c for c, _ in _cut(old[path][t])]
-            total += 4 * int(((before == rank) & (after != rank)).sum())
+            total += weight_bytes * int(((before == rank) & (after != rank)).sum())
             if _cut(old[path][t]) == _cut(ps):
                 total += 4 * int(((before[:, cols] == rank) & (after[:, cols] != rank)).sum())
                 continue
@@ -238,23 +249,24 @@ def _changing_bytes(old: dict, new: dict, rank: int) -> int:
 
 SCHEDULES = {
     "dlrm": [({PATH: BEFORE}, 4), ({PATH: AFTER}, 4), ({PATH: LAST}, 2)],
+    "dlrm_fp16": [({PATH: BEFORE}, 3), ({PATH: AFTER}, 3)],  # the tables fp16 (their row-wise state fp32)
     "ec": [({"ec": SEQ_BEFORE}, 3), ({"ec": SEQ_AFTER}, 3)],
     "ebc_and_ec": [({"ebc": BEFORE, "ec": SEQ_BEFORE}, 3), ({"ebc": AFTER, "ec": SEQ_AFTER}, 3)],
 }
 
 
 def _live_and_resumed(rank: int, world: int, job: str, path: str) -> None:
-    group, schedule = dist.group.WORLD, SCHEDULES[job]
-    dmp, adam = _dmp(schedule[0][0])
+    group, schedule, half = dist.group.WORLD, SCHEDULES[job], job.endswith("_fp16")
+    dmp, adam = _dmp(schedule[0][0], half=half)
     live, step = [], 0
     for k, (plans, steps) in enumerate(schedule):
         if k:
             before = _snapshot(_state(dmp, adam), group)
-            old, new = {p: dict(v) for p, v in dmp.plan.plan.items()}, _plan_of(plans)
+            old, new = {p: dict(v) for p, v in dmp.plan.plan.items()}, _plan_of(plans, half=half)
             modules = {p: dmp.module.get_submodule(p) for p in plans}
             with _Sends() as sends:
                 assert tdb.reshard(dmp, new) is dmp
-            assert sends.bytes == _changing_bytes(old, new.plan, rank), (sends.bytes, rank, k)
+            assert sends.bytes == _changing_bytes(old, new.plan, rank, 2 if half else 4), (sends.bytes, rank, k)
             _assert_equal(_snapshot(_state(dmp, adam), group), before, f"right after reshard {k}")
             for p, kinds in plans.items():
                 assert {t: ps.sharding_type for t, ps in dmp.plan.plan[p].items()} == {
@@ -265,12 +277,14 @@ def _live_and_resumed(rank: int, world: int, job: str, path: str) -> None:
         live += [_step(dmp, adam, step + s, rank, world) for s in range(steps)]
         step += steps
     final = _snapshot(_state(dmp, adam), group)
-    dmp, adam = _dmp(schedule[0][0])
+    held = [s.tensor.dtype for v in dmp.state_dict().values() if hasattr(v, "local_shards") for s in v.local_shards()]
+    assert held and set(held) == {torch.float16 if half else torch.float32}, (job, rank, set(held))
+    dmp, adam = _dmp(schedule[0][0], half=half)
     resumed, step = [], 0
     for k, (plans, steps) in enumerate(schedule):
         if k:
             tdb.checkpoint.save(_state(dmp, adam), f"{path}-{k}")
-            dmp, adam = _dmp(plans)
+            dmp, adam = _dmp(plans, half=half)
             tdb.checkpoint.load(_state(dmp, adam), f"{path}-{k}")
         resumed += [_step(dmp, adam, step + s, rank, world) for s in range(steps)]
         step += steps
@@ -279,8 +293,9 @@ def _live_and_resumed(rank: int, world: int, job: str, path: str) -> None:
     _assert_equal(final, _snapshot(_state(dmp, adam), group), "at the end")
 
 
-def test_a_dlrm_job_resharded_twice_equals_checkpoint_resumes(pool, tmp_path):
-    pool.run(_live_and_resumed, "dlrm", str(tmp_path / "dlrm"))
+@pytest.mark.parametrize("job", ["dlrm", "dlrm_fp16"])
+def test_a_dlrm_job_resharded_twice_equals_checkpoint_resumes(pool, tmp_path, job):
+    pool.run(_live_and_resumed, job, str(tmp_path / job))
 
 
 @pytest.mark.parametrize("job", ["ec", "ebc_and_ec"])
