@@ -2,7 +2,8 @@
 
 A ``DistributedModelParallel`` keeps what a reshard needs in private attributes (TorchRec 1.8:
 ``_sharder_map``, ``_env``, ``_plan``, ``_optim``, ``_init_optim``, ``_dmp_wrapped_module``). Its fused kernels
-fill their tables with random values when built (``init_parameters``), which :func:`shard_afresh` skips:
+fill their tables with random values when built (``init_parameters``, and the collection's
+``reset_parameters`` through each table config's ``init_fn``), which :func:`shard_afresh` skips:
 every value is then written from the old module. A sharded module holds reference cycles (its
 state_dict hook closes over it; each fused table's weight lists, in ``_in_backward_optimizers``, an optimizer
 holding the weight and the kernel with every table), which :func:`retire` breaks. Its sharded
@@ -125,23 +126,30 @@ def fused_optimizer_kind(dmp: Any, sharded: Any) -> str | None:
     return None if kind is None else str(getattr(kind, "name", kind))
 
 
-def _left_as_allocated(kernel: nn.Module) -> None:
-    """A fused kernel's ``init_parameters`` while :func:`_unfilled` holds: its tables stay as fbgemm allocated
-    them."""
+def _left_as_allocated(value: object) -> None:
+    """A fused kernel's ``init_parameters``, and each table config's ``init_fn``, while :func:`_unfilled`
+    holds: the tables stay as fbgemm allocated them."""
 
 
 @contextmanager
-def _unfilled() -> Iterator[None]:
-    """TorchRec's fused kernels built without the random fill of their tables (a pass of ``uniform_`` over
-    every value, the larger part of building a module). The kernel classes are changed while it holds, so a
-    fused kernel another thread builds meanwhile is left unfilled too."""
+def _unfilled(configs: list[Any]) -> Iterator[None]:
+    """TorchRec's fused kernels built without the random fills of their tables: the kernel's own
+    (``init_parameters``: a pass of ``uniform_`` over every value) and the sharded collection's
+    (``reset_parameters`` calls each table config's ``init_fn``: another pass). Together they are the larger
+    part of building a module. The kernel classes and the config objects (shared with the old module) are
+    changed while it holds, so a fused kernel another thread builds meanwhile is left unfilled too."""
     kernels = fused_kernel_types()
     own = [(cls, cls.__dict__.get("init_parameters")) for cls in kernels]
+    fns = [c.init_fn for c in configs]
     for cls in kernels:
         setattr(cls, "init_parameters", _left_as_allocated)
+    for c in configs:
+        c.init_fn = _left_as_allocated
     try:
         yield
     finally:
+        for c, fn in zip(configs, fns):
+            c.init_fn = fn
         for cls, method in own:
             if method is None:
                 delattr(cls, "init_parameters")
@@ -155,10 +163,10 @@ def shard_afresh(dmp: Any, path: str, sharded: Any, plan: Mapping[str, Any]) -> 
     random state as it was."""
     family, sharder = _family(sharded), _sharder(dmp, sharded)
     flags = {arg: getattr(sharded, attr) for arg, attr in family.flags}
-    unsharded = sharder.module_type(tables=list(getattr(sharded, family.configs)), device=torch.device("meta"),
-                                    **flags)
+    configs = list(getattr(sharded, family.configs))
+    unsharded = sharder.module_type(tables=configs, device=torch.device("meta"), **flags)
     devices = [torch.cuda.current_device()] if dmp.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), _unfilled():
+    with torch.random.fork_rng(devices=devices), _unfilled(configs):
         return sharder.shard(unsharded, dict(plan), dmp._env, dmp.device, path)
 
 
