@@ -360,7 +360,8 @@ def _old_module_freed(rank: int, world: int, job: str) -> None:
     """Right after ``tdb.reshard`` returns, the garbage collector off: the old sharded modules are gone, and
     the storage of their tables and fused optimizer state with them (TorchRec's modules hold reference cycles;
     no collection ran, none is waited for). An old module the caller still holds refuses a call, naming
-    reshard, and the job trains on."""
+    reshard, and the job trains on; the new modules' ``reset_parameters`` fills their tables again (the
+    fills reshard leaves out while it builds them are back)."""
     (first, _), (second, _) = SCHEDULES[job][:2]
     dmp, adam = _dmp(first)
     _step(dmp, adam, 0, rank, world)
@@ -385,6 +386,12 @@ def _old_module_freed(rank: int, world: int, job: str) -> None:
         with pytest.raises(RuntimeError, match=f"replaced by torchrec_dtensor_bridge.reshard.*{p!r}"):
             old(seq if p == "ec" else bags)
     _step(dmp, adam, 1, rank, world)
+    for p in first:  # the tables' init_fn, left out while reshard built the modules, initialises them again
+        module = dmp.module.get_submodule(p)
+        before = {k: [s.tensor.clone() for s in v.local_shards()] for k, v in module.state_dict().items()}
+        module.reset_parameters()
+        after = {k: [s.tensor for s in v.local_shards()] for k, v in module.state_dict().items()}
+        assert all(not torch.equal(a, b) for k in before for a, b in zip(before[k], after[k]) if a.numel()), p
 
 
 @pytest.mark.parametrize("job", ["dlrm", "ebc_and_ec"])
