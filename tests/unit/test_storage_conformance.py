@@ -385,6 +385,42 @@ def test_large_objects_cross_part_and_range_boundaries_byte_exact(where):
         assert (loc / "c").size() is None and "c" not in loc.list()
 
 
+def test_s3_parts_grow_so_that_an_upload_stays_within_its_10000_parts(s3_bucket, monkeypatch):
+    """S3 takes at most 10,000 parts in one upload: parts double in size every ``parts_per_size`` parts (here 2,
+    of 5 MiB first), and the object reads back byte for byte; past the last part allowed the write raises,
+    naming the object, and leaves no object behind."""
+    from torchrec_dtensor_bridge.checkpoint.storage import s3_streams
+
+    loc = locate(f"s3://{s3_bucket}/parts", {"part_bytes": 5 << 20, "max_concurrency": 2})
+    transfers = loc.storage.transfers
+    transfers.parts_per_size = 2
+    sizes: list[int] = []
+    real = transfers.client.upload_part
+
+    def recorded(**kwargs):
+        sizes.append(len(kwargs["Body"]))
+        return real(**kwargs)
+
+    monkeypatch.setattr(transfers.client, "upload_part", recorded)
+    data = torch.randint(0, 256, (37 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    data = data.numpy().tobytes()
+    with (loc / "a").create() as f:
+        for lo in range(0, len(data), 3 << 20):
+            f.write(memoryview(data)[lo:lo + (3 << 20)])
+    assert sizes == [5 << 20, 5 << 20, 10 << 20, 10 << 20, 7 << 20], sizes
+    h = (loc / "a").open_read()
+    try:
+        buf = bytearray(len(data))
+        assert h.readinto(memoryview(buf), 0) == len(data) and buf == data
+    finally:
+        h.close()
+    monkeypatch.setattr(s3_streams, "MAX_PARTS", 3)
+    with pytest.raises(ValueError, match=r"s3://.*/parts/b: more than \d+ bytes need more than S3's 3 parts"):
+        with (loc / "b").create() as f:
+            f.write(data)
+    assert (loc / "b").size() is None
+
+
 def test_s3_readers_keep_a_superseded_generation_for_the_grace_period_and_past_it_fail_cleanly(s3_bucket):
     """S3 has no reader locks: a generation superseded by a newer commit stays for ``grace_seconds`` (the
     next save and ``gc`` leave it), so a reader that opened it goes on reading the same bytes; a reader that

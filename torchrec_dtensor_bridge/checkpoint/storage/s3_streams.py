@@ -13,30 +13,45 @@ from .base import Handle
 __all__ = ["Reader", "Transfers", "Upload"]
 
 _PIECE = 16 << 20  # bytes a ranged read fetches per request when it splits a large range
+MAX_PARTS = 10_000  # S3's most parts in one multipart upload
+MAX_PART_BYTES = 5 << 30  # S3's largest part
 
 
 class Transfers:
     """What the streams of one bucket share: its boto3 client, a thread pool for parts and ranges in flight,
-    the part size, and the part buffers uploads reuse."""
+    the part sizes, and the part buffers uploads reuse.
 
-    def __init__(self, client: Any, bucket: str, part_bytes: int, max_concurrency: int) -> None:
+    An upload's parts are ``part_bytes`` for the first ``parts_per_size`` parts and double every
+    ``parts_per_size`` parts after (at most 5 GiB a part): S3 takes at most 10,000 parts in one upload, and an
+    upload does not know its object's size beforehand. With the defaults (32 MiB, 1,000) the first 31 GiB of an
+    object go in parts of 32 MiB and 10,000 parts hold 7.8 TiB, more than S3's largest object (5 TiB)."""
+
+    def __init__(self, client: Any, bucket: str, part_bytes: int, max_concurrency: int,
+                 parts_per_size: int = 1000) -> None:
         self.client, self.bucket = client, bucket
         self.part_bytes, self.max_concurrency = part_bytes, max_concurrency
+        self.parts_per_size = parts_per_size
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_concurrency * 2, thread_name_prefix="tdb-s3")
         self._free: list[bytearray] = []  # part buffers to reuse (part_buffer)
         self._free_lock = threading.Lock()
 
-    def part_buffer(self) -> bytearray:
-        """A buffer of ``part_bytes`` for an upload's next part: a free one if any, else a new one."""
-        with self._free_lock:
-            if self._free:
-                return self._free.pop()
-        return bytearray(self.part_bytes)
+    def part_size(self, number: int) -> int:
+        """The size of part ``number`` (from 1) of an upload (see the class docstring)."""
+        return min(self.part_bytes << ((number - 1) // self.parts_per_size), MAX_PART_BYTES)
+
+    def part_buffer(self, size: int) -> bytearray:
+        """A buffer for an upload's next part, of ``size`` bytes: of ``part_bytes``, a free one if any."""
+        if size == self.part_bytes:
+            with self._free_lock:
+                if self._free:
+                    return self._free.pop()
+        return bytearray(size)
 
     def give_back(self, buf: bytearray) -> None:
-        """A part buffer done with; up to ``max_concurrency + 2`` are kept for reuse, the rest freed."""
+        """A part buffer done with; up to ``max_concurrency + 2`` of ``part_bytes`` are kept for reuse, the rest
+        freed."""
         with self._free_lock:
-            if len(self._free) < self.max_concurrency + 2:
+            if len(buf) == self.part_bytes and len(self._free) < self.max_concurrency + 2:
                 self._free.append(buf)
 
 
@@ -140,16 +155,19 @@ class Upload(io.RawIOBase):
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
-        size, part = len(mv), self._store.part_bytes
+        size = len(mv)
         done = 0
         while done < size:
             if self._buf is None:
-                self._buf, self._fill = self._store.part_buffer(), 0
-            n = min(size - done, part - self._fill)
+                if len(self._parts) == MAX_PARTS:
+                    raise ValueError(f"s3://{self._store.bucket}/{self._key}: more than {self._written + done} bytes "
+                                     f"need more than S3's {MAX_PARTS} parts of one upload")
+                self._buf, self._fill = self._store.part_buffer(self._store.part_size(len(self._parts) + 1)), 0
+            n = min(size - done, len(self._buf) - self._fill)
             self._buf[self._fill : self._fill + n] = mv[done : done + n]
             self._fill += n
             done += n
-            if self._fill == part:
+            if self._fill == len(self._buf):
                 self._send()
         self._written += size
         return size
