@@ -108,6 +108,10 @@ def _snapshot(model, opt) -> dict[str, object]:
     assert sorted(names) == sorted(id(p) for g in opt.param_groups for p in g["params"]), "groups' parameters"
     for p, state in opt.state.items():
         assert id(p) in names, "the optimizer's state is keyed by a parameter the model no longer holds"
+        for k, v in state.items():
+            if isinstance(v, DTensor) and v.shape == p.shape:
+                assert held(tdb.layout_of(v)) == held(tdb.layout_of(p)), f"state {names[id(p)]}.{k} is not in " \
+                                                                         f"its table's layout"
         out.update({f"state {names[id(p)]}.{k}": _whole(v) for k, v in sorted(state.items())})
     return out
 
@@ -450,6 +454,75 @@ def test_a_bad_plan_is_refused_on_every_rank_before_anything_moves(pool, case):
     messages = pool.run(_refused, case)
     for m in messages:
         assert REFUSALS[case] in m, (case, m)
+
+
+def _with_fault(rank: int, world: int, fault: str, kind: str, path: str) -> str:
+    """The reshard-mid-training check of :func:`_equals_a_checkpoint_resume` with one fault injected into
+    ``tdb.reshard``: it must fail, on every rank (the checks compare whole tensors, so every rank sees the same
+    difference). Returns the failure's message.
+
+    * ``piece_elsewhere``: one piece rank 1 receives lands in a scratch buffer, as if sent to another rank:
+      its place in the new block is never written;
+    * ``state_left_behind``: the optimizer state of every table stays where it was while the table moves;
+    * ``group_points_at_old_table``: the module's table becomes another parameter object after the move, so
+      that the optimizer's parameter group still points at the old one.
+    """
+    import torchrec_dtensor_bridge.convert.reshard as moving
+    from torchrec_dtensor_bridge.resharding import api
+
+    undo = []
+    if fault == "piece_elsewhere":
+        real_post, spoiled = moving._post, []
+
+        def post(ends, arena, group):
+            if rank == 1 and not spoiled and any(kind == "recv" for kind, _, _ in ends):
+                i = next(k for k, (kind, _, _) in enumerate(ends) if kind == "recv")
+                _, view, peer = ends[i]
+                spoiled.append(1)
+                ends = [*ends[:i], ("recv", torch.empty_like(view).contiguous(), peer), *ends[i + 1:]]
+            return real_post(ends, arena, group)
+
+        moving._post = post
+        undo.append(lambda: setattr(moving, "_post", real_post))
+    elif fault == "state_left_behind":
+        real_moves = api.optimizer_moves
+        api.optimizer_moves = lambda *args, **kwargs: ([], [])
+        undo.append(lambda: setattr(api, "optimizer_moves", real_moves))
+    else:
+        real_reshard = tdb.reshard
+
+        def reshard(model, plan, **kwargs):
+            out = real_reshard(model, plan, **kwargs)
+            for name in plan:
+                owner = model.get_submodule(name.rpartition(".")[0])
+                owner.weight = torch.nn.Parameter(owner.weight.data, requires_grad=owner.weight.requires_grad)
+            return out
+
+        tdb.reshard = reshard
+        undo.append(lambda: setattr(tdb, "reshard", real_reshard))
+    try:
+        with pytest.raises(Exception) as caught:  # noqa: PT011 - any failure of the checks will do
+            _equals_a_checkpoint_resume(rank, world, kind, path)
+    finally:
+        for u in undo:
+            u()
+    return f"{type(caught.value).__name__}: {caught.value}"
+
+
+FAULTS = {  # fault -> the optimizer the job trains with, what the checks must say
+    "piece_elsewhere": ("adam", "right after reshard 1: table embedding_bags."),
+    "state_left_behind": ("adam", "is not in its table's layout"),
+    "group_points_at_old_table": ("adam", "the parameter is another object"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_the_checks_fail_on_an_injected_fault(pool, tmp_path, fault):
+    """The reshard test above can fail: a piece received elsewhere, an optimizer state left behind, a parameter
+    group pointing at the old table, each injected into ``tdb.reshard``, makes it fail on every rank."""
+    kind, says = FAULTS[fault]
+    for message in pool.run(_with_fault, fault, kind, str(tmp_path / fault)):
+        assert says in message, (fault, message)
 
 
 def _transfer_fails(rank: int, world: int) -> None:
