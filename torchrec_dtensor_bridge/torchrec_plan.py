@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -23,44 +24,39 @@ __all__ = [
 _NAMED = 5  # the tables a refusal names before it counts the rest
 
 
+def _loaded(module: str, *names: str) -> tuple[type, ...]:
+    """The classes ``names`` of torchrec's ``module`` if it is already loaded, else ``()``: a torchrec object
+    exists only once its module is, so a caller looking for one never needs to import torchrec itself."""
+    mod = sys.modules.get(module)
+    return () if mod is None else tuple(getattr(mod, n) for n in names)
+
+
 def embedding_bag_collection_type() -> type | None:
     """TorchRec's ``EmbeddingBagCollection`` class if torchrec is already loaded, else ``None``.
 
     An EBC can only be in a module tree once torchrec is imported, so a caller
     looking for EBCs never needs to import torchrec itself.
     """
-    import sys
-
-    mod = sys.modules.get("torchrec.modules.embedding_modules")
-    return None if mod is None else mod.EmbeddingBagCollection
+    return (_loaded("torchrec.modules.embedding_modules", "EmbeddingBagCollection") or (None,))[0]
 
 
 def embedding_collection_type() -> type | None:
     """TorchRec's ``EmbeddingCollection`` class if torchrec is already loaded, else ``None`` (as
     :func:`embedding_bag_collection_type` reasons)."""
-    import sys
-
-    mod = sys.modules.get("torchrec.modules.embedding_modules")
-    return None if mod is None else mod.EmbeddingCollection
+    return (_loaded("torchrec.modules.embedding_modules", "EmbeddingCollection") or (None,))[0]
 
 
 def dmp_type() -> type | None:
     """TorchRec's ``DistributedModelParallel`` class if torchrec's ``model_parallel`` is already loaded, else
     ``None`` (a DMP exists only once it is, as :func:`embedding_bag_collection_type` reasons)."""
-    import sys
-
-    mod = sys.modules.get("torchrec.distributed.model_parallel")
-    return None if mod is None else mod.DistributedModelParallel
+    return (_loaded("torchrec.distributed.model_parallel", "DistributedModelParallel") or (None,))[0]
 
 
 def fused_kernel_types() -> tuple[type, ...]:
     """TorchRec's kernels of the ``fused`` compute kernel (``BatchedFusedEmbeddingBag`` of a pooled
     collection, ``BatchedFusedEmbedding`` of a sequence one) if its ``batched_embedding_kernel`` is already
     loaded, else ``()`` (a sharded module exists only once it is)."""
-    import sys
-
-    mod = sys.modules.get("torchrec.distributed.batched_embedding_kernel")
-    return () if mod is None else (mod.BatchedFusedEmbeddingBag, mod.BatchedFusedEmbedding)
+    return _loaded("torchrec.distributed.batched_embedding_kernel", "BatchedFusedEmbeddingBag", "BatchedFusedEmbedding")
 
 
 def jagged_types() -> tuple[type, type]:

@@ -92,7 +92,8 @@ def _move(batch: Sequence[Table], optimizers: Sequence[Optimizer], group: CommGr
 
 def _bytes_on(layout: ShardLayout, members: Sequence[int]) -> list[int]:
     """The bytes of ``layout``'s blocks on each rank of ``members``."""
-    size = layout.dtype.itemsize if layout.dtype is not None else 4
+    assert layout.dtype is not None, "check_plan names both layouts with the table's dtype"
+    size = layout.dtype.itemsize
     per = dict.fromkeys(members, 0)
     for s in layout.shards:
         per[s.rank] += s.numel * size
