@@ -96,6 +96,7 @@ def _bytes_on(layout: ShardLayout, members: Sequence[int]) -> list[int]:
     size = layout.dtype.itemsize
     per = dict.fromkeys(members, 0)
     for s in layout.shards:
+        assert s.rank is not None, "a live table's blocks each name their rank"
         per[s.rank] += s.numel * size
     return [per[r] for r in members]
 
