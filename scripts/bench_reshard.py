@@ -23,8 +23,10 @@ the data-parallel wrapper), and each move runs ``tdb.reshard(dmp, plan)`` and To
 table-wise -> table-wise on the next rank, column-wise -> column-wise with the column blocks on the ranks
 in reverse, and column-wise -> table-wise (ours only: TorchRec 1.8's reshard keeps a table's sharding type;
 see ``TORCHREC_ABSENT``). Per move and rank: the time, the bytes sent (ours against the changing blocks'),
-the peak memory above the memory before (both rebuild the sharded module whole: the rank's new share of it),
-the memory after the call less before, and what a ``gc.collect()`` then frees (TorchRec's old module is kept
+the peak memory above the larger of the memory before and after against the same bound as above (the
+largest table's new share + 64 MiB; TorchRec's takes the rank's new share of the whole module: it allocates
+the rebuilt module's tables at once, zero-filled, and frees the old ones only with the old module), the memory
+after the call less before, and what a ``gc.collect()`` then frees (TorchRec's old module is kept
 by reference cycles until the collector runs; ``tdb.reshard`` breaks them), and a check that every rank
 holds the planned blocks with the values they held before (``torch.equal``; the per-row state of a table whose column blocks join: the mean
 of theirs, to 1e-6), for each implementation apart, so that both hold the same tables. What
@@ -369,10 +371,14 @@ def _dmp_worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
                                   for k, v in dmp.state_dict().items() if k.startswith("ebc.")
                                   for s in v.local_shards())
                     new = _planned(dmp_plan(dst, cfg), rank)
+                    per_table: dict[str, int] = {}  # each table's new share: weights and per-row state
+                    for t, _, n in new:
+                        per_table[t] = per_table.get(t, 0) + 4 * n[0] * (n[1] + 1)
                     steps.append(m | {
                         "rep": rep, "step": f"{src} -> {dst}", "impl": name,
                         "changing_bytes": _dmp_changing_bytes(dmp_plan(src, cfg), dmp_plan(dst, cfg), rank, world),
                         "new_share_bytes": sum(4 * n[0] * n[1] for *_, n in new),
+                        "bound_bytes": max(per_table.values(), default=0) + (64 << 20),
                         "equal": held == new and _dmp_values(dmp, cfg, fill=False, combined=(
                             src.startswith("column") and dst == "table_wise"))})
                     rss = _status("VmRSS")
@@ -400,7 +406,8 @@ def summarize_dmp(per_rank: list[dict], cfg: dict) -> dict:
                     "per_rank": [{"rank": per_rank[k]["rank"], "s": statistics.median(s["s"] for s in r)}
                                  | {m: max(s[m] for s in r) for m in ("peak_growth_bytes", "peak_above_before_bytes",
                                                                       "rss_change_bytes", "freed_by_gc_bytes")}
-                                 | {m: r[0][m] for m in ("sent_bytes", "changing_bytes", "new_share_bytes")}
+                                 | {m: r[0][m] for m in ("sent_bytes", "changing_bytes", "new_share_bytes",
+                                                         "bound_bytes")}
                                  for k, r in enumerate(rows)]}
         if "torchrec" in entry:
             entry["speedup"] = entry["torchrec"]["s"] / entry["ours"]["s"]
@@ -469,8 +476,10 @@ def run_dmp(args: argparse.Namespace) -> list[str]:
     for name, s in result["steps"].items():
         for impl, e in ((i, s[i]) for i in ("ours", "torchrec") if i in s):
             ranks = ", ".join("rank {rank}: {s:.3f} s, sent {sent_bytes:.1f} MiB (changing {changing_bytes:.1f}), "
-                              "peak +{peak_above_before_bytes:.1f} MiB (new share {new_share_bytes:.1f}; "
-                              "+{rss_change_bytes:.1f} after the call, {freed_by_gc_bytes:.1f} freed by gc)".format(
+                              "peak +{peak_growth_bytes:.1f} MiB above steady (bound {bound_bytes:.1f}; "
+                              "+{peak_above_before_bytes:.1f} above before, the module's new share "
+                              "{new_share_bytes:.1f}; +{rss_change_bytes:.1f} after the call, "
+                              "{freed_by_gc_bytes:.1f} freed by gc)".format(
                                   **{k: v / 2**20 if k.endswith("_bytes") else v for k, v in r.items()})
                               for r in e["per_rank"])
             print(f"DMP {name:34s} {impl:8s} {e['s']:7.3f} s{'' if e['equal'] else ' WRONG'}  {ranks}")

@@ -68,9 +68,9 @@ def _fused(gen):
 
 
 def _module_plan(kinds: dict[str, tuple], world: int, *, rows: dict[str, int] = TABLES, seq: bool = False,
-                 half: bool = False):
-    """The plan of an ``EmbeddingBagCollection`` (an ``EmbeddingCollection`` if ``seq``) of tables ``rows``
-    (fp16 if ``half``)."""
+                 half: bool = False, dim: int = DIM):
+    """The plan of an ``EmbeddingBagCollection`` (an ``EmbeddingCollection`` if ``seq``) of tables ``rows``,
+    ``dim`` wide (fp16 if ``half``)."""
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
     from torchrec.distributed import sharding_plan as sp
 
@@ -87,7 +87,7 @@ def _module_plan(kinds: dict[str, tuple], world: int, *, rows: dict[str, int] = 
             "table_row_wise": lambda: _fused(sp.table_row_wise(host_index=0)),
             "table_column_wise": table_column_wise}
     cls, config = (EmbeddingCollection, EmbeddingConfig) if seq else (EmbeddingBagCollection, EmbeddingBagConfig)
-    module = cls(tables=[config(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f"f_{n}"],
+    module = cls(tables=[config(name=n, embedding_dim=dim, num_embeddings=r, feature_names=[f"f_{n}"],
                                 data_type=_data_type(half)) for n, r in rows.items()], device=torch.device("meta"))
     per_param = {n: make[kind](*args) for n, (kind, *args) in kinds.items()}
     return sp.construct_module_sharding_plan(module, per_param_sharding=per_param, local_size=world,
@@ -477,3 +477,139 @@ def test_a_bad_plan_is_refused_on_every_rank_with_nothing_changed(pool, case):
     messages = pool.run(_refused, case)
     assert len(set(messages)) == 1, messages
     assert REFUSALS[case] in messages[0], messages[0]
+
+
+# ------------------------------------------------------------------------------------------- memory, failures
+WIDE = (2048, 1536)  # 12 MiB of float32; a third of its columns, 4 MiB, on each rank
+WIDE_TABLES = {f"w{i}": WIDE[0] for i in range(6)}
+COLUMNS = {n: ("column_wise", [0, 1, 2]) for n in WIDE_TABLES}
+ROTATED = {n: ("column_wise", [1, 2, 0]) for n in WIDE_TABLES}  # every column block on the next rank
+
+
+class _Bags(torch.nn.Module):
+    def __init__(self, ebc: torch.nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt: Any) -> torch.Tensor:
+        return self.ebc(kjt).values()
+
+
+def _wide_dmp(kinds: dict[str, tuple]):
+    """A DMP of an ``EmbeddingBagCollection`` (at ``"ebc"``) of six ``WIDE`` tables (fused row-wise Adagrad),
+    trained one step."""
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name=n, embedding_dim=WIDE[1], num_embeddings=r,
+                                                            feature_names=[f"f_{n}"]) for n, r in WIDE_TABLES.items()],
+                                 device=torch.device("meta"))
+    plan = ShardingPlan({"ebc": _module_plan(kinds, dist.get_world_size(), rows=WIDE_TABLES, dim=WIDE[1])})
+    dmp = DistributedModelParallel(_Bags(ebc), env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                   device=torch.device("cpu"), plan=plan, sharders=[_sharder()],
+                                   init_data_parallel=False)
+    _wide_step(dmp, 0)
+    return dmp
+
+
+def _wide_step(dmp, step: int) -> None:
+    _, bags, _ = _dlrm_batch(step, dist.get_rank(), dist.get_world_size(), WIDE_TABLES, seed=4000)
+    dmp(bags).sum().backward()  # the fused kernel updates the tables and their state in the backward
+
+
+def _wide_peak(rank: int, world: int, staging: int) -> tuple[int, int, int]:
+    """This rank's peak memory above the larger of its memory before and after the reshard of every table's
+    column blocks onto the next rank, its bound (its largest new share of a table: weights and per-row state,
+    + the staging bytes), and the rank's whole new share of the module (what rebuilding it at once takes).
+    glibc is told to map every allocation of 128 KiB or more on its own, so that resident memory follows
+    what is allocated."""
+    import ctypes
+
+    from torchrec_dtensor_bridge.resharding import dmp as dmp_module
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: fixed, freed blocks unmapped
+    group = dist.group.WORLD
+    dmp = _wide_dmp(COLUMNS)
+    before = _snapshot({"model": dmp, "fused": dmp.fused_optimizer}, group)
+    new = _plan_of_wide(ROTATED)
+    real, dmp_module.STAGING_BYTES = dmp_module.STAGING_BYTES, staging
+    try:
+        dist.barrier()
+        rss = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        tdb.reshard(dmp, new)
+        peak = _status("VmHWM") - max(rss, _status("VmRSS"))
+    finally:
+        dmp_module.STAGING_BYTES = real
+    _assert_equal(_snapshot({"model": dmp, "fused": dmp.fused_optimizer}, group), before, "after the reshard")
+    shares = [sum(s.shard_sizes[0] * (s.shard_sizes[1] + 1) * 4 for s in ps.sharding_spec.shards
+                  if s.placement.rank() == rank) for ps in new.plan["ebc"].values()]
+    return peak, max(shares) + staging, sum(shares)
+
+
+def _plan_of_wide(kinds: dict[str, tuple]):
+    from torchrec.distributed.types import ShardingPlan
+
+    return ShardingPlan({"ebc": _module_plan(kinds, dist.get_world_size(), rows=WIDE_TABLES, dim=WIDE[1])})
+
+
+def _status(field: str) -> int:
+    for line in open("/proc/self/status").read().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def test_a_dmps_peak_memory_grows_by_one_tables_new_share_and_the_staging_bytes(pool):
+    """The module rebuilt at once would take each rank's whole new share (24 MiB here) above its steady state;
+    table by table (the new module's buffers taken as they are written, each old table's memory released
+    once its new blocks are in) it is 4 MiB, plus the buffers of the pieces (1 MiB), plus 2 MiB of slack."""
+    for rank, (peak, bound, whole) in enumerate(pool.run(_wide_peak, 1 << 20)):
+        assert whole > bound + (8 << 20), (whole, bound)  # the case tells the two apart
+        assert peak <= bound + (2 << 20), f"rank {rank}: {peak / 2**20:.1f} MiB above the steady state, bound " \
+                                          f"{bound / 2**20:.1f} MiB + 2 MiB (the whole new share: {whole / 2**20:.1f})"
+
+
+def _wide_transfer_fails(rank: int, world: int) -> None:
+    """Rank 1 fails while the third table moves: every rank raises, naming it; the two tables moved before
+    (their old blocks' memory released: read as zeros) are moved back one by one from the new module; every
+    table and state is as it was, the module the same object; the job trains on and the next reshard works."""
+    from torchrec_dtensor_bridge.resharding import dmp as dmp_module
+
+    group = dist.group.WORLD
+    dmp = _wide_dmp(COLUMNS)
+    module = dmp.module.ebc
+    before = _snapshot({"model": dmp, "fused": dmp.fused_optimizer}, group)
+    real, calls = dmp_module.move_pieces, []
+
+    def failing(moves, *args, **kwargs):
+        out = real(moves, *args, **kwargs)
+        calls.append(sorted({m.dst_layout.name.rpartition(".")[2] for m in moves}))
+        if rank == 1 and len(calls) == 3:
+            raise RuntimeError("injected: a block did not arrive")
+        return out
+
+    dmp_module.move_pieces = failing
+    try:
+        with pytest.raises(RuntimeError, match="injected") as caught:
+            tdb.reshard(dmp, _plan_of_wide(ROTATED))
+    finally:
+        dmp_module.move_pieces = real
+    moved, failed, back = calls[:2], calls[2], calls[3:]
+    assert len(calls) == 5 and all(len(c) == 1 for c in calls), calls  # one table at a time
+    assert f"ebc.{failed[0]}" in str(caught.value), (failed, str(caught.value))
+    assert back == moved[::-1], ("moved back one by one, the last first", calls)
+    assert dmp.module.ebc is module
+    _assert_equal(_snapshot({"model": dmp, "fused": dmp.fused_optimizer}, group), before, "after the failed move")
+    _wide_step(dmp, 1)
+    trained = _snapshot({"model": dmp, "fused": dmp.fused_optimizer}, group)
+    tdb.reshard(dmp, _plan_of_wide(ROTATED))
+    _assert_equal(_snapshot({"model": dmp, "fused": dmp.fused_optimizer}, group), trained, "after the next reshard")
+    _wide_step(dmp, 2)
+
+
+def test_a_failed_move_raises_on_every_rank_and_moves_the_tables_back(pool):
+    pool.run(_wide_transfer_fails)

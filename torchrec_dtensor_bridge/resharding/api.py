@@ -19,6 +19,7 @@ from ..groups import CommGroup, call_group
 from ..layout import ShardLayout
 from .dmp import reshard_dmp
 from .optimizers import Optimizer, check_optimizers, optimizer_moves
+from .batches import schedule
 from .tables import STAGING_BYTES, WHAT, Table, check_plan, sharded_tables
 from .torchrec_access import is_dmp
 
@@ -90,61 +91,6 @@ def _move(batch: Sequence[Table], optimizers: Sequence[Optimizer], group: CommGr
         step.commit()
 
 
-def _bytes_on(layout: ShardLayout, members: Sequence[int]) -> list[int]:
-    """The bytes of ``layout``'s blocks on each rank of ``members``."""
-    assert layout.dtype is not None, "check_plan names both layouts with the table's dtype"
-    size = layout.dtype.itemsize
-    per = dict.fromkeys(members, 0)
-    for s in layout.shards:
-        assert s.rank is not None, "a live table's blocks each name their rank"
-        per[s.rank] += s.numel * size
-    return [per[r] for r in members]
-
-
-def schedule(tables: Sequence[Table], members: Sequence[int]) -> list[list[Table]]:
-    """The changing tables in the batches they move in, in order: from the layouts alone, so the same on
-    every rank.
-
-    A rank's memory while a batch moves is what it holds before the batch plus the batch's new blocks on
-    it (the old ones are freed once the batch is in use). Each rank's bound is the larger of its memory
-    before and after the whole reshard, plus its largest new share of one table. Greedily: the next batch
-    starts with the table that keeps the worst rank furthest under its bound once moved (a table that frees
-    memory on the rank where it is tightest goes first), and takes in, in that order, every further table
-    with which no rank passes its bound: tables whose new blocks are on different ranks move together,
-    each rank filling its own at once. A table alone in its batch may pass the bound where no order avoids
-    it.
-    """
-    moving = [t for t in tables if t.changes]
-    new = [_bytes_on(t.target, members) for t in moving]
-    delta = [[n - o for n, o in zip(nb, _bytes_on(t.layout, members))] for t, nb in zip(moving, new)]
-    ranks = range(len(members))
-    target = [max(0, sum(d[r] for d in delta)) for r in ranks]
-    bound = [target[r] + max((n[r] for n in new), default=0) for r in ranks]
-    held = [0] * len(members)
-    left = list(range(len(moving)))
-    batches: list[list[Table]] = []
-    while left:
-        def after(i: int) -> int:  # the worst rank's memory after table i, against where it ends
-            return max(held[r] + delta[i][r] - target[r] for r in ranks)
-
-        order = sorted(left, key=lambda i: (after(i), i))
-        peak = list(held)
-        batch: list[int] = []
-        for i in order:
-            if batch and any(peak[r] + new[i][r] > bound[r] for r in ranks):
-                continue
-            batch.append(i)
-            for r in ranks:
-                peak[r] += new[i][r]
-        batch.sort()
-        for i in batch:
-            left.remove(i)
-            for r in ranks:
-                held[r] += delta[i][r]
-        batches.append([moving[i] for i in batch])
-    return batches
-
-
 def _back(table: Table) -> Table:
     """The move that undoes ``table``'s."""
     return dataclasses.replace(table, layout=table.target, target=table.layout)
@@ -193,11 +139,15 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
        an order of the tables allows it. If a rank fails to allocate or receive, every rank raises, after
        the tables already moved have been moved back (one by one).
 
-    A DMP's sharded module whose plan changes is built anew by the DMP's own sharder (which allocates
-    all its tables at once), takes its tables and fused optimizer state from the old one the same way,
-    and then takes the old one's place in the model, in ``dmp.plan`` and in ``dmp.fused_optimizer``
-    (each table's ``lr`` kept); its dense parameters, their optimizers and its data-parallel wrapper are
-    left as they are.
+    A DMP's sharded module whose plan changes is built anew by the DMP's own sharder, its tables'
+    memory not yet taken (on the CPU: fbgemm's host buffers allocated without their zero fill), and takes
+    its tables and fused optimizer state from the old one in the same batches: once a batch is in, the
+    memory of its old blocks is released (the old module's buffers hold all its tables and are freed
+    whole only with it; a released block reads as zeros), and if a later batch fails the tables already
+    moved are moved back into the old module before every rank raises. The new module then takes the old
+    one's place in the model, in ``dmp.plan`` and in ``dmp.fused_optimizer`` (each table's ``lr`` kept),
+    and the old one is freed; its dense parameters, their optimizers and its data-parallel wrapper are
+    left as they are. On a GPU fbgemm allocates a kernel's device buffer whole (not measured on a GPU yet).
 
     Optimizer state moves as a checkpoint load would convert it. A ``FusedOptimizer``'s row-wise state
     is one value per row (the whole row's statistic, whatever the column cut): it follows any plan
@@ -270,7 +220,7 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
     check_same(WHAT, "the number of optimizers", [r[1] for r in rows])
     done: list[Table] = []
     try:
-        for batch in schedule(tables, group.members):
+        for batch in schedule([t for t in tables if t.changes], group.members):
             _move(batch, opts, group, rank)  # the old storage goes once nothing refers to it
             done.extend(batch)
     except Exception as error:

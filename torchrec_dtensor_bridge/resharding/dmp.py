@@ -1,10 +1,15 @@
 """``reshard`` of a TorchRec ``DistributedModelParallel``: its fused tables and their optimizer state.
 
 A sharded ``EmbeddingBagCollection`` or ``EmbeddingCollection`` whose plan changes is rebuilt by the DMP's
-own sharder under the new plan (TorchRec allocates its tables); each table then takes its values and fused
-optimizer state from the old module, only the blocks that change owner travelling
-(:func:`..convert.reshard.move_pieces`), and the new module replaces the old one in the model, the DMP's
-plan and its fused optimizer once every rank has all its blocks. Dense parameters, their optimizer and the
+own sharder under the new plan (TorchRec allocates its tables; on the CPU their pages are taken only as
+they are written); each table then takes its values and fused optimizer state from the old module, only
+the blocks that change owner travelling (:func:`..convert.reshard.move_pieces`), in the batches of
+:func:`.batches.schedule` (every table of a rebuilt module, those whose blocks stay included: the new
+module holds them all). Once every rank has a batch, the memory of its old blocks is released
+(:func:`.._pages.release`: the old module's buffers are freed only with it), so that a rank's memory grows
+by about one table's new share, not by the module's; a later batch that fails moves the tables already
+moved back into the old module first. The new module replaces the old one in the model, the DMP's plan
+and its fused optimizer once every table is in. Dense parameters, their optimizer and the
 data-parallel wrapper are not touched. A plan is checked against the sharding types the module's class is
 built with (a sharded ``EmbeddingCollection``: table-wise, row-wise and column-wise, no table-row-wise,
 table-column-wise or grid), so that TorchRec is never asked to build what it refuses.
@@ -23,6 +28,7 @@ TorchRec's fused optimizer state, per table (the registry's kinds, :mod:`..optim
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
 from collections.abc import Callable, Mapping
@@ -34,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._compat import ShardedTensor
+from .._pages import release
 from ..agreement import Problem, ProblemKind, Rejected, agree, check_same, gather_objects
 from ..convert.reshard import Move, move_pieces, pieces
 from ..groups import CommGroup, of_group
@@ -41,6 +48,7 @@ from ..layout import ShardLayout, ShardSpec
 from ..optim_kinds import OptimKind, StateKind, combine_column_blocks
 from ..torchrec_plan import layout_from_parameter_sharding
 from . import torchrec_access as trec
+from .batches import schedule
 from .tables import STAGING_BYTES, WHAT
 
 __all__ = ["reshard_dmp"]
@@ -66,7 +74,28 @@ class _Module:
     plan: dict[str, Any]
     tables: list[_Table]
     new: Any = None
-    moves: list[tuple[str, list[Move], list[Callable[[], None]]]] = field(default_factory=list)
+
+
+@dataclass
+class _Step:
+    """One table's move into its module's new storage.
+
+    Attributes:
+        table: the table.
+        layout, target: its weight's layout now and under the plan, with its dtype.
+        moves: its weight's and fused optimizer states' moves, into the new module's storage (or, for a per-row
+            state combined from column blocks, into buffers ``finish`` combines).
+        finish: what completes the new state once the moves are in.
+        exact: those of ``moves`` whose new blocks are a copy of the old ones: once in use, their old blocks'
+            memory is released (:func:`.._pages.release`); moved back on a failure.
+    """
+
+    table: _Table
+    layout: ShardLayout
+    target: ShardLayout
+    moves: list[Move]
+    finish: list[Callable[[], None]] = field(default_factory=list)
+    exact: list[Move] = field(default_factory=list)
 
 
 def _columns(layout: ShardLayout) -> list[tuple[int, int]]:
@@ -198,31 +227,34 @@ def _local(value: object, layout: ShardLayout, rank: int, what: str) -> list[tor
     return out
 
 
-def _table_moves(m: _Module, t: _Table, kind: OptimKind | None, rank: int,
-                 ) -> tuple[list[Move], list[Callable[[], None]]]:
+def _table_moves(m: _Module, t: _Table, kind: OptimKind | None, rank: int) -> _Step:
+    """The moves of ``t``'s weight and fused optimizer state from module ``m.old`` into ``m.new``."""
     key = trec.weight_key(m.old, t.name)
     old_w, new_w = m.old.state_dict()[key], m.new.state_dict()[key]
-    moves = [Move(pieces(t.old, t.new), t.old, _local(old_w, t.old, rank, key), t.new,
-                  _local(new_w, t.new, rank, key))]
-    finish: list[Callable[[], None]] = []
+    weight = Move(pieces(t.old, t.new), t.old, _local(old_w, t.old, rank, key), t.new, _local(new_w, t.new, rank, key))
+    dtype = getattr(old_w, "dtype", None)
+    step = _Step(t, dataclasses.replace(t.old, dtype=dtype), dataclasses.replace(t.new, dtype=dtype), [weight],
+                 exact=[weight])
     old_s = m.old.fused_optimizer.state_dict()["state"].get(key, {})
     new_s = m.new.fused_optimizer.state_dict()["state"].get(key, {})
     for spec in kind.states if kind is not None else ():
         skey = f"{t.name}.{spec.torchrec}"
         if spec.shape is StateKind.ELEMENT:
-            moves.append(Move(moves[0].pieces, t.old, _local(old_s.get(skey), t.old, rank, skey), t.new,
-                              _local(new_s.get(skey), t.new, rank, skey)))
+            step.exact.append(Move(weight.pieces, t.old, _local(old_s.get(skey), t.old, rank, skey), t.new,
+                                   _local(new_s.get(skey), t.new, rank, skey)))
+            step.moves.append(step.exact[-1])
             continue
         (old_flat, old_grid), (new_flat, new_grid) = _row_table(t.old, t.rows), _row_table(t.new, t.rows)
         src = [x.view(1, -1) for x in _local(old_s.get(skey), old_flat, rank, skey)]
         dst = _local(new_s.get(skey), new_flat, rank, skey)
         if _widths(t.old) == _widths(t.new):
-            moves.append(Move(pieces(old_grid, new_grid), old_grid, src, new_grid, [x.view(1, -1) for x in dst]))
+            step.exact.append(Move(pieces(old_grid, new_grid), old_grid, src, new_grid, [x.view(1, -1) for x in dst]))
+            step.moves.append(step.exact[-1])
             continue
         boxes, into, bufs = _row_boxes(t, skey, rank, dst[0].device if dst else torch.device("cpu"))
-        moves.append(Move(pieces(old_grid, into), old_grid, src, into, bufs))
-        finish.append(_combiner(_widths(t.old), boxes, dst))
-    return moves, finish
+        step.moves.append(Move(pieces(old_grid, into), old_grid, src, into, bufs))
+        step.finish.append(_combiner(_widths(t.old), boxes, dst))
+    return step
 
 
 def _row_boxes(t: _Table, key: str, rank: int, device: torch.device,
@@ -270,15 +302,49 @@ def _failure(message: str, error: BaseException) -> Problem:
     return Problem.of(ProblemKind.FAILURE, f"{WHAT}: {message}: {type(error).__name__}: {error}")
 
 
-def _agreed(problem: Problem | None, group: CommGroup, modules: list[_Module], refused: str) -> None:
-    """:func:`..agreement.agree` (*collective*); where it raises, the new modules built are let go of first
-    (the traceback keeps the frames that list them)."""
+def _let_go(modules: list[_Module], *held: list[Any]) -> None:
+    """Where a step raises, the new modules built and everything listing their storage are let go of
+    first (the traceback keeps the frames that refer to them)."""
+    for m in modules:
+        m.new = None
+    for x in held:
+        x.clear()
+
+
+def _move(batch: list[_Step], group: CommGroup, rank: int) -> Problem | None:
+    """Move ``batch``'s tables into their new modules (*collective*); the failure, or ``None``."""
     try:
-        agree(WHAT, problem, [], group, refused=refused)
-    except BaseException:
-        for m in modules:
-            m.new, m.moves = None, []
-        raise
+        move_pieces([x for step in batch for x in step.moves], group=group.group, rank=rank,
+                    staging_bytes=STAGING_BYTES)
+        for step in batch:
+            for f in step.finish:
+                f()
+    except Exception as e:  # noqa: BLE001 - every rank takes part in the move, then all raise
+        names = ", ".join(f"{t.table.path}.{t.table.name}" for t in batch)
+        return _failure(f"moving table{'s' if len(batch) > 1 else ''} {names}", e)
+    return None
+
+
+def _move_back(done: list[_Step], group: CommGroup, rank: int, error: BaseException) -> None:
+    """After a failed batch, every table moved before it takes its old blocks, released once in use, back
+    from the new module, one table at a time (*collective*)."""
+    try:
+        for step in reversed(done):
+            back = [Move(pieces(x.dst_layout, x.src_layout), x.dst_layout, x.dst_local, x.src_layout, x.src_local)
+                    for x in step.exact]
+            problem = None
+            try:
+                move_pieces(back, group=group.group, rank=rank, staging_bytes=STAGING_BYTES)
+            except Exception as e:  # noqa: BLE001 - every rank takes part, then all raise
+                problem = _failure(f"moving table {step.table.path}.{step.table.name} back", e)
+            agree(WHAT, problem, [], group, refused="could not move its tables back")
+            for x in step.exact:
+                for t in x.dst_local:
+                    release(t)
+    except Exception as e:
+        names = [f"{s.table.path}.{s.table.name}" for s in done]
+        raise RuntimeError(f"{WHAT}: {error}; moving the tables already moved back failed too ({e}): the old "
+                           f"modules' tables {names} may have lost their values") from error
 
 
 def _replace(dmp: Any, plan: object, split_row_states: bool) -> list[Any]:
@@ -296,24 +362,37 @@ def _replace(dmp: Any, plan: object, split_row_states: bool) -> list[Any]:
     for held in gather_objects([trec.hyperparameters(m.old) for m in modules], group):
         for mine, theirs in zip(saved, held):
             mine.update(theirs)
+    steps: list[_Step] = []
     try:
         for m in modules:
-            m.new = trec.shard_afresh(dmp, m.path, m.old, m.plan)
             kind = _kind(trec.fused_optimizer_kind(dmp, m.old))
-            m.moves = [(t.name, *_table_moves(m, t, kind, rank)) for t in m.tables]
+            states = [s.torchrec for s in kind.states if s.torchrec] if kind is not None else []
+            m.new = trec.shard_afresh(dmp, m.path, m.old, m.plan, states)
+            steps.extend(_table_moves(m, t, kind, rank) for t in m.tables)
     except Exception as e:  # noqa: BLE001 - shared with every rank, which all raise
         problem = _failure("building the new sharded modules", e)
-    _agreed(problem, group, modules, "could not build its new sharded modules")
-    for m in modules:  # all of a module's tables at once: the new module holds them all anyway
+    try:
+        agree(WHAT, problem, [], group, refused="could not build its new sharded modules")
+    except BaseException:
+        _let_go(modules, steps)
+        raise
+    done: list[_Step] = []
+    batches = schedule(steps, group.members)  # every table of a rebuilt module: the new module holds them all
+    for batch in batches:
         try:
-            move_pieces([x for _, moves, _ in m.moves for x in moves], group=group.group, rank=rank,
-                        staging_bytes=STAGING_BYTES)
-            for _, _, finish in m.moves:
-                for f in finish:
-                    f()
-        except Exception as e:  # noqa: BLE001 - every rank takes part in every module's move, then all raise
-            problem = problem or _failure(f"moving the tables of {m.path} ({', '.join(n for n, _, _ in m.moves)})", e)
-    _agreed(problem, group, modules, "did not receive all its new blocks")
+            agree(WHAT, _move(batch, group, rank), [], group, refused="did not receive all its new blocks")
+        except BaseException as error:
+            try:
+                _move_back(done, group, rank, error)
+            finally:
+                _let_go(modules, steps, done, *batches)
+            raise
+        for step in batch:  # in use once the modules are installed: the old blocks are not read again
+            for x in step.exact:
+                for t in x.src_local:
+                    release(t)
+            step.moves, step.finish = [], []  # and the buffers a combined state was received in go
+        done.extend(batch)
     with torch.no_grad():
         for m, values in zip(modules, saved):
             trec.install(dmp, m.path, m.new, values)
@@ -325,9 +404,10 @@ def reshard_dmp(dmp: Any, plan: object, *, split_row_states: bool = False) -> An
     ``split_row_states`` as there).
 
     1. Check the plan against the model on every rank, and agree on the verdict (*collective*).
-    2. Build each changed sharded module afresh under the plan, and plan its tables' moves.
-    3. Move every table's blocks and fused optimizer state, a module's tables together (*collective*), then agree
-       that every rank has all.
+    2. Build each changed sharded module afresh under the plan, its tables' memory not yet taken, and plan
+       its tables' moves.
+    3. Batch by batch, move the tables' blocks and fused optimizer state and agree that every rank has them
+       (*collective*), then release the old blocks' memory; on a failure, move the tables already moved back.
     4. Install the new modules; retire the old ones, so that their tables are freed when this returns.
     """
     retired = _replace(dmp, plan, split_row_states)

@@ -4,7 +4,10 @@ A ``DistributedModelParallel`` keeps what a reshard needs in private attributes 
 ``_sharder_map``, ``_env``, ``_plan``, ``_optim``, ``_init_optim``, ``_dmp_wrapped_module``). Its fused kernels
 fill their tables with random values when built (``init_parameters``, and the collection's
 ``reset_parameters`` through each table config's ``init_fn``), which :func:`shard_afresh` skips:
-every value is then written from the old module. A sharded module holds reference cycles (its
+every value is then written from the old module. On the CPU fbgemm's kernel (1.8:
+``SplitTableBatchedEmbeddingBagsCodegen._apply_split``) zero-fills each host buffer it allocates, every
+table of the kernel at once; :func:`shard_afresh` gives it buffers allocated without the fill (fbgemm's own
+``preallocated_host_buffer``), whose pages the system provides as values are first written, table by table. A sharded module holds reference cycles (its
 state_dict hook closes over it; each fused table's weight lists, in ``_in_backward_optimizers``, an optimizer
 holding the weight and the kernel with every table), which :func:`retire` breaks. Its sharded
 ``EmbeddingBagCollection`` keeps its tables' configs in ``_embedding_bag_configs`` (state_dict keys
@@ -17,8 +20,9 @@ reads these; nothing here imports torchrec (the class tests go through :mod:`..t
 
 from __future__ import annotations
 
+import sys
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -131,23 +135,48 @@ def _left_as_allocated(value: object) -> None:
     holds: the tables stay as fbgemm allocated them."""
 
 
+_FBGEMM_KERNEL = ("fbgemm_gpu.split_table_batched_embeddings_ops_training", "SplitTableBatchedEmbeddingBagsCodegen")
+
+
+def _unzeroed(apply: Callable[..., None], lazy: Collection[str]) -> Callable[..., None]:
+    """fbgemm's ``_apply_split`` giving each host buffer named in ``lazy`` (``"weights"``, ``"momentum1"``,
+    ...) allocated without its zero fill, as fbgemm's ``preallocated_host_buffer`` takes it."""
+
+    def apply_split(self: Any, split: Any, prefix: str, dtype: torch.dtype, *args: Any,
+                    preallocated_host_buffer: torch.Tensor | None = None, **kwargs: Any) -> None:
+        if preallocated_host_buffer is None and prefix in lazy and split.host_size > 0:
+            preallocated_host_buffer = torch.empty(split.host_size, dtype=dtype, device=self.current_device)
+        apply(self, split, prefix, dtype, *args, preallocated_host_buffer=preallocated_host_buffer, **kwargs)
+
+    return apply_split
+
+
 @contextmanager
-def _unfilled(configs: list[Any]) -> Iterator[None]:
+def _unfilled(configs: list[Any], lazy: Collection[str]) -> Iterator[None]:
     """TorchRec's fused kernels built without the random fills of their tables: the kernel's own
     (``init_parameters``: a pass of ``uniform_`` over every value) and the sharded collection's
     (``reset_parameters`` calls each table config's ``init_fn``: another pass). Together they are the larger
-    part of building a module. The kernel classes and the config objects (shared with the old module) are
-    changed while it holds, so a fused kernel another thread builds meanwhile is left unfilled too."""
+    part of building a module. Nor with fbgemm's zero fill of the host buffers named in ``lazy`` (the
+    caller writes every value of them). The kernel classes and the config objects (shared with the old
+    module) are changed while it holds, so a fused kernel another thread builds meanwhile is left unfilled
+    too."""
     kernels = fused_kernel_types()
     own = [(cls, cls.__dict__.get("init_parameters")) for cls in kernels]
     fns = [c.init_fn for c in configs]
+    tbe = sys.modules.get(_FBGEMM_KERNEL[0])
+    cls_tbe = getattr(tbe, _FBGEMM_KERNEL[1], None)
+    apply = getattr(cls_tbe, "__dict__", {}).get("_apply_split")
     for cls in kernels:
         setattr(cls, "init_parameters", _left_as_allocated)
     for c in configs:
         c.init_fn = _left_as_allocated
+    if apply is not None and lazy:
+        setattr(cls_tbe, "_apply_split", _unzeroed(apply, lazy))
     try:
         yield
     finally:
+        if apply is not None and lazy:
+            setattr(cls_tbe, "_apply_split", apply)
         for c, fn in zip(configs, fns):
             c.init_fn = fn
         for cls, method in own:
@@ -157,16 +186,18 @@ def _unfilled(configs: list[Any]) -> Iterator[None]:
                 setattr(cls, "init_parameters", method)
 
 
-def shard_afresh(dmp: Any, path: str, sharded: Any, plan: Mapping[str, Any]) -> nn.Module:
+def shard_afresh(dmp: Any, path: str, sharded: Any, plan: Mapping[str, Any], states: Collection[str] = ()
+                 ) -> nn.Module:
     """A new sharded module of ``sharded``'s tables under ``plan``, built by the DMP's own sharder: its tables
-    and optimizer state allocated by TorchRec, left as allocated (the caller writes every value), the global
-    random state as it was."""
+    and optimizer state allocated by TorchRec, left as allocated (the caller writes every value of the
+    weights and of the fused optimizer's ``states``, fbgemm's names: ``"momentum1"``, ...; on the CPU their
+    memory is taken as the values are written), the global random state as it was."""
     family, sharder = _family(sharded), _sharder(dmp, sharded)
     flags = {arg: getattr(sharded, attr) for arg, attr in family.flags}
     configs = list(getattr(sharded, family.configs))
     unsharded = sharder.module_type(tables=configs, device=torch.device("meta"), **flags)
     devices = [torch.cuda.current_device()] if dmp.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices), _unfilled(configs):
+    with torch.random.fork_rng(devices=devices), _unfilled(configs, {"weights", *states}):
         return sharder.shard(unsharded, dict(plan), dmp._env, dmp.device, path)
 
 
