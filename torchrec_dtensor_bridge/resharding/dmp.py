@@ -276,6 +276,9 @@ def _row_boxes(t: _Table, key: str, rank: int, device: torch.device,
     return per_block, into, bufs
 
 
+_COMBINED_ROWS = 1 << 14  # rows combined at a time: float64 temporaries of about a MiB, not the whole table's
+
+
 def _combiner(widths: list[int], boxes: list[torch.Tensor | None], dst: list[torch.Tensor],
               ) -> Callable[[], None]:
     """What, once the old values are in, gives every new block its rows' values: the old blocks' weighted by
@@ -287,8 +290,10 @@ def _combiner(widths: list[int], boxes: list[torch.Tensor | None], dst: list[tor
                 continue
             if len(widths) == 1:
                 out.copy_(buf[0])
-            else:
-                out.copy_(combine_column_blocks(buf, widths, out.dtype))
+                continue
+            for first in range(0, out.shape[0], _COMBINED_ROWS):  # a row's value is its own: the same bits
+                rows = slice(first, first + _COMBINED_ROWS)
+                out[rows].copy_(combine_column_blocks(buf[:, rows], widths, out.dtype))
 
     return combine
 
@@ -311,11 +316,38 @@ def _let_go(modules: list[_Module], *held: list[Any]) -> None:
         x.clear()
 
 
-def _move(batch: list[_Step], group: CommGroup, rank: int) -> Problem | None:
+def _bytes_by_rank(layout: ShardLayout) -> dict[int, int]:
+    assert layout.dtype is not None, "a state's layout carries its dtype"
+    out: dict[int, int] = {}
+    for s in layout.shards:
+        if s.rank is not None:
+            out[s.rank] = out.get(s.rank, 0) + s.numel * layout.dtype.itemsize
+    return out
+
+
+def _combined(step: _Step) -> list[Move]:
+    """``step``'s moves of a per-row state combined from column blocks: into buffers, the old state kept."""
+    return [x for x in step.moves if all(x is not e for e in step.exact)]
+
+
+def _staging(batch: list[_Step], kept: dict[int, int]) -> int:
+    """The transfer buffers' budget for ``batch``: :data:`STAGING_BYTES` less, on the rank where it is most,
+    what the rank holds beside (``kept``: old per-row states kept until every table is in, for the way back;
+    the buffers the batch's combined states are received in), at least an eighth of it. From the layouts
+    alone: the same on every rank."""
+    extra = dict(kept)
+    for step in batch:
+        for x in _combined(step):
+            for r, n in _bytes_by_rank(x.dst_layout).items():
+                extra[r] = extra.get(r, 0) + n
+    return max(STAGING_BYTES - max(extra.values(), default=0), STAGING_BYTES // 8)
+
+
+def _move(batch: list[_Step], group: CommGroup, rank: int, staging: int) -> Problem | None:
     """Move ``batch``'s tables into their new modules (*collective*); the failure, or ``None``."""
     try:
         move_pieces([x for step in batch for x in step.moves], group=group.group, rank=rank,
-                    staging_bytes=STAGING_BYTES)
+                    staging_bytes=staging)
         for step in batch:
             for f in step.finish:
                 f()
@@ -377,10 +409,12 @@ def _replace(dmp: Any, plan: object, split_row_states: bool) -> list[Any]:
         _let_go(modules, steps)
         raise
     done: list[_Step] = []
+    kept: dict[int, int] = {}  # per rank, the old per-row states combined, not released: no way back from them
     batches = schedule(steps, group.members)  # every table of a rebuilt module: the new module holds them all
     for batch in batches:
         try:
-            agree(WHAT, _move(batch, group, rank), [], group, refused="did not receive all its new blocks")
+            agree(WHAT, _move(batch, group, rank, _staging(batch, kept)), [], group,
+                  refused="did not receive all its new blocks")
         except BaseException as error:
             try:
                 _move_back(done, group, rank, error)
@@ -391,6 +425,9 @@ def _replace(dmp: Any, plan: object, split_row_states: bool) -> list[Any]:
             for x in step.exact:
                 for t in x.src_local:
                     release(t)
+            for x in _combined(step):
+                for r, n in _bytes_by_rank(x.src_layout).items():
+                    kept[r] = kept.get(r, 0) + n
             step.moves, step.finish = [], []  # and the buffers a combined state was received in go
         done.extend(batch)
     with torch.no_grad():
