@@ -80,7 +80,8 @@ def _dmp(plan: dict[str, tuple], group: dist.ProcessGroup, optimizer: str = "EXA
         fused_params={"optimizer": getattr(EmbOptimType, optimizer), "learning_rate": 0.1, "eps": 1e-3})
     make = {"row_wise": lambda: sp.row_wise(compute_kernel="fused"),
             "table_wise": lambda rank: sp.table_wise(rank=rank, compute_kernel="fused"),
-            "column_wise": lambda ranks: sp.column_wise(ranks=ranks, compute_kernel="fused")}
+            "column_wise": lambda ranks: sp.column_wise(ranks=ranks, compute_kernel="fused"),
+            "data_parallel": sp.data_parallel}  # the dense kernel: the dense optimizer trains it
     world = group.size()
     per_param = {n: make[kind](*args) for n, (kind, *args) in plan.items()}
     module_plan = sp.construct_module_sharding_plan(ebc, per_param_sharding=per_param, sharder=sharder,
@@ -736,3 +737,35 @@ def test_a_rowwise_adagrad_state_goes_into_other_column_cuts_only_when_asked_by_
             message = outcomes[0][f"{src} -> {dst} split"]
             assert f"key {WIDE_WEIGHT!r}: a table cut into column blocks of widths {WIDTHS[dst]} does not load into " \
                    "TorchRec's module" in message and "momentum1" not in message, message
+
+
+def _dense_state_of_a_data_parallel_table(rank: int, world: int, path: str) -> None:
+    """A DMP whose table ``t2`` is data-parallel (TorchRec hands it to the dense optimizer as a
+    ``TableBatchedEmbeddingSlice``, a subclass of ``nn.Parameter``) trains 2 steps with ``torch.optim.Adam``
+    over its dense parameters, is saved, and loads into a fresh job under another plan of its other tables:
+    every dense parameter's Adam state (step count and moments), the data-parallel table's included, equals
+    the saved one, and both jobs' next losses are equal (the load created no state for any parameter when
+    one of them was such a slice, and loaded nothing)."""
+    group = dist.group.WORLD
+    plan = dict(BEFORE, t2=("data_parallel",))
+    dmp = _dmp(plan, group)
+    adam = torch.optim.Adam(_dense_params(dmp).values(), lr=DENSE_LR)
+    assert any(type(p) is not torch.nn.Parameter for p in _dense_params(dmp).values())
+    for s in range(2):
+        _step(dmp, adam, s, group)
+    want = {n: {k: v.clone() for k, v in adam.state[p].items()} for n, p in _dense_params(dmp).items()}
+    tdb.checkpoint.save({"model": dmp, "fused": dmp.fused_optimizer, "dense": adam}, path)
+    fresh = _dmp(dict(AFTER, t2=("data_parallel",)), group)
+    fresh_adam = torch.optim.Adam(_dense_params(fresh).values(), lr=DENSE_LR)
+    tdb.checkpoint.load({"model": fresh, "fused": fresh.fused_optimizer, "dense": fresh_adam}, path)
+    got = {n: fresh_adam.state.get(p, {}) for n, p in _dense_params(fresh).items()}
+    assert sorted(got) == sorted(want) and _key("t2") in got
+    for n, state in want.items():
+        assert sorted(got[n]) == sorted(state), (n, sorted(got[n]))
+        for k, v in state.items():
+            assert torch.equal(got[n][k], v), f"{n}.{k} differs on rank {rank}"
+    assert _step(dmp, adam, 2, group) == _step(fresh, fresh_adam, 2, group)
+
+
+def test_the_dense_optimizers_state_of_a_data_parallel_table_resumes(pool, tmp_path):
+    pool.run(_dense_state_of_a_data_parallel_table, str(tmp_path / "dp"))

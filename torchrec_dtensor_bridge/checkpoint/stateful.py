@@ -88,31 +88,52 @@ def _create_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
     One ``step()`` with a zero gradient on exactly those parameters (the others get
     none, so their state is untouched); every parameter's value and gradient is
-    restored afterwards, so only the optimizer's state changes. An optimizer over
-    anything but plain tensors and DTensors (TorchRec's fused optimizers, whose state
+    restored afterwards, so only the optimizer's state changes. A subclass of
+    ``nn.Parameter`` over plain memory (TorchRec hands a data-parallel table to the dense
+    optimizer as a ``TableBatchedEmbeddingSlice``, whose ``.grad`` is its kernel's) steps as a
+    plain Parameter over the same memory, its state then moved to it. An optimizer over
+    anything else but plain tensors and DTensors (TorchRec's fused optimizers, whose state
     exists from the start and whose ``step()`` reconfigures their kernel) is left alone;
     over DTensors the step is collective where the optimizer's math is (a DTensor over a
     :class:`LocalShardsWrapper` takes every op of ``torch.optim``'s).
     """
     params = _params(opt)
-    if any(type(p) not in (torch.Tensor, nn.Parameter, DTensor) for p in params):
+    if any(type(p) not in (torch.Tensor, nn.Parameter, DTensor) and not _parameter_view(p) for p in params):
         return []
     lacking = [p for p in params if p.requires_grad and p not in opt.state]
     if not lacking:
         return []
-    wanted = {id(p) for p in lacking}
-    grads = [p.grad for p in params]
-    values = [p.detach().clone() for p in params]
+    # a subclass of Parameter (TorchRec's TableBatchedEmbeddingSlice: a data-parallel table, a view of its
+    # kernel's weights whose .grad is its kernel's) steps as a plain Parameter over the same memory
+    standing = {id(p): nn.Parameter(p.detach()) for p in params if _parameter_view(p)}
+    groups = [g["params"] for g in opt.param_groups]
+    stepped = [standing.get(id(p), p) for p in params]
+    wanted = {id(standing.get(id(p), p)) for p in lacking}
+    grads = [p.grad for p in stepped]
+    values = [p.detach().clone() for p in stepped]
     try:
-        for p in params:
+        for group in opt.param_groups:
+            group["params"] = [standing.get(id(p), p) for p in group["params"]]
+        for p in stepped:
             p.grad = torch.zeros_like(p) if id(p) in wanted else None
         opt.step()
     finally:
         with torch.no_grad():
-            for p, g, v in zip(params, grads, values):
+            for p, g, v in zip(stepped, grads, values):
                 p.copy_(v)
                 p.grad = g
+        for group, own in zip(opt.param_groups, groups):
+            group["params"] = own
+        for p in params:
+            if id(p) in standing and standing[id(p)] in opt.state:
+                opt.state[p] = opt.state.pop(standing[id(p)])
     return [p for p in lacking if p in opt.state]
+
+
+def _parameter_view(p: object) -> bool:
+    """A subclass of ``nn.Parameter`` over plain memory (not a DTensor, not a wrapper of other tensors)."""
+    return (isinstance(p, nn.Parameter) and type(p) is not nn.Parameter and not isinstance(p, DTensor)
+            and p.layout == torch.strided and p.device.type != "meta")
 
 
 @dataclass
