@@ -43,12 +43,14 @@ from .test_reshard_live_w3 import _Sends
 
 pool = make_pool_fixture(3)
 
-TABLES = {"t0": 11, "t1": 7, "t2": 9, "t3": 10}  # name -> rows
+TABLES = {"t0": 11, "t1": 7, "t2": 9, "t3": 10, "t4": 6}  # name -> rows; t4 data-parallel throughout
 DIM, DENSE_IN, GLOBAL_BATCH = 16, 3, 6
 PATH = "sparse_arch.embedding_bag_collection"
-BEFORE = {"t0": ("row_wise",), "t1": ("table_wise", 1), "t2": ("column_wise", [0, 2]), "t3": ("table_row_wise",)}
+DENSE_TRAINED = {"t4"}  # fp32 in the fp16 job too: Adam's eps (1e-8) is 0 in fp16, its first steps give NaN
+BEFORE = {"t0": ("row_wise",), "t1": ("table_wise", 1), "t2": ("column_wise", [0, 2]), "t3": ("table_row_wise",),
+          "t4": ("data_parallel",)}
 AFTER = {"t0": ("table_wise", 2), "t1": ("table_row_wise",), "t2": ("table_column_wise", [2, 1]),
-         "t3": ("table_wise", 0)}
+         "t3": ("table_wise", 0), "t4": ("data_parallel",)}
 LAST = dict(AFTER, t2=("table_wise", 1))
 
 SPLIT_FROM = dict(BEFORE, t2=("column_sizes", [4, 4, 8]))  # t2: three column blocks, on ranks 0, 1, 2
@@ -85,10 +87,11 @@ def _module_plan(kinds: dict[str, tuple], world: int, *, rows: dict[str, int] = 
             "column_wise": lambda ranks: sp.column_wise(ranks=ranks, compute_kernel="fused"),
             "column_sizes": lambda sizes: sp.column_wise(size_per_rank=sizes, compute_kernel="fused"),  # block k on k
             "table_row_wise": lambda: _fused(sp.table_row_wise(host_index=0)),
+            "data_parallel": sp.data_parallel,  # the dense kernel, trained by the dense optimizer
             "table_column_wise": table_column_wise}
     cls, config = (EmbeddingCollection, EmbeddingConfig) if seq else (EmbeddingBagCollection, EmbeddingBagConfig)
     module = cls(tables=[config(name=n, embedding_dim=dim, num_embeddings=r, feature_names=[f"f_{n}"],
-                                data_type=_data_type(half)) for n, r in rows.items()], device=torch.device("meta"))
+                                data_type=_data_type(half and n not in DENSE_TRAINED)) for n, r in rows.items()], device=torch.device("meta"))
     per_param = {n: make[kind](*args) for n, (kind, *args) in kinds.items()}
     return sp.construct_module_sharding_plan(module, per_param_sharding=per_param, local_size=world,
                                              world_size=world, device_type="cpu", sharder=_sharder(seq))
@@ -149,7 +152,7 @@ def _dmp(plans: dict[str, dict[str, tuple]], *, ddp: bool = False, half: bool = 
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name=n, embedding_dim=DIM, num_embeddings=r, feature_names=[f"f_{n}"],
-                                   data_type=_data_type(half)) for n, r in TABLES.items()], device=torch.device("meta"))
+                                   data_type=_data_type(half and n not in DENSE_TRAINED)) for n, r in TABLES.items()], device=torch.device("meta"))
     if PATH in plans:
         model: torch.nn.Module = DLRM(embedding_bag_collection=ebc, dense_in_features=DENSE_IN,
                                       dense_arch_layer_sizes=[5, DIM], over_arch_layer_sizes=[4, 1])
@@ -235,6 +238,8 @@ def _changing_bytes(old: dict, new: dict, rank: int, weight_bytes: int = 4) -> i
     total = 0
     for path, tables in new.items():
         for t, ps in tables.items():
+            if ps.sharding_type == "data_parallel":  # stays: every rank holds it
+                continue
             before, after = _owners(old[path][t]), _owners(ps)
             cols = [c for c, _ in _cut(old[path][t])]
             total += weight_bytes * int(((before == rank) & (after != rank)).sum())
@@ -353,7 +358,8 @@ def _storages(module: torch.nn.Module) -> list[weakref.ref]:
     """Weak references to the storage of every local block of the module's tables and fused optimizer state."""
     values = list(module.state_dict().values()) + [
         v for state in module.fused_optimizer.state_dict()["state"].values() for v in state.values()]
-    return [weakref.ref(s.tensor.untyped_storage()) for v in values for s in v.local_shards()]
+    return [weakref.ref(s.tensor.untyped_storage()) for v in values if hasattr(v, "local_shards")
+            for s in v.local_shards()]  # not the data-parallel tables: they stay
 
 
 def _old_module_freed(rank: int, world: int, job: str) -> None:
@@ -388,9 +394,10 @@ def _old_module_freed(rank: int, world: int, job: str) -> None:
     _step(dmp, adam, 1, rank, world)
     for p in first:  # the tables' init_fn, left out while reshard built the modules, initialises them again
         module = dmp.module.get_submodule(p)
-        before = {k: [s.tensor.clone() for s in v.local_shards()] for k, v in module.state_dict().items()}
+        sharded = {k: v for k, v in module.state_dict().items() if hasattr(v, "local_shards")}  # not t4
+        before = {k: [s.tensor.clone() for s in v.local_shards()] for k, v in sharded.items()}
         module.reset_parameters()
-        after = {k: [s.tensor for s in v.local_shards()] for k, v in module.state_dict().items()}
+        after = {k: [s.tensor for s in module.state_dict()[k].local_shards()] for k in sharded}
         assert all(not torch.equal(a, b) for k in before for a, b in zip(before[k], after[k]) if a.numel()), p
 
 
@@ -416,6 +423,10 @@ def _refused(rank: int, world: int, case: str) -> str:
         plan = ShardingPlan({PATH: _module_plan(dict(BEFORE, t1=("row_wise",)), world, rows=dict(TABLES, t1=8))})
     elif case == "unknown_table":
         plan = {"t9": _module_plan({"t9": ("row_wise",)}, world, rows={"t9": 5})["t9"]}
+    elif case == "into_data_parallel":  # a fused table would become the dense optimizer's
+        plan = _plan_of({PATH: dict(BEFORE, t1=("data_parallel",))})
+    elif case == "out_of_data_parallel":
+        plan = _plan_of({PATH: dict(BEFORE, t4=("row_wise",))})
     elif case == "split_column_cut":  # two column blocks into three of other widths
         plan = _plan_of({PATH: dict(BEFORE, t2=("column_sizes", [4, 4, 8]))})
     else:  # one value per row into two column blocks
@@ -457,6 +468,10 @@ def test_a_dmp_in_its_ddp_wrapper_trains_on_after_a_reshard(pool):
 
 
 REFUSALS = {
+    "into_data_parallel": "table 'sparse_arch.embedding_bag_collection.t1': table_wise now, data_parallel in the "
+                          "plan; a data-parallel table of a DMP is trained by the dense optimizer",
+    "out_of_data_parallel": "table 'sparse_arch.embedding_bag_collection.t4': data_parallel now, another sharding "
+                            "in the plan; a data-parallel table of a DMP is trained by the dense optimizer",
     "another_world_size": "table 'sparse_arch.embedding_bag_collection.t0'",
     "another_shape": "table 'sparse_arch.embedding_bag_collection.t1'",
     "unknown_table": "the tables ['t9'] are not all in one sharded module",

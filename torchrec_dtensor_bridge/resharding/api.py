@@ -147,7 +147,8 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
     moved are moved back into the old module before every rank raises. The new module then takes the old
     one's place in the model, in ``dmp.plan`` and in ``dmp.fused_optimizer`` (each table's ``lr`` kept),
     and the old one is freed; its dense parameters, their optimizers and its data-parallel wrapper are
-    left as they are. On a GPU fbgemm allocates a kernel's device buffer whole (not measured on a GPU yet).
+    left as they are, and so are its data-parallel tables (the new module takes over the old one's
+    data-parallel lookup: they keep their parameters). On a GPU fbgemm allocates a kernel's device buffer whole (not measured on a GPU yet).
 
     Optimizer state moves as a checkpoint load would convert it. A ``FusedOptimizer``'s row-wise state
     is one value per row (the whole row's statistic, whatever the column cut): it follows any plan
@@ -183,7 +184,8 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
             dtype, with a block on a rank outside the tables' group (a plan for another world size), or
             not covering the table; an optimizer state that cannot follow the table (a DMP's per-row
             state split into column blocks without ``split_row_states=True``); a DMP table not trained by
-            the fused kernel; ranks passing different plans.
+            the fused kernel, or into or out of data-parallel (its state belongs to the dense optimizer);
+            ranks passing different plans.
         RuntimeError: on every rank when a rank could not allocate or receive its new blocks; the
             model and the optimizers are then as before (the message says so when moving the tables
             already moved back failed too).

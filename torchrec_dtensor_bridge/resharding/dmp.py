@@ -153,11 +153,25 @@ def _widths(layout: ShardLayout) -> list[int]:
     return [w for _, w in _columns(layout)]
 
 
+def _data_parallel(ps: Any) -> bool:
+    return getattr(ps, "sharding_type", None) == "data_parallel"
+
+
 def _check_table(path: str, name: str, shape: tuple[int, int], old_ps: Any, new_ps: Any, group: CommGroup,
-                 kind: OptimKind | None, types: tuple[str, ...] | None, split: bool) -> _Table:
+                 kind: OptimKind | None, types: tuple[str, ...] | None, split: bool) -> _Table | None:
+    """The table's move, or ``None`` for a data-parallel table that stays one (it stays as it is)."""
     full = f"{path}.{name}"
+    if _data_parallel(old_ps) and _data_parallel(new_ps) and old_ps.compute_kernel == new_ps.compute_kernel:
+        return None
+    if _data_parallel(old_ps) or _data_parallel(new_ps):
+        now, then = ("data_parallel", "another sharding") if _data_parallel(old_ps) else (
+            old_ps.sharding_type, "data_parallel")
+        raise _fail(NotImplementedError, full, f"{now} now, {then} in the plan; a data-parallel table of a "
+                    "DMP is trained by the dense optimizer (and its own DistributedDataParallel), a sharded one by "
+                    "the fused kernel, whose states do not convert into each other: it stays data-parallel, "
+                    "or moves through a checkpoint")
     for ps, which in ((old_ps, "now"), (new_ps, "in the plan")):
-        if getattr(ps, "compute_kernel", None) != "fused" or ps.sharding_type == "data_parallel":
+        if getattr(ps, "compute_kernel", None) != "fused":
             raise _fail(NotImplementedError, full, f"{ps.sharding_type} with the {ps.compute_kernel!r} kernel "
                                                    f"{which}; reshard moves tables trained by the fused kernel")
     if types is not None and new_ps.sharding_type not in types:
@@ -199,8 +213,8 @@ def _check(dmp: Any, plan: object, group: CommGroup, split: bool) -> list[_Modul
             raise Rejected(NotImplementedError, f"{WHAT}: the fused optimizer {kind.name!r} of {path!r} keeps "
                                                 "state whose TorchRec form is not mapped")
         merged, types = {**now, **given}, trec.sharding_types(old)
-        tables = [_check_table(path, t, shapes[t], now[t], merged[t], group, kind, types, split)
-                  for t in shapes]
+        checked = [_check_table(path, t, shapes[t], now[t], merged[t], group, kind, types, split) for t in shapes]
+        tables = [t for t in checked if t is not None]
         if any(t.old.shards != t.new.shards for t in tables):
             out.append(_Module(path, old, merged, tables))
     return out
@@ -400,6 +414,7 @@ def _replace(dmp: Any, plan: object, split_row_states: bool) -> list[Any]:
             kind = _kind(trec.fused_optimizer_kind(dmp, m.old))
             states = [s.torchrec for s in kind.states if s.torchrec] if kind is not None else []
             m.new = trec.shard_afresh(dmp, m.path, m.old, m.plan, states)
+            trec.keep_data_parallel(m.new, m.old)
             steps.extend(_table_moves(m, t, kind, rank) for t in m.tables)
     except Exception as e:  # noqa: BLE001 - shared with every rank, which all raise
         problem = _failure("building the new sharded modules", e)
@@ -433,7 +448,7 @@ def _replace(dmp: Any, plan: object, split_row_states: bool) -> list[Any]:
     with torch.no_grad():
         for m, values in zip(modules, saved):
             trec.install(dmp, m.path, m.new, values)
-    return [r for m in modules for r in trec.retire(m.old, m.path)]
+    return [r for m in modules for r in trec.retire(m.old, m.path, m.new)]
 
 
 def reshard_dmp(dmp: Any, plan: object, *, split_row_states: bool = False) -> Any:

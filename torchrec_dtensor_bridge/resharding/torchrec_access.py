@@ -34,7 +34,8 @@ from torch import nn
 from ..torchrec_plan import dmp_type, embedding_bag_collection_type, embedding_collection_type, fused_kernel_types
 
 __all__ = [
-    "fused_optimizer_kind", "hyperparameters", "install", "is_dmp", "module_plan", "reshard_group", "retire",
+    "fused_optimizer_kind", "hyperparameters", "install", "is_dmp", "keep_data_parallel", "module_plan",
+    "reshard_group", "retire",
     "shard_afresh", "sharded_modules", "sharding_types", "table_shapes", "weight_key",
 ]
 
@@ -201,6 +202,34 @@ def shard_afresh(dmp: Any, path: str, sharded: Any, plan: Mapping[str, Any], sta
         return sharder.shard(unsharded, dict(plan), dmp._env, dmp.device, path)
 
 
+def _data_parallel_lookups(sharded: Any) -> list[tuple[int, Any]]:
+    """``(index, lookup)`` of each of the module's data-parallel lookups: those TorchRec wraps in a
+    ``DistributedDataParallel`` of their own (``init_data_parallel``)."""
+    return [(i, lookup) for i, lookup in enumerate(sharded._lookups)
+            if isinstance(lookup, torch.nn.parallel.DistributedDataParallel)]
+
+
+def _lookup_tables(lookup: Any) -> list[str]:
+    return [name for name, _ in lookup.module.named_parameters_by_table()]
+
+
+def keep_data_parallel(new: Any, old: Any) -> None:
+    """Give ``new`` (:func:`shard_afresh` of ``old``'s tables) ``old``'s data-parallel lookups in place of its
+    own: their tables (which stay data-parallel) keep their parameters, which the dense optimizer, the
+    lookups' own ``DistributedDataParallel`` and the DMP's wrapper refer to. Raises ``ValueError`` where the two
+    modules group their data-parallel tables differently."""
+    mine, theirs = _data_parallel_lookups(new), _data_parallel_lookups(old)
+    groups = ([_lookup_tables(lookup) for _, lookup in mine], [_lookup_tables(lookup) for _, lookup in theirs])
+    if groups[0] != groups[1]:
+        raise ValueError(f"the rebuilt module groups its data-parallel tables as {groups[0]}, the module now as "
+                         f"{groups[1]}")
+    tables = getattr(new, _family(new).prefix)
+    for (i, _), (_, lookup) in zip(mine, theirs):
+        new._lookups[i] = lookup
+        for name in _lookup_tables(lookup):
+            tables[name].register_parameter("weight", getattr(old, _family(old).prefix)[name].weight)
+
+
 def hyperparameters(sharded: Any) -> dict[str, dict[str, Any]]:
     """Table parameter name -> its group's hyper-parameters (``lr``, ...) in the module's fused optimizer, for
     the tables this rank holds (another rank's come from that rank)."""
@@ -236,18 +265,22 @@ class _Replaced:
                            f"longer the model's; call the model, or the module now at {self.path!r}")
 
 
-def retire(sharded: Any, path: str) -> list[weakref.ref[Any]]:
-    """Take a module :func:`install` replaced out of use and out of its reference cycles, so that its tables
-    and optimizer state are freed as soon as nothing else refers to it, not at the next garbage collection:
-    its state_dict hooks are dropped, and each weight's ``_in_backward_optimizers``. A later call of it
-    raises ``RuntimeError``. Returns weak references to the module and every parameter and buffer of it and of
-    its kernels (which hold the tables' storage): all dead once it is freed."""
+def retire(sharded: Any, path: str, new: Any) -> list[weakref.ref[Any]]:
+    """Take a module :func:`install` replaced by ``new`` out of use and out of its reference cycles, so that its
+    tables and optimizer state are freed as soon as nothing else refers to it, not at the next garbage
+    collection: its state_dict hooks are dropped, and each weight's ``_in_backward_optimizers``. A later call of
+    it raises ``RuntimeError``. Returns weak references to the module and every parameter and buffer of it and
+    of its kernels (which hold the tables' storage), but for the data-parallel lookups ``new`` took over
+    (:func:`keep_data_parallel`): all dead once it is freed."""
     refs: list[weakref.ref[Any]] = [weakref.ref(sharded)]
     sharded._state_dict_hooks.clear()
+    kept = {id(t) for top in [new, *new._lookups] for m in top.modules()  # the data-parallel tables, which stay
+            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
     for top in [sharded, *getattr(sharded, "_lookups", ())]:
         for m in top.modules():
             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
-                t.__dict__.pop("_in_backward_optimizers", None)
-                refs.append(weakref.ref(t))
+                if id(t) not in kept:
+                    t.__dict__.pop("_in_backward_optimizers", None)
+                    refs.append(weakref.ref(t))
     sharded.forward = _Replaced(path)
     return refs
