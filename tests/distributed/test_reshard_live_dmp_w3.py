@@ -1,8 +1,8 @@
 """``tdb.reshard`` of a TorchRec ``DistributedModelParallel`` on 3 gloo ranks: a DLRM job changes plan mid-training.
 
-TorchRec's ``DLRM`` in a DMP, its four tables trained by TorchRec's fused row-wise Adagrad, its dense part
-by ``torch.optim.Adam``, trains 4 steps under ``BEFORE``, is resharded in memory to ``AFTER`` (every table
-changes sharding type: row-wise -> table-wise, table-wise -> table-row-wise, column-wise -> table-column-wise
+TorchRec's ``DLRM`` in a DMP, four of its tables trained by TorchRec's fused row-wise Adagrad, its dense part
+and its fifth table (``t4``, data-parallel throughout: it stays as it is) by ``torch.optim.Adam``, trains 4
+steps under ``BEFORE``, is resharded in memory to ``AFTER`` (every fused table changes sharding type: row-wise -> table-wise, table-wise -> table-row-wise, column-wise -> table-column-wise
 with the column blocks on other ranks, table-row-wise -> table-wise), trains 4 steps, is resharded to
 ``LAST`` (the table-column-wise table onto one rank: its per-block row states combined) and trains 2 more.
 The same job with fp16 tables (their row-wise state fp32) is resharded once, ``BEFORE`` -> ``AFTER``.
