@@ -39,7 +39,7 @@ import torchrec_dtensor_bridge as tdb
 from .harness import make_pool_fixture
 from .test_dlrm_resume_w3 import _batch as _dlrm_batch
 from .test_dlrm_resume_w3 import _dense_params, _snapshot
-from .test_reshard_live_w3 import _Sends
+from .test_reshard_live_w3 import _Sends, _status
 
 pool = make_pool_fixture(3)
 
@@ -575,13 +575,6 @@ def _wide_peak(rank: int, world: int, staging: int, case: str) -> tuple[int, int
     shares = [sum(s.shard_sizes[0] * (s.shard_sizes[1] + 1) * 4 for s in ps.sharding_spec.shards
                   if s.placement.rank() == rank) for ps in new.plan["ebc"].values()]
     return peak, max(shares) + staging, sum(shares)
-
-
-def _status(field: str) -> int:
-    for line in open("/proc/self/status").read().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 @pytest.mark.parametrize("case", sorted(MEMORY_CASES))
