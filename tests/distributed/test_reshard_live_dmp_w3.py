@@ -4,7 +4,8 @@ TorchRec's ``DLRM`` in a DMP, four of its tables trained by TorchRec's fused row
 and its fifth table (``t4``, data-parallel throughout: it stays as it is) by ``torch.optim.Adam``, trains 4
 steps under ``BEFORE``, is resharded in memory to ``AFTER`` (every fused table changes sharding type: row-wise -> table-wise, table-wise -> table-row-wise, column-wise -> table-column-wise
 with the column blocks on other ranks, table-row-wise -> table-wise), trains 4 steps, is resharded to
-``LAST`` (the table-column-wise table onto one rank: its per-block row states combined) and trains 2 more.
+``LAST`` (the table-column-wise table onto one rank: its per-block row states combined; a table-wise
+table into TorchRec's grid sharding, on one host: blocks of rows) and trains 2 more.
 The same job with fp16 tables (their row-wise state fp32) is resharded once, ``BEFORE`` -> ``AFTER``.
 A sequence model holds a TorchRec ``EmbeddingCollection`` (alone, and beside an ``EmbeddingBagCollection``
 in the same DMP), sharded by ``EmbeddingCollectionSharder`` with the same fused row-wise Adagrad, and is
@@ -51,7 +52,7 @@ BEFORE = {"t0": ("row_wise",), "t1": ("table_wise", 1), "t2": ("column_wise", [0
           "t4": ("data_parallel",)}
 AFTER = {"t0": ("table_wise", 2), "t1": ("table_row_wise",), "t2": ("table_column_wise", [2, 1]),
          "t3": ("table_wise", 0), "t4": ("data_parallel",)}
-LAST = dict(AFTER, t2=("table_wise", 1))
+LAST = dict(AFTER, t2=("table_wise", 1), t3=("grid_shard",))
 
 SPLIT_FROM = dict(BEFORE, t2=("column_sizes", [4, 4, 8]))  # t2: three column blocks, on ranks 0, 1, 2
 SPLIT_TO = dict(BEFORE, t1=("column_sizes", [8, 8]), t2=("column_wise", [1, 0, 1, 0]))  # blocks of 8, and of 4
@@ -87,7 +88,8 @@ def _module_plan(kinds: dict[str, tuple], world: int, *, rows: dict[str, int] = 
             "column_wise": lambda ranks: sp.column_wise(ranks=ranks, compute_kernel="fused"),
             "column_sizes": lambda sizes: sp.column_wise(size_per_rank=sizes, compute_kernel="fused"),  # block k on k
             "table_row_wise": lambda: _fused(sp.table_row_wise(host_index=0)),
-            "data_parallel": sp.data_parallel,  # the dense kernel, trained by the dense optimizer
+            "data_parallel": sp.data_parallel,
+            "grid_shard": lambda: _fused(sp.grid_shard(host_indexes=[0])),  # one host: row blocks of column blocks  # the dense kernel, trained by the dense optimizer
             "table_column_wise": table_column_wise}
     cls, config = (EmbeddingCollection, EmbeddingConfig) if seq else (EmbeddingBagCollection, EmbeddingBagConfig)
     module = cls(tables=[config(name=n, embedding_dim=dim, num_embeddings=r, feature_names=[f"f_{n}"],
