@@ -1,5 +1,6 @@
 """DCP ``Stateful`` values in ``checkpoint.save`` / ``load``, in one process: a module and a ``torch.optim``
-optimizer saved and resumed in one call, an optimizer before its first step, refusals that modify nothing."""
+optimizer saved and resumed in one call, an optimizer before its first step (over a subclass of
+``nn.Parameter`` too), refusals that modify nothing (state no optimizer state can be created to load into)."""
 
 import pytest
 import torch
@@ -220,3 +221,52 @@ def test_a_save_walks_the_state_dict_once(tmp_path, monkeypatch):
     tdb.checkpoint.load(dest, tmp_path / "link")
     assert torch.equal(dest["t"], state["t"]) and dest["meta"] == {"step": 2, "note": "x"}
     assert tdb.checkpoint.inspect(tmp_path / "link")["meta.note"]["value"] == "'x'"
+
+
+class _Slice(nn.Parameter):
+    """A subclass of ``nn.Parameter`` over plain memory, as TorchRec hands a data-parallel table (its
+    ``TableBatchedEmbeddingSlice``) to the dense optimizer."""
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass that is no Parameter: no optimizer state can be created for it."""
+
+
+def _trained_adam(param: torch.Tensor) -> torch.optim.Adam:
+    opt = torch.optim.Adam([param], lr=0.1)
+    for step in range(2):
+        param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(step))
+        opt.step()
+    return opt
+
+
+def test_the_state_of_a_parameter_subclass_loads(tmp_path):
+    """Before: state was created for no parameter of an optimizer holding one such subclass, so the load
+    restored nothing and said nothing."""
+    plain = nn.Parameter(torch.ones(4, 3))
+    param = _Slice(torch.ones(4, 3))
+    opt = torch.optim.Adam([plain, param], lr=0.1)
+    for step in range(2):
+        plain.grad = param.grad = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
+        opt.step()
+    tdb.checkpoint.save({"optim": opt}, tmp_path / "ck")
+    fresh_plain, fresh = nn.Parameter(torch.zeros(4, 3)), _Slice(torch.zeros(4, 3))
+    fresh_opt = torch.optim.Adam([fresh_plain, fresh], lr=0.1)
+    tdb.checkpoint.load({"optim": fresh_opt}, tmp_path / "ck")
+    assert type(fresh) is _Slice and fresh.grad is None and torch.equal(fresh, torch.zeros(4, 3))
+    for mine, theirs in ((fresh_plain, plain), (fresh, param)):
+        assert sorted(fresh_opt.state[mine]) == sorted(opt.state[theirs])
+        for k, v in opt.state[theirs].items():
+            assert torch.equal(fresh_opt.state[mine][k], v), k
+
+
+def test_state_that_nothing_could_load_into_is_refused_naming_it(tmp_path):
+    opt = _trained_adam(torch.ones(4, 3).as_subclass(_Tagged).requires_grad_())
+    tdb.checkpoint.save({"optim": opt}, tmp_path / "ck")
+    fresh = torch.zeros(4, 3).as_subclass(_Tagged).requires_grad_()
+    fresh_opt = torch.optim.Adam([fresh], lr=0.3)
+    with pytest.raises(TypeError, match=r"key 'optim.state.0': the checkpoint holds this optimizer state.*_Tagged"):
+        tdb.checkpoint.load({"optim": fresh_opt}, tmp_path / "ck")
+    assert not fresh_opt.state and fresh_opt.param_groups[0]["lr"] == 0.3  # nothing modified
+    tdb.checkpoint.save({"optim": torch.optim.Adam([fresh], lr=0.3)}, tmp_path / "fresh")
+    tdb.checkpoint.load({"optim": fresh_opt}, tmp_path / "fresh")  # a checkpoint without such state: loads

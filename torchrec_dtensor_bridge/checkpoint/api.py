@@ -383,7 +383,8 @@ def load(
     try:
         opened = open_agreed(loc, expanded.view, strict, verify, member_group(group, what), what, extra,
                              optional=expanded.optional, hints=expanded.hints, convert_dtypes=convert_dtypes,
-                             split_row_states=split_row_states, param_groups=expanded.param_groups)
+                             split_row_states=split_row_states, param_groups=expanded.param_groups,
+                             stateless=expanded.stateless)
         try:
             expanded.drop(opened.absent)
             combine, undo = combine_row_states(expanded.row_states, opened.row_states, opened.metadata)

@@ -83,6 +83,16 @@ def _absent(md: Metadata, optional: tuple[str, ...]) -> frozenset[str]:
     return frozenset(k for k in optional if k not in held)
 
 
+def _unloadable(md: Metadata, stateless: Mapping[str, str]) -> list[Problem]:
+    """A problem per key of ``stateless`` (an optimizer's state for a parameter it cannot create state for
+    -> the parameter's type) under which the checkpoint holds something: it would not be loaded."""
+    held = sorted(set(stateless) - _absent(md, tuple(stateless)))
+    return [Problem(Kind.TYPE, f"key {k!r}: the checkpoint holds this optimizer state, but the optimizer has none "
+                               f"for the parameter to load it into and none can be created (a {stateless[k]}: "
+                               "state is created for plain tensors, Parameters and DTensors); take a step first")
+            for k in held]
+
+
 def _under(fqn: str, keys: frozenset[str]) -> bool:
     return any(fqn == k or fqn.startswith(k + ".") for k in keys)
 
@@ -315,7 +325,8 @@ def _examine(path: Loc, name: str, state_dict: Mapping[str, Any], strict: bool, 
 def open_agreed(path: Loc, state_dict: Mapping[str, Any], strict: bool, verify: bool,
                 g: CommGroup, what: str, extra: list[Problem], *, optional: tuple[str, ...] = (),
                 hints: Mapping[str, Hint] | None = None, convert_dtypes: bool = False,
-                split_row_states: bool = False, param_groups: Mapping[str, int] | None = None) -> Opened:
+                split_row_states: bool = False, param_groups: Mapping[str, int] | None = None,
+                stateless: Mapping[str, str] | None = None) -> Opened:
     """Resolve ``path`` once (rank 0), lock and examine that generation on every rank, agree; *collective*.
 
     Steps 1-3 of the module docstring. On success every rank holds a shared lock on the same generation
@@ -336,6 +347,8 @@ def open_agreed(path: Loc, state_dict: Mapping[str, Any], strict: bool, verify: 
         split_row_states: convert a per-row state into another column cut of several blocks (:mod:`.keyed`).
         param_groups: per key of a ``torch.optim`` optimizer's ``param_groups``, its number of groups: a
             checkpoint holding another number there is refused.
+        stateless: per key of an optimizer's state for a parameter no state can be created for, the
+            parameter's type: a checkpoint holding that state is refused (it would not be loaded).
 
     Returns:
         The generation every rank agreed to read, its lock, manifest and metadata, and the absent optional keys.
@@ -357,6 +370,8 @@ def open_agreed(path: Loc, state_dict: Mapping[str, Any], strict: bool, verify: 
         lock, manifest, md, problems, ident, combined, chain = _examine(path, name, state_dict, strict, verify, rank,
                                                                         optional, hints, convert_dtypes,
                                                                         split_row_states, param_groups)
+        if md is not None and stateless:
+            problems = problems + _unloadable(metadata_for_checks(chain) if chain is not None else md, stateless)
         everyone = gather_objects((lock is None and not problems, problems + extra, ident), g)
         if any(moved for moved, _, _ in everyone):
             if chain is not None:

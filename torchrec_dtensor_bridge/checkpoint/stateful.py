@@ -98,7 +98,7 @@ def _create_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     :class:`LocalShardsWrapper` takes every op of ``torch.optim``'s).
     """
     params = _params(opt)
-    if any(type(p) not in (torch.Tensor, nn.Parameter, DTensor) and not _parameter_view(p) for p in params):
+    if not all(_state_creatable(p) for p in params):
         return []
     lacking = [p for p in params if p.requires_grad and p not in opt.state]
     if not lacking:
@@ -128,6 +128,11 @@ def _create_state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
             if id(p) in standing and standing[id(p)] in opt.state:
                 opt.state[p] = opt.state.pop(standing[id(p)])
     return [p for p in lacking if p in opt.state]
+
+
+def _state_creatable(p: object) -> bool:
+    """Whether :func:`_create_state` steps an optimizer over ``p``."""
+    return type(p) in (torch.Tensor, nn.Parameter, DTensor) or _parameter_view(p)
 
 
 def _parameter_view(p: object) -> bool:
@@ -171,6 +176,7 @@ class Expanded:
     view: dict[str, Any]
     problems: list[Problem] = field(default_factory=list)
     created: list[_Created] = field(default_factory=list)
+    stateless: dict[str, str] = field(default_factory=dict)
     extras: list[tuple[str, Callable[[], Any]]] = field(default_factory=list)
     records: list[tuple[dict[str, Any], str, str]] = field(default_factory=list)
     row_states: dict[str, tuple[MutableMapping[str, Any], str]] = field(default_factory=dict)
@@ -360,6 +366,10 @@ class _Expander:
         view: dict[str, Any] = {"state": states, "param_groups": groups}
         self.out.param_groups[f"{key}.param_groups"] = len(groups)
         position = {id(p): i for i, p in enumerate(_params(opt))}
+        if self.for_load:  # nothing to load into: refused where the checkpoint holds state for it (loading.py)
+            for i, p in enumerate(_params(opt)):
+                if p.requires_grad and p not in opt.state and not _state_creatable(p):
+                    self.out.stateless[f"{key}.state.{names[i]}"] = type(p).__name__
         for part, p in created:
             name = names[position[id(p)]]
             self.out.created.append(_Created(f"{key}.state.{name}", part, p, states, name))
