@@ -15,6 +15,7 @@ __all__ = [
     "dmp_type",
     "embedding_bag_collection_type",
     "embedding_collection_type",
+    "fbgemm_kernel_type",
     "fused_kernel_types",
     "jagged_types",
     "layout_from_parameter_sharding",
@@ -25,8 +26,9 @@ _NAMED = 5  # the tables a refusal names before it counts the rest
 
 
 def _loaded(module: str, *names: str) -> tuple[type, ...]:
-    """The classes ``names`` of torchrec's ``module`` if it is already loaded, else ``()``: a torchrec object
-    exists only once its module is, so a caller looking for one never needs to import torchrec itself."""
+    """The classes ``names`` of ``module`` (torchrec's, or fbgemm's under it) if it is already loaded, else
+    ``()``: such an object exists only once its module is, so a caller looking for one never needs to import
+    torchrec itself."""
     mod = sys.modules.get(module)
     return () if mod is None else tuple(getattr(mod, n) for n in names)
 
@@ -57,6 +59,13 @@ def fused_kernel_types() -> tuple[type, ...]:
     collection, ``BatchedFusedEmbedding`` of a sequence one) if its ``batched_embedding_kernel`` is already
     loaded, else ``()`` (a sharded module exists only once it is)."""
     return _loaded("torchrec.distributed.batched_embedding_kernel", "BatchedFusedEmbeddingBag", "BatchedFusedEmbedding")
+
+
+def fbgemm_kernel_type() -> type | None:
+    """fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` (the kernel TorchRec's fused kernels build) if its
+    module is already loaded (it is once a fused kernel exists), else ``None``."""
+    return (_loaded("fbgemm_gpu.split_table_batched_embeddings_ops_training",
+                    "SplitTableBatchedEmbeddingBagsCodegen") or (None,))[0]
 
 
 def jagged_types() -> tuple[type, type]:

@@ -18,8 +18,8 @@ from ..convert.reshard import Move, move_pieces, pieces
 from ..groups import CommGroup, call_group
 from ..layout import ShardLayout
 from .dmp import reshard_dmp
-from .optimizers import Optimizer, check_optimizers, optimizer_moves
 from .batches import schedule
+from .optimizers import Optimizer, check_optimizers, optimizer_moves
 from .tables import STAGING_BYTES, WHAT, Table, check_plan, sharded_tables
 from .torchrec_access import is_dmp
 
@@ -148,7 +148,8 @@ def reshard(model: nn.Module, plan: Mapping[str, ShardLayout], *,
     one's place in the model, in ``dmp.plan`` and in ``dmp.fused_optimizer`` (each table's ``lr`` kept),
     and the old one is freed; its dense parameters, their optimizers and its data-parallel wrapper are
     left as they are, and so are its data-parallel tables (the new module takes over the old one's
-    data-parallel lookup: they keep their parameters). On a GPU fbgemm allocates a kernel's device buffer whole (not measured on a GPU yet).
+    data-parallel lookup: they keep their parameters). On a GPU fbgemm allocates a kernel's device
+    buffer whole (not measured on a GPU yet).
 
     Optimizer state moves as a checkpoint load would convert it. A ``FusedOptimizer``'s row-wise state
     is one value per row (the whole row's statistic, whatever the column cut): it follows any plan

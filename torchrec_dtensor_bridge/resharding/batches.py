@@ -8,7 +8,7 @@ from typing import Protocol, TypeVar
 
 from ..layout import ShardLayout
 
-__all__ = ["schedule"]
+__all__ = ["bytes_by_rank", "schedule"]
 
 
 class Moving(Protocol):
@@ -24,15 +24,20 @@ class Moving(Protocol):
 T = TypeVar("T", bound=Moving)
 
 
-def _bytes_on(layout: ShardLayout, members: Sequence[int]) -> list[int]:
-    """The bytes of ``layout``'s blocks on each rank of ``members``."""
-    assert layout.dtype is not None, "check_plan names both layouts with the table's dtype"
-    size = layout.dtype.itemsize
-    per = dict.fromkeys(members, 0)
+def bytes_by_rank(layout: ShardLayout) -> dict[int, int]:
+    """The bytes of ``layout``'s blocks on each rank holding some."""
+    assert layout.dtype is not None, "a live table's layouts carry its dtype"
+    per: dict[int, int] = {}
     for s in layout.shards:
         assert s.rank is not None, "a live table's blocks each name their rank"
-        per[s.rank] += s.numel * size
-    return [per[r] for r in members]
+        per[s.rank] = per.get(s.rank, 0) + s.numel * layout.dtype.itemsize
+    return per
+
+
+def _bytes_on(layout: ShardLayout, members: Sequence[int]) -> list[int]:
+    """The bytes of ``layout``'s blocks on each rank of ``members``."""
+    per = bytes_by_rank(layout)
+    return [per.get(r, 0) for r in members]
 
 
 def schedule(tables: Sequence[T], members: Sequence[int]) -> list[list[T]]:

@@ -17,13 +17,7 @@ table-column-wise or grid), so that TorchRec is never asked to build what it ref
 TorchRec's fused optimizer state, per table (the registry's kinds, :mod:`..optim_kinds`):
 
 - element-wise state (Adagrad's ``momentum1``) has the weight's layout;
-- per-row state (row-wise Adagrad's ``momentum1``) is 1-D: for a table cut into ``n`` column blocks,
-  ``n`` values per row, block ``k``'s at ``k * rows + row``. It moves as a ``(n, rows)`` table: between
-  two plans with the same column blocks block for block; into a plan with one column block each row's
-  blocks combined, weighted by their widths, as a checkpoint load combines them (exact); into another
-  column cut only with ``split_row_states`` (an approximation, asked for as for a load): each row's blocks
-  combined so, and every new block given that value (a block's own statistic over its columns was never
-  kept), else refused.
+- per-row state (row-wise Adagrad's ``momentum1``) moves as :mod:`.row_states` says.
 """
 
 from __future__ import annotations
@@ -45,10 +39,11 @@ from ..agreement import Problem, ProblemKind, Rejected, agree, check_same, gathe
 from ..convert.reshard import Move, move_pieces, pieces
 from ..groups import CommGroup, of_group
 from ..layout import ShardLayout, ShardSpec
-from ..optim_kinds import OptimKind, StateKind, combine_column_blocks
+from ..optim_kinds import OptimKind, StateKind
 from ..torchrec_plan import layout_from_parameter_sharding
+from . import row_states
 from . import torchrec_access as trec
-from .batches import schedule
+from .batches import bytes_by_rank, schedule
 from .tables import STAGING_BYTES, WHAT
 
 __all__ = ["reshard_dmp"]
@@ -83,41 +78,24 @@ class _Step:
     Attributes:
         table: the table.
         layout, target: its weight's layout now and under the plan, with its dtype.
-        moves: its weight's and fused optimizer states' moves, into the new module's storage (or, for a per-row
-            state combined from column blocks, into buffers ``finish`` combines).
+        exact: the moves of its weight and fused optimizer states whose new blocks, in the new module's
+            storage, are a copy of the old ones: once in use, their old blocks' memory is released
+            (:func:`.._pages.release`); moved back on a failure.
+        combined: the moves of a per-row state combined from column blocks, into buffers ``finish``
+            combines; its old blocks are kept (no way back from the combined values).
         finish: what completes the new state once the moves are in.
-        exact: those of ``moves`` whose new blocks are a copy of the old ones: once in use, their old blocks'
-            memory is released (:func:`.._pages.release`); moved back on a failure.
     """
 
     table: _Table
     layout: ShardLayout
     target: ShardLayout
-    moves: list[Move]
+    exact: list[Move]
+    combined: list[Move] = field(default_factory=list)
     finish: list[Callable[[], None]] = field(default_factory=list)
-    exact: list[Move] = field(default_factory=list)
 
-
-def _columns(layout: ShardLayout) -> list[tuple[int, int]]:
-    """The column blocks ``(first column, width)`` in the order of the blocks that first hold them."""
-    out: list[tuple[int, int]] = []
-    for s in layout.shards:
-        if s.numel and (s.offsets[1], s.sizes[1]) not in out:
-            out.append((s.offsets[1], s.sizes[1]))
-    return out
-
-
-def _row_table(layout: ShardLayout, rows: int) -> tuple[ShardLayout, ShardLayout]:
-    """TorchRec's 1-D per-row state layout of a table of ``layout``, and the same as a ``(blocks, rows)``
-    table (block ``k``'s values at row ``k``)."""
-    cols = _columns(layout)
-    flat, grid = [], []
-    for s in layout.shards:
-        k = cols.index((s.offsets[1], s.sizes[1])) if s.numel else 0
-        flat.append(ShardSpec(s.rank, (k * rows + s.offsets[0],), (s.sizes[0],)))
-        grid.append(ShardSpec(s.rank, (k, s.offsets[0]), (1, s.sizes[0])))
-    return (ShardLayout((len(cols) * rows,), tuple(flat), torch.float32, layout.name),
-            ShardLayout((len(cols), rows), tuple(grid), torch.float32, layout.name))
+    @property
+    def moves(self) -> list[Move]:
+        return self.exact + self.combined
 
 
 def _fail(kind: type[Exception], table: str, message: str) -> Rejected:
@@ -147,10 +125,6 @@ def _module_plans(dmp: Any, plan: object, modules: Mapping[str, Any]) -> dict[st
         raise Rejected(ValueError, f"{WHAT}: the tables {sorted(names)} are not all in one sharded module of the "
                                    f"model (its modules: {sorted(modules)}); pass a ShardingPlan")
     return {holders[0]: dict(plan)}
-
-
-def _widths(layout: ShardLayout) -> list[int]:
-    return [w for _, w in _columns(layout)]
 
 
 def _data_parallel(ps: Any) -> bool:
@@ -183,7 +157,7 @@ def _check_table(path: str, name: str, shape: tuple[int, int], old_ps: Any, new_
     except (TypeError, ValueError) as e:
         raise _fail(type(e), full, f"the plan's {new_ps.sharding_type} sharding does not fit the table of shape "
                                    f"{list(shape)} on {group.size} ranks: {e}") from None
-    before, after = _widths(old), _widths(new)
+    before, after = row_states.widths(old), row_states.widths(new)
     if kind is not None and kind.row_wise and len(after) > 1 and before != after and not split:
         raise _fail(NotImplementedError, full, f"its {kind.name} state keeps a value per row and column block; "
                     f"column blocks of widths {before} do not convert exactly into blocks of widths {after} (only "
@@ -247,8 +221,7 @@ def _table_moves(m: _Module, t: _Table, kind: OptimKind | None, rank: int) -> _S
     old_w, new_w = m.old.state_dict()[key], m.new.state_dict()[key]
     weight = Move(pieces(t.old, t.new), t.old, _local(old_w, t.old, rank, key), t.new, _local(new_w, t.new, rank, key))
     dtype = getattr(old_w, "dtype", None)
-    step = _Step(t, dataclasses.replace(t.old, dtype=dtype), dataclasses.replace(t.new, dtype=dtype), [weight],
-                 exact=[weight])
+    step = _Step(t, dataclasses.replace(t.old, dtype=dtype), dataclasses.replace(t.new, dtype=dtype), [weight])
     old_s = m.old.fused_optimizer.state_dict()["state"].get(key, {})
     new_s = m.new.fused_optimizer.state_dict()["state"].get(key, {})
     for spec in kind.states if kind is not None else ():
@@ -256,60 +229,19 @@ def _table_moves(m: _Module, t: _Table, kind: OptimKind | None, rank: int) -> _S
         if spec.shape is StateKind.ELEMENT:
             step.exact.append(Move(weight.pieces, t.old, _local(old_s.get(skey), t.old, rank, skey), t.new,
                                    _local(new_s.get(skey), t.new, rank, skey)))
-            step.moves.append(step.exact[-1])
             continue
-        (old_flat, old_grid), (new_flat, new_grid) = _row_table(t.old, t.rows), _row_table(t.new, t.rows)
+        old_flat, old_grid = row_states.row_table(t.old, t.rows)
+        new_flat, new_grid = row_states.row_table(t.new, t.rows)
         src = [x.view(1, -1) for x in _local(old_s.get(skey), old_flat, rank, skey)]
         dst = _local(new_s.get(skey), new_flat, rank, skey)
-        if _widths(t.old) == _widths(t.new):
+        if row_states.widths(t.old) == row_states.widths(t.new):
             step.exact.append(Move(pieces(old_grid, new_grid), old_grid, src, new_grid, [x.view(1, -1) for x in dst]))
-            step.moves.append(step.exact[-1])
             continue
-        boxes, into, bufs = _row_boxes(t, skey, rank, dst[0].device if dst else torch.device("cpu"))
-        step.moves.append(Move(pieces(old_grid, into), old_grid, src, into, bufs))
-        step.finish.append(_combiner(_widths(t.old), boxes, dst))
+        device = dst[0].device if dst else torch.device("cpu")
+        boxes, into, bufs = row_states.row_boxes(t.old, t.new, t.rows, skey, rank, device)
+        step.combined.append(Move(pieces(old_grid, into), old_grid, src, into, bufs))
+        step.finish.append(row_states.combiner(row_states.widths(t.old), boxes, dst))
     return step
-
-
-def _row_boxes(t: _Table, key: str, rank: int, device: torch.device,
-               ) -> tuple[list[torch.Tensor | None], ShardLayout, list[torch.Tensor]]:
-    """Where the new per-row blocks of ``t`` on ``rank`` take their rows' old values from: one ``(old
-    blocks, rows)`` buffer per distinct row range a rank holds, received once however many new column
-    blocks of the rank cover it. Returns, per block of ``rank`` (layout order), its buffer (``None``: no
-    rows); the buffers' layout over every rank; and this rank's buffers in that layout's order."""
-    blocks = len(_columns(t.old))
-    ranges: list[tuple[int | None, int, int]] = []
-    for s in t.new.shards:
-        if s.sizes[0] and (s.rank, s.offsets[0], s.sizes[0]) not in ranges:
-            ranges.append((s.rank, s.offsets[0], s.sizes[0]))
-    into = ShardLayout((blocks, t.rows), tuple(ShardSpec(r, (0, first), (blocks, n)) for r, first, n in ranges),
-                       torch.float32, key)
-    mine = [(first, n) for r, first, n in ranges if r == rank]
-    bufs = [torch.empty((blocks, n), dtype=torch.float32, device=device) for _, n in mine]
-    per_block = [bufs[mine.index((s.offsets[0], s.sizes[0]))] if s.sizes[0] else None for s in t.new.shards_on(rank)]
-    return per_block, into, bufs
-
-
-_COMBINED_ROWS = 1 << 14  # rows combined at a time: float64 temporaries of about a MiB, not the whole table's
-
-
-def _combiner(widths: list[int], boxes: list[torch.Tensor | None], dst: list[torch.Tensor],
-              ) -> Callable[[], None]:
-    """What, once the old values are in, gives every new block its rows' values: the old blocks' weighted by
-    their widths (as a checkpoint load combines them; one old block: its values as they are)."""
-
-    def combine() -> None:
-        for buf, out in zip(boxes, dst):
-            if buf is None:
-                continue
-            if len(widths) == 1:
-                out.copy_(buf[0])
-                continue
-            for first in range(0, out.shape[0], _COMBINED_ROWS):  # a row's value is its own: the same bits
-                rows = slice(first, first + _COMBINED_ROWS)
-                out[rows].copy_(combine_column_blocks(buf[:, rows], widths, out.dtype))
-
-    return combine
 
 
 def _digest(modules: list[_Module]) -> int:
@@ -330,20 +262,6 @@ def _let_go(modules: list[_Module], *held: list[Any]) -> None:
         x.clear()
 
 
-def _bytes_by_rank(layout: ShardLayout) -> dict[int, int]:
-    assert layout.dtype is not None, "a state's layout carries its dtype"
-    out: dict[int, int] = {}
-    for s in layout.shards:
-        if s.rank is not None:
-            out[s.rank] = out.get(s.rank, 0) + s.numel * layout.dtype.itemsize
-    return out
-
-
-def _combined(step: _Step) -> list[Move]:
-    """``step``'s moves of a per-row state combined from column blocks: into buffers, the old state kept."""
-    return [x for x in step.moves if all(x is not e for e in step.exact)]
-
-
 def _staging(batch: list[_Step], kept: dict[int, int]) -> int:
     """The transfer buffers' budget for ``batch``: :data:`STAGING_BYTES` less, on the rank where it is most,
     what the rank holds beside (``kept``: old per-row states kept until every table is in, for the way back;
@@ -351,8 +269,8 @@ def _staging(batch: list[_Step], kept: dict[int, int]) -> int:
     alone: the same on every rank."""
     extra = dict(kept)
     for step in batch:
-        for x in _combined(step):
-            for r, n in _bytes_by_rank(x.dst_layout).items():
+        for x in step.combined:
+            for r, n in bytes_by_rank(x.dst_layout).items():
                 extra[r] = extra.get(r, 0) + n
     return max(STAGING_BYTES - max(extra.values(), default=0), STAGING_BYTES // 8)
 
@@ -440,10 +358,10 @@ def _replace(dmp: Any, plan: object, split_row_states: bool) -> list[Any]:
             for x in step.exact:
                 for t in x.src_local:
                     release(t)
-            for x in _combined(step):
-                for r, n in _bytes_by_rank(x.src_layout).items():
+            for x in step.combined:
+                for r, n in bytes_by_rank(x.src_layout).items():
                     kept[r] = kept.get(r, 0) + n
-            step.moves, step.finish = [], []  # and the buffers a combined state was received in go
+            step.combined, step.finish = [], []  # and the buffers a combined state was received in go
         done.extend(batch)
     with torch.no_grad():
         for m, values in zip(modules, saved):

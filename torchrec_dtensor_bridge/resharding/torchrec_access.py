@@ -7,7 +7,10 @@ fill their tables with random values when built (``init_parameters``, and the co
 every value is then written from the old module. On the CPU fbgemm's kernel (1.8:
 ``SplitTableBatchedEmbeddingBagsCodegen._apply_split``) zero-fills each host buffer it allocates, every
 table of the kernel at once; :func:`shard_afresh` gives it buffers allocated without the fill (fbgemm's own
-``preallocated_host_buffer``), whose pages the system provides as values are first written, table by table. A sharded module holds reference cycles (its
+``preallocated_host_buffer``), whose pages the system provides as values are first written, table by
+table. A sharded module's data-parallel tables are its data-parallel lookups' (each wrapped in a
+``DistributedDataParallel`` of its own), which :func:`keep_data_parallel` hands on. A sharded module holds
+reference cycles (its
 state_dict hook closes over it; each fused table's weight lists, in ``_in_backward_optimizers``, an optimizer
 holding the weight and the kernel with every table), which :func:`retire` breaks. Its sharded
 ``EmbeddingBagCollection`` keeps its tables' configs in ``_embedding_bag_configs`` (state_dict keys
@@ -20,7 +23,6 @@ reads these; nothing here imports torchrec (the class tests go through :mod:`..t
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
@@ -31,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..torchrec_plan import dmp_type, embedding_bag_collection_type, embedding_collection_type, fused_kernel_types
+from ..torchrec_plan import (dmp_type, embedding_bag_collection_type, embedding_collection_type, fbgemm_kernel_type,
+                             fused_kernel_types)
 
 __all__ = [
     "fused_optimizer_kind", "hyperparameters", "install", "is_dmp", "keep_data_parallel", "module_plan",
@@ -136,9 +139,6 @@ def _left_as_allocated(value: object) -> None:
     holds: the tables stay as fbgemm allocated them."""
 
 
-_FBGEMM_KERNEL = ("fbgemm_gpu.split_table_batched_embeddings_ops_training", "SplitTableBatchedEmbeddingBagsCodegen")
-
-
 def _unzeroed(apply: Callable[..., None], lazy: Collection[str]) -> Callable[..., None]:
     """fbgemm's ``_apply_split`` giving each host buffer named in ``lazy`` (``"weights"``, ``"momentum1"``,
     ...) allocated without its zero fill, as fbgemm's ``preallocated_host_buffer`` takes it."""
@@ -164,8 +164,7 @@ def _unfilled(configs: list[Any], lazy: Collection[str]) -> Iterator[None]:
     kernels = fused_kernel_types()
     own = [(cls, cls.__dict__.get("init_parameters")) for cls in kernels]
     fns = [c.init_fn for c in configs]
-    tbe = sys.modules.get(_FBGEMM_KERNEL[0])
-    cls_tbe = getattr(tbe, _FBGEMM_KERNEL[1], None)
+    cls_tbe = fbgemm_kernel_type()
     apply = getattr(cls_tbe, "__dict__", {}).get("_apply_split")
     for cls in kernels:
         setattr(cls, "init_parameters", _left_as_allocated)
