@@ -52,6 +52,7 @@ from .format.manifest import MANIFEST, item_key, item_record, read_manifest
 from .format.plan import needed_chunks
 from .keyed import Hint, RowConversion, recorded_widths
 from .agree import Wording, key_problems
+from .stateful import unloadable
 from .storage import Loc, Lock, NotAnObject
 from .format.validate import read_metadata
 
@@ -81,16 +82,6 @@ def _absent(md: Metadata, optional: tuple[str, ...]) -> frozenset[str]:
         parts = key.split(".")
         held.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     return frozenset(k for k in optional if k not in held)
-
-
-def _unloadable(md: Metadata, stateless: Mapping[str, str]) -> list[Problem]:
-    """A problem per key of ``stateless`` (an optimizer's state for a parameter it cannot create state for
-    -> the parameter's type) under which the checkpoint holds something: it would not be loaded."""
-    held = sorted(set(stateless) - _absent(md, tuple(stateless)))
-    return [Problem(Kind.TYPE, f"key {k!r}: the checkpoint holds this optimizer state, but the optimizer has none "
-                               f"for the parameter to load it into and none can be created (a {stateless[k]}: "
-                               "state is created for plain tensors, Parameters and DTensors); take a step first")
-            for k in held]
 
 
 def _under(fqn: str, keys: frozenset[str]) -> bool:
@@ -371,7 +362,8 @@ def open_agreed(path: Loc, state_dict: Mapping[str, Any], strict: bool, verify: 
                                                                         optional, hints, convert_dtypes,
                                                                         split_row_states, param_groups)
         if md is not None and stateless:
-            problems = problems + _unloadable(metadata_for_checks(chain) if chain is not None else md, stateless)
+            checked = metadata_for_checks(chain) if chain is not None else md
+            problems = problems + unloadable(stateless, _absent(checked, tuple(stateless)))
         everyone = gather_objects((lock is None and not problems, problems + extra, ident), g)
         if any(moved for moved, _, _ in everyone):
             if chain is not None:

@@ -44,7 +44,7 @@ from .agree import Kind, Problem
 from .common import Flat, leaves
 from .keyed import HYPERPARAMETERS, Hint, apply_hyperparameters, column_widths, hyperparameters, row_state_hint
 
-__all__ = ["Expanded", "expand"]
+__all__ = ["Expanded", "expand", "unloadable"]
 
 
 def _is_stateful(v: object) -> bool:
@@ -141,6 +141,15 @@ def _parameter_view(p: object) -> bool:
             and p.layout == torch.strided and p.device.type != "meta")
 
 
+def unloadable(stateless: Mapping[str, str], absent: frozenset[str]) -> list[Problem]:
+    """A problem per key of ``stateless`` (:attr:`Expanded.stateless`) not in ``absent`` (those the checkpoint
+    holds nothing under): the checkpoint holds optimizer state that nothing could be loaded into."""
+    return [Problem(Kind.TYPE, f"key {k!r}: the checkpoint holds this optimizer state, but the optimizer has none "
+                               f"for the parameter to load it into and none can be created (a {t}: state is "
+                               "created for plain tensors, Parameters and DTensors); take a step first")
+            for k, t in sorted(stateless.items()) if k not in absent]
+
+
 @dataclass
 class _Created:
     """State an optimizer created for the load: kept only if the checkpoint holds it."""
@@ -160,6 +169,8 @@ class Expanded:
         view: what DCP saves or loads: the caller's mappings, those holding a Stateful copied.
         problems: this rank's refusals (a ``state_dict()`` that is not a mapping, ...), to agree on.
         created: state created for a load (:meth:`drop` removes what the checkpoint lacks).
+        stateless: for a load, per state key of a ``torch.optim`` optimizer's parameter no state can be
+            created for, the parameter's type (:func:`unloadable` refuses the state a checkpoint holds there).
         extras: (flattened key, its removal from the view) of entries older checkpoints do not hold.
         records: (mapping, key, flattened key) of per-rank records that a save merges across ranks (DCP writes one rank's
             objects): tuples of ``(name, value)`` pairs, each rank's about its own tables.
@@ -365,9 +376,10 @@ class _Expander:
                   for g in own["param_groups"]]
         view: dict[str, Any] = {"state": states, "param_groups": groups}
         self.out.param_groups[f"{key}.param_groups"] = len(groups)
-        position = {id(p): i for i, p in enumerate(_params(opt))}
-        if self.for_load:  # nothing to load into: refused where the checkpoint holds state for it (loading.py)
-            for i, p in enumerate(_params(opt)):
+        params = _params(opt)
+        position = {id(p): i for i, p in enumerate(params)}
+        if self.for_load:  # nothing to load into: refused where the checkpoint holds state for it (unloadable)
+            for i, p in enumerate(params):
                 if p.requires_grad and p not in opt.state and not _state_creatable(p):
                     self.out.stateless[f"{key}.state.{names[i]}"] = type(p).__name__
         for part, p in created:
