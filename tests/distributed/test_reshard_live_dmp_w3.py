@@ -40,7 +40,7 @@ import torchrec_dtensor_bridge as tdb
 from .harness import make_pool_fixture
 from .test_dlrm_resume_w3 import _batch as _dlrm_batch
 from .test_dlrm_resume_w3 import _dense_params, _snapshot
-from .test_reshard_live_w3 import _Sends, _status
+from .test_reshard_live_w3 import _Sends, failing_third_move, peak_growth
 
 pool = make_pool_fixture(3)
 
@@ -563,16 +563,7 @@ def _wide_peak(rank: int, world: int, staging: int, case: str) -> tuple[int, int
     dmp = _wide_dmp(COLUMNS, shape)
     before = _snapshot({"model": dmp, "fused": dmp.fused_optimizer}, group)
     new = _plan_of_wide(kinds, shape)
-    real, dmp_module.STAGING_BYTES = dmp_module.STAGING_BYTES, staging
-    try:
-        dist.barrier()
-        rss = _status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-        tdb.reshard(dmp, new)
-        peak = _status("VmHWM") - max(rss, _status("VmRSS"))
-    finally:
-        dmp_module.STAGING_BYTES = real
+    peak = peak_growth(dmp_module, staging, lambda: tdb.reshard(dmp, new))
     _assert_equal(_snapshot({"model": dmp, "fused": dmp.fused_optimizer}, group), before, "after the reshard")
     shares = [sum(s.shard_sizes[0] * (s.shard_sizes[1] + 1) * 4 for s in ps.sharding_spec.shards
                   if s.placement.rank() == rank) for ps in new.plan["ebc"].values()]
@@ -603,21 +594,12 @@ def _wide_transfer_fails(rank: int, world: int) -> None:
     dmp = _wide_dmp(COLUMNS)
     module = dmp.module.ebc
     before = _snapshot({"model": dmp, "fused": dmp.fused_optimizer}, group)
-    real, calls = dmp_module.move_pieces, []
+    def tables(moves: list[Any]) -> list[str]:
+        return sorted({m.dst_layout.name.rpartition(".")[2] for m in moves})
 
-    def failing(moves, *args, **kwargs):
-        out = real(moves, *args, **kwargs)
-        calls.append(sorted({m.dst_layout.name.rpartition(".")[2] for m in moves}))
-        if rank == 1 and len(calls) == 3:
-            raise RuntimeError("injected: a block did not arrive")
-        return out
-
-    dmp_module.move_pieces = failing
-    try:
+    with failing_third_move(dmp_module, rank, tables) as calls:
         with pytest.raises(RuntimeError, match="injected") as caught:
             tdb.reshard(dmp, _plan_of_wide(ROTATED))
-    finally:
-        dmp_module.move_pieces = real
     moved, failed, back = calls[:2], calls[2], calls[3:]
     assert len(calls) == 5 and all(len(c) == 1 for c in calls), calls  # one table at a time
     assert f"ebc.{failed[0]}" in str(caught.value), (failed, str(caught.value))

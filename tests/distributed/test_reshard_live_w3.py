@@ -19,6 +19,8 @@ model and the optimizers as they were (``torch.equal``), and every rank raises.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -535,22 +537,10 @@ def _transfer_fails(rank: int, world: int) -> None:
         _step(model, opt, s, rank)
     before = _snapshot(model, opt)
     params = dict(model.named_parameters())
-    real, calls = api.move_pieces, []
     names = {_key(n) for n in BEFORE}
-
-    def failing(moves, *args, **kwargs):
-        out = real(moves, *args, **kwargs)
-        calls.append(sorted({m.dst_layout.name for m in moves} & names))
-        if rank == 1 and len(calls) == 3:
-            raise RuntimeError("injected: a block did not arrive")
-        return out
-
-    api.move_pieces = failing
-    try:
+    with failing_third_move(api, rank, lambda moves: sorted({m.dst_layout.name for m in moves} & names)) as calls:
         with pytest.raises(RuntimeError, match="injected") as caught:
             tdb.reshard(model, _plan(AFTER), optimizers=[opt])
-    finally:
-        api.move_pieces = real
     assert len(calls) > 3 and all(calls), calls
     moved, failed, back = calls[:2], calls[2], calls[3:]
     assert all(repr(n) in str(caught.value) for n in failed), (failed, str(caught.value))
@@ -560,6 +550,26 @@ def _transfer_fails(rank: int, world: int) -> None:
     _step(model, opt, 2, rank)
     tdb.reshard(model, _plan(AFTER), optimizers=[opt])
     _step(model, opt, 3, rank)
+
+
+@contextmanager
+def failing_third_move(module: Any, rank: int, label: Callable[[list[Any]], list[str]]) -> Iterator[list[list[str]]]:
+    """``module.move_pieces`` (a reshard module's reference to it) recording each call's tables (``label``
+    of its moves) in the list it yields, and failing on rank 1 once the third call's pieces arrived."""
+    real, calls = module.move_pieces, []
+
+    def failing(moves: list[Any], *args: Any, **kwargs: Any) -> int:
+        out = real(moves, *args, **kwargs)
+        calls.append(label(moves))
+        if rank == 1 and len(calls) == 3:
+            raise RuntimeError("injected: a block did not arrive")
+        return out
+
+    module.move_pieces = failing
+    try:
+        yield calls
+    finally:
+        module.move_pieces = real
 
 
 def test_a_failed_transfer_raises_on_every_rank_and_changes_nothing(pool):
@@ -593,6 +603,21 @@ def _peak_moves(case: str) -> tuple[tuple[int, int], int, Any, Any]:
         lambda i: ShardLayout.row_wise(shape, [cut, shape[0] - cut, 0])
 
 
+def peak_growth(module: Any, staging: int, reshard: Callable[[], Any]) -> int:
+    """This rank's peak memory above the larger of its memory before and after ``reshard()``, run once every
+    rank is ready with ``module.STAGING_BYTES`` (a reshard module's) set to ``staging``."""
+    real, module.STAGING_BYTES = module.STAGING_BYTES, staging
+    try:
+        dist.barrier()
+        rss = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        reshard()
+        return _status("VmHWM") - max(rss, _status("VmRSS"))
+    finally:
+        module.STAGING_BYTES = real
+
+
 def _peak_growth(rank: int, world: int, staging: int, case: str) -> tuple[int, int]:
     """Each rank's peak memory above the larger of its memory before and after a reshard of
     :func:`_peak_moves`'s ``case``, and the bound: its largest new share of a table + the staging bytes.
@@ -613,16 +638,8 @@ def _peak_growth(rank: int, world: int, staging: int, case: str) -> tuple[int, i
     opt = tdb.FusedOptimizer({f"t{i}": getattr(model, f"t{i}").weight for i in range(tables)},
                              "rowwise_adagrad", lr=0.1)
     sums = [float(tdb.full_tensor(getattr(model, f"t{i}").weight).double().sum()) for i in range(tables)]
-    real, api.STAGING_BYTES = api.STAGING_BYTES, staging
-    try:
-        dist.barrier()
-        rss = _status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := VmRSS
-        tdb.reshard(model, {f"t{i}.weight": after(i) for i in range(tables)}, optimizers=[opt])
-        peak = _status("VmHWM") - max(rss, _status("VmRSS"))
-    finally:
-        api.STAGING_BYTES = real
+    peak = peak_growth(api, staging, lambda: tdb.reshard(model, {f"t{i}.weight": after(i) for i in range(tables)},
+                                                         optimizers=[opt]))
     for i in range(tables):
         assert float(tdb.full_tensor(getattr(model, f"t{i}").weight).double().sum()) == sums[i], i
     share = max(sum(s.numel * 4 for s in after(i).shards_on(rank)) for i in range(tables))
