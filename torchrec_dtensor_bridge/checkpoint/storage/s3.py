@@ -12,6 +12,8 @@ cores, 2 to 8: :func:`default_concurrency`), ``lease_seconds`` (a save lock's le
 
 How the operations of :mod:`.` are kept on a store without rename or locks:
 
+* every upload carries botocore's CRC32 checksum header, which the store checks against the body it
+  received; the body itself is not hashed for the request's signature (:func:`_unsigned_payloads`);
 * ``put`` is one ``PutObject``: S3 objects appear whole or not at all;
 * ``create`` uploads parts of ``part_bytes`` as they fill, ``max_concurrency``
   at a time (a multipart upload, completed when the stream closes, aborted on
@@ -70,6 +72,27 @@ def default_concurrency() -> int:
     except ValueError:
         ranks = 1
     return max(2, min(8, cpus // ranks))
+
+
+def _unsigned_payloads(s3_config: dict[str, Any], config_kwargs: Mapping[str, Any], session: Any) -> dict[str, Any]:
+    """botocore's ``s3`` settings with request bodies sent unsigned where their checksum is sent instead.
+
+    Over ``https`` botocore already sends bodies unsigned (``UNSIGNED-PAYLOAD``), relying on TLS and the
+    checksum header (CRC32) it adds to every upload; over plain ``http`` it also hashes every body with SHA-256
+    for the signature, 0.7-0.8 CPU seconds per GiB here (BENCHMARKS.md), a third of an upload's client CPU. The
+    signature over a body guards against changes in transit by someone on the path; over plain ``http`` the
+    same someone can read every object and change every download, whose bytes no signature covers, so it buys
+    no protection a checkpoint can rely on. Accidental damage stays caught: the CRC32 header is signed and the
+    store refuses a body that does not match it (tested against SeaweedFS), and every byte loaded is verified
+    against the manifest's checksums. Bodies stay signed where the user says so
+    (``config_kwargs={"s3": {"payload_signing_enabled": True}}``) and where no checksum is sent
+    (``request_checksum_calculation`` "when_required", by ``config_kwargs``, ``AWS_REQUEST_CHECKSUM_CALCULATION``
+    or the AWS config file)."""
+    checksums = config_kwargs.get("request_checksum_calculation") or session.get_config_variable(
+        "request_checksum_calculation") or "when_supported"
+    if "payload_signing_enabled" not in s3_config and str(checksums).lower() == "when_supported":
+        s3_config["payload_signing_enabled"] = False
+    return s3_config
 
 
 def _code(e: Exception) -> str:
@@ -132,6 +155,7 @@ class S3Storage(Storage):
 
     def __init__(self, bucket: str, options: Mapping[str, Any] | None = None) -> None:
         import boto3
+        import botocore.session
         from botocore.config import Config
 
         opts = dict(options or {})
@@ -158,8 +182,11 @@ class S3Storage(Storage):
                                  or "us-east-1")
         config_kwargs.setdefault("max_pool_connections", max(10, 2 * self.max_concurrency))
         config_kwargs.setdefault("retries", {"max_attempts": 5, "mode": "standard"})
+        session = botocore.session.get_session()
+        config_kwargs["s3"] = _unsigned_payloads(dict(config_kwargs.get("s3") or {}), config_kwargs, session)
         self.bucket = bucket
-        self.client = boto3.session.Session().client("s3", config=Config(**config_kwargs), **client_kwargs)
+        self.client = boto3.session.Session(botocore_session=session).client(
+            "s3", config=Config(**config_kwargs), **client_kwargs)
         self.transfers = Transfers(self.client, bucket, self.part_bytes, self.max_concurrency)
         self._owner = uuid.uuid4().hex
 
