@@ -336,8 +336,10 @@ def load(
             share fits in it (BENCHMARKS.md: 0.2 s vs 0.9 s for 1 GiB a rank here, where
             fresh staging memory costs ~0.3 s/GiB to map). Should a file change between
             the two passes, the second pass's checksums catch it and the load raises
-            (destinations may then be partly written). ``None``: no limit (read each
-            byte once; the choice for cold or remote storage with memory to spare).
+            (destinations may then be partly written). On an object store, the rows of
+            an object whose ETag is the one its save recorded are read once, in the
+            second pass (:mod:`.format.reader`). ``None``: no limit (read each byte
+            once; the choice for cold storage with memory to spare).
         trusted_pickles: unpickle non-tensor items with ``weights_only=False`` (they can
             run code: only for checkpoints you trust). By default they load with
             ``weights_only=True`` (tensors, containers, numbers, strings).

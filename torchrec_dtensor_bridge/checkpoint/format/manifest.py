@@ -103,11 +103,13 @@ _HEX = 16  # hex digits of one xxh3-64 digest
 
 @dataclass(frozen=True)
 class FileSums:
-    """The block checksums of one data file: ``size`` bytes, ``blocks`` = concatenated 16-digit hex digests."""
+    """The block checksums of one data file: ``size`` bytes, ``blocks`` = concatenated 16-digit hex digests;
+    ``version``: the store's version of the object as written (its ETag; ``None`` on a local disk)."""
 
     size: int
     block: int
     blocks: str
+    version: str | None = None
 
     def digest(self, k: int) -> int:
         return int(self.blocks[k * _HEX : (k + 1) * _HEX], 16)
@@ -177,12 +179,18 @@ class Checksums:
                 self._items[rel] = ([b.start for b in blocks], blocks)
         else:
             block = manifest["block"]
-            self._files = {rel: FileSums(rec["size"], block, rec["blocks"]) for rel, rec in manifest["files"].items()}
+            self._files = {rel: FileSums(rec["size"], block, rec["blocks"], rec.get("version"))
+                           for rel, rec in manifest["files"].items()}
 
     def size(self, rel: str) -> int | None:
         """The size the file had when saved (format 2; ``None`` for format 1)."""
         sums = self._files.get(rel)
         return None if sums is None else sums.size
+
+    def version(self, rel: str) -> str | None:
+        """The store's version of the file as its save wrote it (an object store's ETag), if recorded."""
+        sums = self._files.get(rel)
+        return None if sums is None else sums.version
 
     def blocks(self, rel: str, start: int, end: int) -> list[Block]:
         """The checksummed blocks covering bytes ``[start, end)`` of ``rel`` (``end > start``).
@@ -239,7 +247,8 @@ def write_manifest(root: Loc | Path, save_id: str, md: Metadata, files: dict[str
         "save_id": save_id,
         "metadata": {"size": len(metadata), "xxh3_64": xxhash.xxh3_64(metadata).hexdigest()},
         "block": blocks.pop() if blocks else BLOCK,
-        "files": {rel: {"size": s.size, "blocks": s.blocks} for rel, s in sorted(files.items())},
+        "files": {rel: {"size": s.size, "blocks": s.blocks, **({"version": s.version} if s.version else {})}
+                  for rel, s in sorted(files.items())},
         "items": dict(sorted(items.items())),
         **extra,
     }
@@ -348,6 +357,8 @@ def parse_manifest(data: bytes, where: str) -> dict[str, Any]:
         if not (isinstance(rec, dict) and type(rec.get("size")) is int and rec["size"] >= 0
                 and isinstance(rec.get("blocks"), str) and len(rec["blocks"]) == 16 * -(-rec["size"] // block)):
             raise _type_err(where, f"file {rel!r}: record does not match its size")
+        if "version" in rec and not (isinstance(rec["version"], str) and 0 < len(rec["version"]) <= 1024):
+            raise _type_err(where, f"file {rel!r}: version {str(rec['version'])[:80]!r}")
     return m
 
 

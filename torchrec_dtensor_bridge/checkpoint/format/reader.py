@@ -25,7 +25,17 @@ rows of it. :class:`VerifiedReader` instead, for each chunk it reads:
 
 Staging holds as much memory as this rank reads. Above ``staging_bytes``,
 step 1 verifies and drops the bytes, and step 3 reads them again (re-verified)
-and copies item by item: twice the reads, no extra memory.
+and copies item by item: twice the reads, no extra memory. On a local disk the
+second pass is served by the page cache. On an object store, an object whose
+ETag at open is the one its save recorded in the manifest is the object that
+save wrote (a store gives an object replaced or damaged through it another
+ETag) and every read of it is conditional on that ETag: step 1 reads and checks
+only its zip records, and its rows are read once, in step 3, verified as they
+are copied. Bytes that still fail their checksums there (changed in flight, or
+inside the store under an unchanged ETag) raise on that rank with destinations
+partly written, as a file changed between the two passes does on a disk. An
+object with another ETag (a copy made by another tool, a checkpoint saved
+before ETags were recorded) is read in both steps.
 
 Verification covers exactly the bytes read: a corrupt block that no rank
 needs does not stop a load.
@@ -34,191 +44,28 @@ needs does not stop a load.
 from __future__ import annotations
 
 import io
-import mmap
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import xxhash
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from ..agree import Kind, Problem, raise_if_any
-from ..common import format_bytes
 from ..errors import CheckpointError
 from .manifest import BLOCK, Checksums
 from .plan import ItemPlace, request_span, staged_bytes, zip_spans
 from .savedtensor import Unreadable, parse_layout
-from ..storage import Loc, NotAnObject
+from ..storage import Loc
+from .verified import BadData, ItemView, ReadStats, VerifiedFile, read_buffer
 from .validate import read_metadata as read_checked_metadata
 
 __all__ = ["BadData", "ItemView", "ReadStats", "VerifiedFile", "VerifiedReader", "read_buffer"]
 
 _SCRATCH = 8 << 20  # bytes of rows per piece when streaming (verify-first loads)
-
-
-class BadData(Exception):
-    """A problem with the checkpoint's bytes (corrupt, truncated, missing); the message names file and key."""
-
-
-# ------------------------------------------------------------ verified byte ranges
-_POPULATE = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-
-
-def read_buffer(n: int) -> memoryview:
-    """``n`` writable bytes for a read to fill.
-
-    Anonymous memory mapped with its pages populated in one call: faster to
-    fill than ``bytearray(n)``, which zero-fills page by page, faulting each
-    (BENCHMARKS.md, "Checkpoints"); every byte read lands here.
-    """
-    return memoryview(mmap.mmap(-1, n, flags=_POPULATE)) if n else memoryview(bytearray())
-
-
-@dataclass
-class ReadStats:
-    """What a reader read on this rank; what :func:`~.api.load` returns.
-
-    Attributes:
-        bytes_read: bytes read from data files, every pass counted (a verify-first load reads twice).
-        files_opened: data files opened (once per pass).
-        verified: whether every byte read was checked against the checkpoint's manifest (``verify=True``).
-
-    Example::
-
-        >>> tdb.checkpoint.load(sd, "/ckpt/step100")
-        ReadStats(read 1.20 MiB from 3 data files on this rank, checksums verified)
-    """
-
-    bytes_read: int = 0
-    files_opened: int = 0
-    verified: bool = False
-
-    def __repr__(self) -> str:
-        files = f"{self.files_opened} data file{'' if self.files_opened == 1 else 's'}"
-        checked = "checksums verified" if self.verified else "not verified (verify=False)"
-        return f"ReadStats(read {format_bytes(self.bytes_read)} from {files} on this rank, {checked})"
-
-
-class VerifiedFile:
-    """Byte ranges of one data file, each read once and checked block by block against the manifest."""
-
-    def __init__(self, root: Loc, rel: str, checksums: Checksums | None, stats: ReadStats | None = None) -> None:
-        self.rel = rel
-        self._stats = stats if stats is not None else ReadStats()
-        self._checksums = checksums
-        self._cache: dict[int, memoryview] = {}  # verified block start -> its bytes
-        try:
-            self._handle = (root / rel).open_read()
-        except FileNotFoundError:
-            raise BadData(f"data file {rel} is missing") from None
-        except (OSError, NotAnObject) as e:
-            raise BadData(f"data file {rel} cannot be opened: {e}") from None
-        except Exception as e:  # an object store's error
-            raise BadData(f"data file {rel} cannot be opened: {type(e).__name__}: {e}") from None
-        self.size = self._handle.size
-        self._stats.files_opened += 1
-
-    def close(self) -> None:
-        self._handle.close()
-
-    def drop_cache(self) -> None:
-        self._cache.clear()
-
-    def _pread(self, buf: memoryview, offset: int, who: str) -> None:
-        done = 0
-        while done < len(buf):
-            try:
-                n = self._handle.readinto(buf[done:], offset + done)
-            except OSError:
-                raise
-            except Exception as e:  # noqa: BLE001  # an object store's error: replaced or removed while read
-                raise BadData(f"data file {self.rel} cannot be read: {type(e).__name__}: {e}") from None
-            self._stats.bytes_read += n
-            if n == 0:
-                raise BadData(f"data file {self.rel} is truncated: {self.size} bytes, {who} needs bytes up to "
-                           f"{offset + len(buf)}")
-            done += n
-
-    def read(self, start: int, end: int, who: str, into: memoryview | None = None) -> memoryview:
-        """Bytes ``[start, end)`` of the file, verified; ``who`` names the key in error messages.
-
-        The bytes land in a fresh buffer (kept, with every block verified, for
-        later reads), or in ``into`` (a reused scratch buffer, at least
-        :data:`_SCRATCH` bytes): then only the last block is kept, as a copy.
-        """
-        if end <= start:
-            return read_buffer(0)
-        if self._checksums is None:
-            buf = read_buffer(end - start) if into is None else into[: end - start]
-            self._pread(buf, start, who)
-            return buf
-        try:
-            blocks = self._checksums.blocks(self.rel, start, end)
-        except KeyError as e:
-            raise BadData(f"{who}: {e.args[0]}") from None
-        first = blocks[0]
-        if len(blocks) == 1 and first.start in self._cache:
-            return self._cache[first.start][start - first.start : end - first.start]
-        base = first.start
-        buf = read_buffer(blocks[-1].end - base) if into is None else into[: blocks[-1].end - base]
-        i = 0
-        while i < len(blocks):
-            b = blocks[i]
-            if b.start in self._cache:
-                buf[b.start - base : b.end - base] = self._cache[b.start]
-                i += 1
-                continue
-            j = i
-            while j < len(blocks) and blocks[j].start not in self._cache:
-                j += 1
-            run = blocks[i:j]  # uncached blocks, contiguous in the file: one read
-            self._pread(buf[run[0].start - base : run[-1].end - base], run[0].start, who)
-            for r in run:
-                got = xxhash.xxh3_64(buf[r.start - base : r.end - base]).intdigest()
-                if got != r.digest:
-                    raise BadData(f"data file {self.rel} is corrupt or from another save: {who} reads bytes "
-                               f"{r.start}-{r.end}, whose checksum is {got:016x}, the manifest says {r.digest:016x}")
-                if into is None:
-                    self._cache[r.start] = buf[r.start - base : r.end - base]
-            i = j
-        if into is not None:  # the next piece of a streamed range starts in this block
-            last = blocks[-1]
-            self._cache = {last.start: memoryview(bytes(buf[last.start - base : last.end - base]))}
-        return buf[start - base : end - base]
-
-
-class ItemView(io.RawIOBase):
-    """A seekable read-only view of bytes ``[offset, offset + length)`` of a :class:`VerifiedFile`."""
-
-    def __init__(self, vf: VerifiedFile, offset: int, length: int, who: str) -> None:
-        super().__init__()
-        self._vf, self._offset, self._length, self._who = vf, offset, length, who
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = max(0, pos + (0, self._pos, self._length)[whence])
-        return self._pos
-
-    def readinto(self, b: Any) -> int:
-        n = max(0, min(len(b), self._length - self._pos))
-        a = self._offset + self._pos
-        memoryview(b).cast("B")[:n] = self._vf.read(a, a + n, self._who)
-        self._pos += n
-        return n
 
 
 def _narrow(t: torch.Tensor, offsets: Any, lengths: Any, first: int = 0) -> torch.Tensor:
@@ -306,12 +153,13 @@ class VerifiedReader(dcp.FileSystemReader):
         return total
 
     def _pieces(self, vf: VerifiedFile, idx: MetadataIndex, reqs: list[ReadItem],
-                scratch: memoryview | None) -> Iterator[tuple[ReadItem, int, Any]]:
+                scratch: memoryview | None, rows: bool = True) -> Iterator[tuple[ReadItem, int, Any]]:
         """Read and verify what ``reqs`` need of one item, as ``(request, first row, value)``.
 
         Without ``scratch``, one value per request, in staging buffers of its own.
         With it, ranged requests come in pieces of at most :data:`_SCRATCH` bytes
         of rows, each a view of ``scratch`` valid until the next piece.
+        Without ``rows``, a saved tensor's zip records are read and checked, not its rows.
         """
         info = self.storage_data[idx]
         who = f"key {idx.fqn!r}" + (f" (chunk at offsets {list(idx.offset)})" if idx.offset is not None else "")
@@ -340,6 +188,8 @@ class VerifiedReader(dcp.FileSystemReader):
         place = ItemPlace(vf.rel, info.offset, info.length, lay.data_start, size, dtype.itemsize)
         for a, b in zip_spans(place):  # all of the zip's records (parse_layout read parts of them): cached
             vf.read(a, b, who)
+        if not rows:
+            return
         for r in reqs:
             if not size:
                 a, b = request_span(place, 0, 1)
@@ -380,7 +230,8 @@ class VerifiedReader(dcp.FileSystemReader):
             try:
                 for idx, reqs in items.items():
                     try:
-                        for piece in self._pieces(vf, idx, reqs, scratch):
+                        rows = planner is not None or stage or not vf.pinned  # see the module docstring
+                        for piece in self._pieces(vf, idx, reqs, scratch, rows):
                             if planner is not None:
                                 _copy([piece], planner)
                             elif stage:

@@ -14,6 +14,7 @@ leaves bytes that are never loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import threading
 from collections.abc import Generator
@@ -101,8 +102,9 @@ class _HashingFileSystem(FileSystemBase):
         hasher = BlockHasher()
         with loc.create() as stream:
             yield _HashingStream(stream, hasher, self.errors, loc.name)
+        sums = dataclasses.replace(hasher.finish(), version=getattr(stream, "version", None))
         with self._lock:
-            self.sums[loc.name] = hasher.finish()
+            self.sums[loc.name] = sums
 
     def concat_path(self, path: Any, suffix: str) -> Any:
         return cast(Loc, path) / suffix

@@ -14,13 +14,17 @@ The operations, and what each promises (numbered as the commit protocol of
 1. ``size(key)``: the size of the object at ``key``, ``None`` if there is none;
    a directory or link in its place raises :class:`NotAnObject`.
 2. ``open_read(key)``: a handle of the object's bytes for ranged reads
-   (``readinto(buf, offset)``), its size fixed at open.
+   (``readinto(buf, offset)``), its size fixed at open, and its ``version``:
+   on an object store the object's ETag at open, which every read of the
+   handle is conditional on (``None`` on a local disk).
 3. ``get(key, limit)``: a small object whole (at most ``limit`` bytes read).
 4. ``put(key, data)``: a small object written whole; a reader sees the old
    object or the new one, never a part; durable when it returns.
 5. ``create(key)``: a stream for a large object written from its start;
    durable when the stream closes without error. Until then readers may see
    nothing (S3) or a part (local): only ever inside an uncommitted generation.
+   Once closed, the stream's ``version`` is the object's as a handle opened
+   on it would report it while it is unchanged (its ETag; ``None`` locally).
 6. ``list(key)``: the names directly under ``key`` (one level).
 7. ``kind(key)``: ``"object"``, ``"dir"`` (something lies under it), ``"link"``
    (local only) or ``None``.
@@ -67,6 +71,7 @@ class Handle(abc.ABC):
     """An object opened for ranged reads (operation 2)."""
 
     size: int
+    version: str | None = None  # the object's ETag at open, which every read is conditional on (object stores)
 
     @abc.abstractmethod
     def readinto(self, buf: memoryview, offset: int) -> int:

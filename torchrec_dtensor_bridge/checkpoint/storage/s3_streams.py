@@ -63,7 +63,7 @@ class Reader(Handle):
         self._key = key
         head = store.client.head_object(Bucket=store.bucket, Key=key)
         self.size = int(head["ContentLength"])
-        self._etag = head["ETag"]
+        self._etag = self.version = str(head["ETag"])
 
     def _range(self, buf: memoryview, offset: int) -> int:
         end = min(offset + len(buf), self.size) - 1
@@ -146,6 +146,7 @@ class Upload(io.RawIOBase):
         self._upload_id: str | None = None
         self._parts: list[concurrent.futures.Future[dict[str, Any]]] = []
         self._slots = threading.BoundedSemaphore(store.max_concurrency)
+        self.version: str | None = None  # the object's ETag, once finished
 
     def writable(self) -> bool:
         return True
@@ -201,13 +202,14 @@ class Upload(io.RawIOBase):
             if self._buf is not None:
                 s.give_back(self._buf)
             self._buf = None
-            c.put_object(Bucket=s.bucket, Key=self._key, Body=data)
+            self.version = str(c.put_object(Bucket=s.bucket, Key=self._key, Body=data)["ETag"])
             return
         if self._buf is not None:
             self._send()
         parts = [f.result() for f in self._parts]
-        c.complete_multipart_upload(Bucket=s.bucket, Key=self._key, UploadId=self._upload_id,
-                                    MultipartUpload={"Parts": parts})
+        done = c.complete_multipart_upload(Bucket=s.bucket, Key=self._key, UploadId=self._upload_id,
+                                           MultipartUpload={"Parts": parts})
+        self.version = str(done["ETag"])
 
     def abort(self) -> None:
         for f in self._parts:
