@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from .manifest import BlockHasher, FileSums
+from .savedtensor import without_zip_crc
 from ..storage import Loc
 
 __all__ = ["ChecksummingWriter"]
@@ -100,7 +101,7 @@ class _HashingFileSystem(FileSystemBase):
             return
         # A data file of a reused generation is rewritten in place, not truncated first (storage.local).
         hasher = BlockHasher()
-        with loc.create() as stream:
+        with loc.create() as stream, without_zip_crc():  # the block checksums cover every byte
             yield _HashingStream(stream, hasher, self.errors, loc.name)
         sums = dataclasses.replace(hasher.finish(), version=getattr(stream, "version", None))
         with self._lock:
