@@ -7,7 +7,7 @@ fails whole and the previous commit stays as it was.
 Loads above ``staging_bytes``: the rows of an object whose ETag is the one its save recorded are read once,
 (a local disk's are read twice, the second time from the page cache); an object replaced since its save, or one
 of a checkpoint that recorded no ETags, is read in both passes, so that damage is refused before anything is
-written; bytes damaged on their way in the copy pass still raise."""
+written; bytes damaged on their way in the copy pass still raise. The same for an incremental chain's links."""
 
 from __future__ import annotations
 
@@ -200,3 +200,41 @@ def test_bytes_damaged_on_their_way_in_the_copy_pass_raise(s3_bucket, monkeypatc
     dest = _blank_tables()
     tdb.checkpoint.load(dest, path, staging_bytes=_STAGING)
     assert all(torch.equal(dest[k], v) for k, v in _tables(3).items())
+
+
+def test_a_chain_above_staging_reads_the_rows_of_certified_objects_once(where):
+    """A full checkpoint and a link with a third of its rows changed, loaded above ``staging_bytes``: on S3 each
+    needed row is read once (from the newest link holding it), on a local disk twice."""
+    base, path = f"{where}/full", f"{where}/link"
+    state = _tables(4)
+    tdb.checkpoint.save(state, base)
+    for t in state.values():
+        t[: _ROWS // 3] += 1.0
+    tdb.checkpoint.save(state, path, base=base)
+    dest = _blank_tables()
+    stats = tdb.checkpoint.load(dest, path, staging_bytes=_STAGING)
+    assert all(torch.equal(dest[k], v) for k, v in state.items())
+    if where.startswith("s3://"):
+        assert stats.bytes_read <= _DATA + 3 * 2 * 8 * mf.BLOCK + (1 << 20), stats  # rows once, records twice
+    else:
+        assert stats.bytes_read >= 2 * _DATA, stats
+
+
+def test_a_replaced_object_of_a_chain_is_read_in_both_passes_and_its_damage_refused(s3_bucket):
+    base, path = f"s3://{s3_bucket}/chain/full", f"s3://{s3_bucket}/chain/link"
+    state = _tables(5)
+    tdb.checkpoint.save(state, base)
+    for t in state.values():
+        t[: _ROWS // 3] += 1.0
+    tdb.checkpoint.save(state, path, base=base)
+    gen = protocol.resolve(locate(path))
+    body = mf.read_manifest(gen)
+    assert body is not None
+    name = max(body["files"], key=lambda rel: body["files"][rel]["size"])  # the link's changed rows
+    raw = bytearray((gen / name).get(1 << 30))
+    raw[len(raw) // 2] ^= 0x04
+    (gen / name).put(bytes(raw))
+    dest = _blank_tables()
+    with pytest.raises(tdb.checkpoint.CorruptCheckpointError, match=name):
+        tdb.checkpoint.load(dest, path, staging_bytes=_STAGING)
+    assert all(torch.equal(dest[k], v) for k, v in _blank_tables().items())

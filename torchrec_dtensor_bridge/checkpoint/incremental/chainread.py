@@ -13,8 +13,9 @@ destination (any plan, any world size):
    older one, except where a small gap between needed rows is read through
    (:data:`GAP_BYTES`: one read rather than many);
 2. read and verify every byte range (block checksums, :mod:`.manifest`) into
-   staging buffers, or, above ``staging_bytes``, verify only; problems are
-   collected, never raised, so the caller's agreement is reached by every rank;
+   staging buffers, or, above ``staging_bytes``, verify only (but for the rows
+   of objects their store certifies unchanged: :mod:`..format.reader`); problems
+   are collected, never raised, so the caller's agreement is reached by every rank;
 3. after the agreement, :meth:`ChainReader.copy`: the staged rows into place
    (or read again, verified again, and copied).
 """
@@ -303,6 +304,13 @@ class ChainReader:
         room = read_buffer(sum(n + 2 * BLOCK for *_, n in spans)) if stage else None  # one staging area, mapped once
         at = 0
         for take, a, b, n in spans:
+            if room is None:  # verify-first: rows of an object its store certifies unchanged are read once, in copy
+                try:
+                    if self._file(take.source.link, take.source.file).pinned:
+                        continue
+                except BadData as e:
+                    problems.append(Problem(Kind.CORRUPT, str(e)))
+                    continue
             into = room[at : at + n + 2 * BLOCK] if room is not None else self._scratch_for(n)
             at += n + 2 * BLOCK
             try:
