@@ -141,6 +141,24 @@ def test_a_verify_first_load_reads_the_rows_of_objects_certified_unchanged_once(
         assert stats.bytes_read >= 2 * _DATA, stats  # twice: the second from the page cache
 
 
+def _damage_in_store(obj, bit: int) -> None:
+    """Write the object again through the store with one bit of its middle byte flipped (a new ETag)."""
+    raw = bytearray(obj.get(1 << 30))
+    raw[len(raw) // 2] ^= bit
+    obj.put(bytes(raw))
+
+
+def _chain(where: str, seed: int) -> tuple[str, dict]:
+    """A full checkpoint and a link with the first third of every table's rows changed: (the link, the state)."""
+    base, path = f"{where}/full", f"{where}/link"
+    state = _tables(seed)
+    tdb.checkpoint.save(state, base)
+    for t in state.values():
+        t[: _ROWS // 3] += 1.0
+    tdb.checkpoint.save(state, path, base=base)
+    return path, state
+
+
 def _data_object(path: str):
     gen = protocol.resolve(locate(path))
     return gen / next(n for n in gen.list() if n.endswith(".distcp"))
@@ -152,9 +170,7 @@ def test_an_object_replaced_since_its_save_is_read_in_both_passes_and_its_damage
     path = f"s3://{s3_bucket}/replaced/ck"
     tdb.checkpoint.save(_tables(1), path)
     obj = _data_object(path)
-    raw = bytearray(obj.get(1 << 30))
-    raw[len(raw) // 2] ^= 0x20  # inside the middle table's rows
-    obj.put(bytes(raw))
+    _damage_in_store(obj, 0x20)  # inside the middle table's rows
     dest = _blank_tables()
     with pytest.raises(tdb.checkpoint.CorruptCheckpointError, match=obj.name):
         tdb.checkpoint.load(dest, path, staging_bytes=_STAGING)
@@ -205,12 +221,7 @@ def test_bytes_damaged_on_their_way_in_the_copy_pass_raise(s3_bucket, monkeypatc
 def test_a_chain_above_staging_reads_the_rows_of_certified_objects_once(where):
     """A full checkpoint and a link with a third of its rows changed, loaded above ``staging_bytes``: on S3 each
     needed row is read once (from the newest link holding it), on a local disk twice."""
-    base, path = f"{where}/full", f"{where}/link"
-    state = _tables(4)
-    tdb.checkpoint.save(state, base)
-    for t in state.values():
-        t[: _ROWS // 3] += 1.0
-    tdb.checkpoint.save(state, path, base=base)
+    path, state = _chain(where, 4)
     dest = _blank_tables()
     stats = tdb.checkpoint.load(dest, path, staging_bytes=_STAGING)
     assert all(torch.equal(dest[k], v) for k, v in state.items())
@@ -221,20 +232,14 @@ def test_a_chain_above_staging_reads_the_rows_of_certified_objects_once(where):
 
 
 def test_a_replaced_object_of_a_chain_is_read_in_both_passes_and_its_damage_refused(s3_bucket):
-    base, path = f"s3://{s3_bucket}/chain/full", f"s3://{s3_bucket}/chain/link"
-    state = _tables(5)
-    tdb.checkpoint.save(state, base)
-    for t in state.values():
-        t[: _ROWS // 3] += 1.0
-    tdb.checkpoint.save(state, path, base=base)
+    path, _ = _chain(f"s3://{s3_bucket}/chain", 5)
     gen = protocol.resolve(locate(path))
     body = mf.read_manifest(gen)
     assert body is not None
     name = max(body["files"], key=lambda rel: body["files"][rel]["size"])  # the link's changed rows
-    raw = bytearray((gen / name).get(1 << 30))
-    raw[len(raw) // 2] ^= 0x04
-    (gen / name).put(bytes(raw))
+    _damage_in_store(gen / name, 0x04)
     dest = _blank_tables()
     with pytest.raises(tdb.checkpoint.CorruptCheckpointError, match=name):
         tdb.checkpoint.load(dest, path, staging_bytes=_STAGING)
     assert all(torch.equal(dest[k], v) for k, v in _blank_tables().items())
+

@@ -148,12 +148,13 @@ class BlockHasher:
                 self._fill = 0
         self.size += len(mv)
 
-    def finish(self) -> FileSums:
+    def finish(self, version: str | None = None) -> FileSums:
+        """The file's checksums; ``version``: its storage's version of what was written (an ETag, if any)."""
         if self._fill:
             self._hex.append(self._h.hexdigest())
             self._h.reset()
             self._fill = 0
-        return FileSums(self.size, self.block, "".join(self._hex))
+        return FileSums(self.size, self.block, "".join(self._hex), version)
 
 
 def item_key(index: MetadataIndex) -> str:

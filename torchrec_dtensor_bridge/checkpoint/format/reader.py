@@ -227,10 +227,10 @@ class VerifiedReader(dcp.FileSystemReader):
                 keys = sorted({idx.fqn for idx in items})
                 problems.append(Problem(Kind.CORRUPT, f"{e} (needed for {keys})"))
                 continue
+            rows = planner is not None or stage or not vf.pinned  # see the module docstring
             try:
                 for idx, reqs in items.items():
                     try:
-                        rows = planner is not None or stage or not vf.pinned  # see the module docstring
                         for piece in self._pieces(vf, idx, reqs, scratch, rows):
                             if planner is not None:
                                 _copy([piece], planner)

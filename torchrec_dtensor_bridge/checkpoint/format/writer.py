@@ -14,7 +14,6 @@ leaves bytes that are never loaded.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import threading
 from collections.abc import Generator
@@ -103,7 +102,7 @@ class _HashingFileSystem(FileSystemBase):
         hasher = BlockHasher()
         with loc.create() as stream, without_zip_crc():  # the block checksums cover every byte
             yield _HashingStream(stream, hasher, self.errors, loc.name)
-        sums = dataclasses.replace(hasher.finish(), version=getattr(stream, "version", None))
+        sums = hasher.finish(getattr(stream, "version", None))
         with self._lock:
             self.sums[loc.name] = sums
 

@@ -36,7 +36,7 @@ changed), then those rows, row-major.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -303,7 +303,7 @@ class _File:
 
     def __exit__(self, *exc: Any) -> None:
         self._cm.__exit__(*exc)
-        self.sums = replace(self._h.finish(), version=getattr(self._f, "version", None))
+        self.sums = self._h.finish(getattr(self._f, "version", None))
 
 
 def manifest_records(base: BaseCheckpoint | None, signatures: list[Mapping[str, tuple[str, tuple[int, ...], str]]],

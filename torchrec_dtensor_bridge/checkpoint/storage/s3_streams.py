@@ -63,13 +63,13 @@ class Reader(Handle):
         self._key = key
         head = store.client.head_object(Bucket=store.bucket, Key=key)
         self.size = int(head["ContentLength"])
-        self._etag = self.version = str(head["ETag"])
+        self.version = str(head["ETag"])
 
     def _range(self, buf: memoryview, offset: int) -> int:
         end = min(offset + len(buf), self.size) - 1
         if end < offset:
             return 0
-        r = self._store.client.get_object(Bucket=self._store.bucket, Key=self._key, IfMatch=self._etag,
+        r = self._store.client.get_object(Bucket=self._store.bucket, Key=self._key, IfMatch=self.version,
                                           Range=f"bytes={offset}-{end}")
         body = r["Body"]
         done = 0
