@@ -15,6 +15,7 @@ import uuid
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import torchrec_dtensor_bridge as tdb
 from torchrec_dtensor_bridge.checkpoint import commit as protocol
@@ -243,3 +244,15 @@ def test_a_replaced_object_of_a_chain_is_read_in_both_passes_and_its_damage_refu
         tdb.checkpoint.load(dest, path, staging_bytes=_STAGING)
     assert all(torch.equal(dest[k], v) for k, v in _blank_tables().items())
 
+
+def test_a_checkpoint_migrated_to_s3_records_etags_and_its_rows_are_read_once(s3_bucket, tmp_path):
+    plain = tmp_path / "plain"
+    dcp.save(_tables(6), checkpoint_id=str(plain))
+    path = f"s3://{s3_bucket}/migrated/ck"
+    tdb.checkpoint.migrate(str(plain), path, progress=False)
+    body = mf.read_manifest(protocol.resolve(locate(path)))
+    assert body and all("version" in rec for rel, rec in body["files"].items() if rel.endswith(".distcp")), body
+    dest = _blank_tables()
+    stats = tdb.checkpoint.load(dest, path, staging_bytes=_STAGING)
+    assert all(torch.equal(dest[k], v) for k, v in _tables(6).items())
+    assert _DATA <= stats.bytes_read <= _DATA + 3 * 2 * 4 * mf.BLOCK, stats

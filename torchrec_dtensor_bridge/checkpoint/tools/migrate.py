@@ -187,7 +187,7 @@ def _copy_durably(root: Loc, rel: str, gen: Loc, bar: Any) -> FileSums:
                     bar.update(n)
     finally:
         src.close()
-    return hasher.finish()
+    return hasher.finish(getattr(out, "version", None))
 
 
 def _free_port() -> int:
