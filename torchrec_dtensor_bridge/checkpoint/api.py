@@ -331,7 +331,8 @@ def load(
             :func:`~.migrate.migrate`: a plain DCP directory loads with ``verify=False``, or migrate it once).
         staging_bytes: the most memory a rank spends holding verified bytes until every
             rank has verified its own (about the bytes it reads; 256 MiB by default). A
-            rank that would read more verifies first and reads again to copy: no extra
+            rank that would read more verifies first and reads again to copy (rows bound
+            for a contiguous CPU tensor of their dtype straight into it): no extra
             memory, and the second pass is served by the page cache while the rank's
             share fits in it (BENCHMARKS.md: 0.2 s vs 0.9 s for 1 GiB a rank here, where
             fresh staging memory costs ~0.3 s/GiB to map). Should a file change between

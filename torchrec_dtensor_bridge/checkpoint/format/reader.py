@@ -24,9 +24,11 @@ rows of it. :class:`VerifiedReader` instead, for each chunk it reads:
 3. copy the staged values into the destinations.
 
 Staging holds as much memory as this rank reads. Above ``staging_bytes``,
-step 1 verifies and drops the bytes, and step 3 reads them again (re-verified)
-and copies item by item: twice the reads, no extra memory. On a local disk the
-second pass is served by the page cache. On an object store, an object whose
+step 1 verifies and drops the bytes, and step 3 reads them again (re-verified):
+twice the reads, no extra memory. Step 3 reads whole rows bound for a
+contiguous CPU tensor of the saved dtype straight into it, verifying them
+there (no copy; other destinations get a copy from a scratch buffer). On a
+local disk the second pass is served by the page cache. On an object store, an object whose
 ETag at open is the one its save recorded in the manifest is the object that
 save wrote (a store gives an object replaced or damaged through it another
 ETag) and every read of it is conditional on that ETag: step 1 reads and checks
@@ -152,14 +154,16 @@ class VerifiedReader(dcp.FileSystemReader):
             total += staged_bytes(dtype.itemsize, size, (r.lengths[0] if size else 1 for r in reqs))
         return total
 
-    def _pieces(self, vf: VerifiedFile, idx: MetadataIndex, reqs: list[ReadItem],
-                scratch: memoryview | None, rows: bool = True) -> Iterator[tuple[ReadItem, int, Any]]:
+    def _pieces(self, vf: VerifiedFile, idx: MetadataIndex, reqs: list[ReadItem], scratch: memoryview | None,
+                rows: bool = True, planner: LoadPlanner | None = None) -> Iterator[tuple[ReadItem, int, Any]]:
         """Read and verify what ``reqs`` need of one item, as ``(request, first row, value)``.
 
         Without ``scratch``, one value per request, in staging buffers of its own.
         With it, ranged requests come in pieces of at most :data:`_SCRATCH` bytes
         of rows, each a view of ``scratch`` valid until the next piece.
         Without ``rows``, a saved tensor's zip records are read and checked, not its rows.
+        With ``planner`` (the copy step), whole rows bound for a CPU tensor of their dtype whose bytes are
+        the file's are read straight into it and committed, not yielded (:func:`_in_place`).
         """
         info = self.storage_data[idx]
         who = f"key {idx.fqn!r}" + (f" (chunk at offsets {list(idx.offset)})" if idx.offset is not None else "")
@@ -191,6 +195,12 @@ class VerifiedReader(dcp.FileSystemReader):
         if not rows:
             return
         for r in reqs:
+            target = _in_place(planner, r, dtype, size)
+            if target is not None:
+                a, b = request_span(place, r.storage_offsets[0], r.lengths[0])
+                vf.read_into(a, b, _memory(target), who)
+                planner.commit_tensor(r, target)  # type: ignore[union-attr]
+                continue
             if not size:
                 a, b = request_span(place, 0, 1)
                 raw = vf.read(a, b, who)
@@ -231,7 +241,7 @@ class VerifiedReader(dcp.FileSystemReader):
             try:
                 for idx, reqs in items.items():
                     try:
-                        for piece in self._pieces(vf, idx, reqs, scratch, rows):
+                        for piece in self._pieces(vf, idx, reqs, scratch, rows, planner):
                             if planner is not None:
                                 _copy([piece], planner)
                             elif stage:
@@ -279,6 +289,27 @@ class VerifiedReader(dcp.FileSystemReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+def _in_place(planner: LoadPlanner | None, req: ReadItem, dtype: torch.dtype,
+              size: tuple[int, ...]) -> torch.Tensor | None:
+    """The destination of ``req``, when the saved rows it asks for can be read straight into it: whole rows
+    (every column), at least one, into a contiguous CPU tensor of the saved dtype; else ``None``."""
+    if planner is None or not size or req.lengths[0] == 0:
+        return None
+    if any(req.storage_offsets[d] != 0 or req.lengths[d] != size[d] for d in range(1, len(size))):
+        return None
+    target = planner.resolve_tensor(req).detach()
+    if (type(target) is not torch.Tensor or target.device.type != "cpu" or target.dtype != dtype
+            or not target.is_contiguous() or tuple(target.size()) != tuple(req.lengths)):
+        return None
+    return target
+
+
+def _memory(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place."""
+    array: Any = t.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(array)
 
 
 def _copy(values: list[tuple[ReadItem, int, Any]], planner: LoadPlanner) -> None:

@@ -158,6 +158,61 @@ class VerifiedFile:
         return buf[start - base : end - base]
 
 
+    def read_into(self, start: int, end: int, dest: memoryview, who: str, run: int = 8 << 20) -> None:
+        """Bytes ``[start, end)`` of the file read straight into ``dest`` (``end - start`` bytes), verified.
+
+        The parts of the first and last checksum blocks outside the range are
+        read beside it (or taken from the cache); the range is read in pieces of
+        about ``run`` bytes, each verified while it is still in the CPU's caches.
+        On a failed checksum :class:`BadData` is raised with ``dest`` holding
+        the bytes read: callers write into their destinations only after every
+        rank agreed that everything verified (:mod:`.reader`).
+        """
+        if end <= start:
+            return
+        if self._checksums is None:
+            self._pread(dest[: end - start], start, who)
+            return
+        try:
+            blocks = self._checksums.blocks(self.rel, start, end)
+        except KeyError as e:
+            raise BadData(f"{who}: {e.args[0]}") from None
+        first, last = blocks[0], blocks[-1]
+        head, tail = self._edge(first.start, start, who), self._edge(end, last.end, who)
+        i = 0
+        while i < len(blocks):  # a run of blocks: one read, then its checksums
+            j, a = i + 1, max(blocks[i].start, start)
+            while j < len(blocks) and blocks[j].end - a <= run:
+                j += 1
+            b = min(blocks[j - 1].end, end)
+            self._pread(dest[a - start : b - start], a, who)
+            for r in blocks[i:j]:
+                h = xxhash.xxh3_64(head if r.start < start else b"")
+                h.update(dest[max(r.start, start) - start : min(r.end, end) - start])
+                if r.end > end:
+                    h.update(tail)
+                if h.intdigest() != r.digest:
+                    raise BadData(f"data file {self.rel} is corrupt or from another save: {who} reads bytes "
+                                  f"{r.start}-{r.end}, whose checksum is {h.intdigest():016x}, the manifest says "
+                                  f"{r.digest:016x}")
+            i = j
+        # the next range may start in the last block
+        kept = (bytes(head) if last is first else b"") + bytes(dest[max(last.start, start) - start :]) + bytes(tail)
+        self._cache = {last.start: memoryview(kept)}
+
+    def _edge(self, a: int, b: int, who: str) -> memoryview:
+        """Bytes ``[a, b)``, part of one checksum block, unverified (the block is verified whole by the caller):
+        from the cache when it holds that block, else read."""
+        if b <= a:
+            return memoryview(b"")
+        for s, cached in self._cache.items():
+            if s <= a and b <= s + len(cached):
+                return cached[a - s : b - s]
+        buf = memoryview(bytearray(b - a))
+        self._pread(buf, a, who)
+        return buf
+
+
 class ItemView(io.RawIOBase):
     """A seekable read-only view of bytes ``[offset, offset + length)`` of a :class:`VerifiedFile`."""
 
