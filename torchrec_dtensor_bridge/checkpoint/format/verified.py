@@ -147,8 +147,7 @@ class VerifiedFile:
             for r in run:
                 got = xxhash.xxh3_64(buf[r.start - base : r.end - base]).intdigest()
                 if got != r.digest:
-                    raise BadData(f"data file {self.rel} is corrupt or from another save: {who} reads bytes "
-                               f"{r.start}-{r.end}, whose checksum is {got:016x}, the manifest says {r.digest:016x}")
+                    raise self._corrupt(who, r.start, r.end, got, r.digest)
                 if into is None:
                     self._cache[r.start] = buf[r.start - base : r.end - base]
             i = j
@@ -192,13 +191,15 @@ class VerifiedFile:
                 if r.end > end:
                     h.update(tail)
                 if h.intdigest() != r.digest:
-                    raise BadData(f"data file {self.rel} is corrupt or from another save: {who} reads bytes "
-                                  f"{r.start}-{r.end}, whose checksum is {h.intdigest():016x}, the manifest says "
-                                  f"{r.digest:016x}")
+                    raise self._corrupt(who, r.start, r.end, h.intdigest(), r.digest)
             i = j
         # the next range may start in the last block
         kept = (bytes(head) if last is first else b"") + bytes(dest[max(last.start, start) - start :]) + bytes(tail)
         self._cache = {last.start: memoryview(kept)}
+
+    def _corrupt(self, who: str, start: int, end: int, got: int, want: int) -> BadData:
+        return BadData(f"data file {self.rel} is corrupt or from another save: {who} reads bytes {start}-{end}, "
+                       f"whose checksum is {got:016x}, the manifest says {want:016x}")
 
     def _edge(self, a: int, b: int, who: str) -> memoryview:
         """Bytes ``[a, b)``, part of one checksum block, unverified (the block is verified whole by the caller):
