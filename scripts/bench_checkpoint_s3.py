@@ -302,9 +302,10 @@ def main(argv: list[str] | None = None) -> int:
           f"1-min load {load_before:.2f} before, {load_after:.2f} after")
     for k in ("dcp_save", "dcp_load", "ours_save", "ours_load"):
         if times[k]:
-            res[k] = s = _stats(times[k], gib)
+            res[k] = s = {**_stats(times[k], gib), "each": times[k]}
             print(f"  {k:<9} median {s['median']:.2f}s ({s['gib_s']:.3f} GiB/s), min {s['min']:.2f}, "
-                  f"max {s['max']:.2f} ({s['runs']} runs)")
+                  f"max {s['max']:.2f} ({s['runs']} runs: {' / '.join(f'{t:.2f}' for t in times[k])}; "
+                  f"ours first in repetitions {', '.join(str(i + 1) for i in range(len(times[k])) if (args.warmup + i) % 2)})")
     res["cpu_seconds"] = {}
     for k, xs in r0["cpu_seconds"].items():
         if k:
