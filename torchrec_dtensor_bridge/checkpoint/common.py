@@ -36,6 +36,7 @@ __all__ = [
     "format_mib",
     "global_shape",
     "leaves",
+    "memory_of",
     "progress_bar",
     "run_dcp",
     "tensor_bytes",
@@ -179,6 +180,13 @@ def tensor_bytes(md: Metadata, fqn: str | None = None) -> int:
         if isinstance(m, TensorStorageMetadata):
             total += m.size.numel() * m.properties.dtype.itemsize
     return total
+
+
+def memory_of(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` made contiguous on the CPU, without another copy: for a contiguous CPU tensor its own
+    memory, writable in place."""
+    t = t.detach().cpu().contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy().data) if t.numel() else memoryview(b"")
 
 
 def progress_bar(total: int, desc: str, enabled: bool, unit: str = "B") -> Any:

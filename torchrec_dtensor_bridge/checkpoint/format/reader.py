@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from ..agree import Kind, Problem, raise_if_any
+from ..common import memory_of
 from ..errors import CheckpointError
 from .manifest import BLOCK, Checksums
 from .plan import ItemPlace, request_span, staged_bytes, zip_spans
@@ -195,11 +196,10 @@ class VerifiedReader(dcp.FileSystemReader):
         if not rows:
             return
         for r in reqs:
-            target = _in_place(planner, r, dtype, size)
-            if target is not None:
+            if planner is not None and (target := _in_place(planner, r, dtype, size)) is not None:
                 a, b = request_span(place, r.storage_offsets[0], r.lengths[0])
-                vf.read_into(a, b, _memory(target), who)
-                planner.commit_tensor(r, target)  # type: ignore[union-attr]
+                vf.read_into(a, b, memory_of(target), who)
+                planner.commit_tensor(r, target)
                 continue
             if not size:
                 a, b = request_span(place, 0, 1)
@@ -291,11 +291,10 @@ class VerifiedReader(dcp.FileSystemReader):
         return fut
 
 
-def _in_place(planner: LoadPlanner | None, req: ReadItem, dtype: torch.dtype,
-              size: tuple[int, ...]) -> torch.Tensor | None:
+def _in_place(planner: LoadPlanner, req: ReadItem, dtype: torch.dtype, size: tuple[int, ...]) -> torch.Tensor | None:
     """The destination of ``req``, when the saved rows it asks for can be read straight into it: whole rows
     (every column), at least one, into a contiguous CPU tensor of the saved dtype; else ``None``."""
-    if planner is None or not size or req.lengths[0] == 0:
+    if not size or req.lengths[0] == 0:
         return None
     if any(req.storage_offsets[d] != 0 or req.lengths[d] != size[d] for d in range(1, len(size))):
         return None
@@ -304,12 +303,6 @@ def _in_place(planner: LoadPlanner | None, req: ReadItem, dtype: torch.dtype,
             or not target.is_contiguous() or tuple(target.size()) != tuple(req.lengths)):
         return None
     return target
-
-
-def _memory(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable in place."""
-    array: Any = t.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(array)
 
 
 def _copy(values: list[tuple[ReadItem, int, Any]], planner: LoadPlanner) -> None:

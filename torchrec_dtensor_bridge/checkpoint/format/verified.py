@@ -17,7 +17,7 @@ from typing import Any
 import xxhash
 
 from ..common import format_bytes
-from .manifest import Checksums
+from .manifest import Block, Checksums
 from ..storage import Loc, NotAnObject
 
 __all__ = ["BadData", "ItemView", "ReadStats", "VerifiedFile", "read_buffer"]
@@ -123,10 +123,7 @@ class VerifiedFile:
             buf = read_buffer(end - start) if into is None else into[: end - start]
             self._pread(buf, start, who)
             return buf
-        try:
-            blocks = self._checksums.blocks(self.rel, start, end)
-        except KeyError as e:
-            raise BadData(f"{who}: {e.args[0]}") from None
+        blocks = self._blocks(start, end, who)
         first = blocks[0]
         if len(blocks) == 1 and first.start in self._cache:
             return self._cache[first.start][start - first.start : end - first.start]
@@ -156,7 +153,6 @@ class VerifiedFile:
             self._cache = {last.start: memoryview(bytes(buf[last.start - base : last.end - base]))}
         return buf[start - base : end - base]
 
-
     def read_into(self, start: int, end: int, dest: memoryview, who: str, run: int = 8 << 20) -> None:
         """Bytes ``[start, end)`` of the file read straight into ``dest`` (``end - start`` bytes), verified.
 
@@ -172,10 +168,7 @@ class VerifiedFile:
         if self._checksums is None:
             self._pread(dest[: end - start], start, who)
             return
-        try:
-            blocks = self._checksums.blocks(self.rel, start, end)
-        except KeyError as e:
-            raise BadData(f"{who}: {e.args[0]}") from None
+        blocks = self._blocks(start, end, who)
         first, last = blocks[0], blocks[-1]
         head, tail = self._edge(first.start, start, who), self._edge(end, last.end, who)
         i = 0
@@ -196,6 +189,13 @@ class VerifiedFile:
         # the next range may start in the last block
         kept = (bytes(head) if last is first else b"") + bytes(dest[max(last.start, start) - start :]) + bytes(tail)
         self._cache = {last.start: memoryview(kept)}
+
+    def _blocks(self, start: int, end: int, who: str) -> list[Block]:
+        assert self._checksums is not None
+        try:
+            return self._checksums.blocks(self.rel, start, end)
+        except KeyError as e:
+            raise BadData(f"{who}: {e.args[0]}") from None
 
     def _corrupt(self, who: str, start: int, end: int, got: int, want: int) -> BadData:
         return BadData(f"data file {self.rel} is corrupt or from another save: {who} reads bytes {start}-{end}, "

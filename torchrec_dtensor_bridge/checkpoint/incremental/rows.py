@@ -48,7 +48,7 @@ from ..._compat import ShardedTensor
 from ...convert import layout_of
 from ...wrapper import LocalShardsWrapper
 from ..agree import Problem, problem_from
-from ..common import Flat, flat
+from ..common import Flat, flat, memory_of
 from .base import BaseCheckpoint
 from .digests import row_digests
 from ..errors import CheckpointError
@@ -94,12 +94,6 @@ def _differ(now: torch.Tensor, was: torch.Tensor) -> torch.Tensor:
     """Per row, whether its digests differ (a digest per row, or rows of at most 8 bytes that are their own)."""
     differ = now != was
     return differ.any(1) if differ.dim() > 1 else differ
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    """The bytes of ``t`` (made contiguous on the CPU), without another copy."""
-    t = t.detach().cpu().contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy().data) if t.numel() else memoryview(b"")
 
 
 def _first_holders(value: torch.Tensor, members: tuple[int, ...]) -> dict[Box, int]:
@@ -290,7 +284,7 @@ class _File:
         if pad:
             self._write(memoryview(bytes(pad)))
         at = self._h.size
-        self._write(_raw(t))
+        self._write(memory_of(t))
         return at
 
     def _write(self, data: memoryview) -> None:
