@@ -1,8 +1,10 @@
 """What S3 transfers carry and how often bytes cross, against the real S3 server of the test session (SeaweedFS).
 
-Uploads: bodies sent with a CRC32 checksum and without a SHA-256 signature over them by default, signed where
-the user asks or where no checksum goes; a body damaged on its way is refused by the store, so that a save
-fails whole and the previous commit stays as it was.
+Uploads: bodies sent with a checksum (a multipart upload's parts the CRC-32C of the extension, declared when
+the upload is created; other uploads, and parts without the extension, botocore's CRC32) and without a SHA-256
+signature over them by default, signed where the user asks or where no checksum goes; a body damaged on its way
+is refused by the store, whole object or part, so that a save fails whole and the previous commit stays as it
+was.
 
 Loads above ``staging_bytes``: the rows of an object whose ETag is the one its save recorded are read once,
 (a local disk's are read twice, the second time from the page cache); an object replaced since its save, or one
@@ -30,11 +32,12 @@ def _state(seed: int) -> dict:
     return {"t": torch.randn(3000, 64, generator=g), "step": seed}
 
 
-def _headers_of_uploads(loc, sent: list[dict]) -> None:
-    """Record the headers of every upload ``loc``'s client sends, as they go on the wire (after signing)."""
-    for op in _UPLOADS:
-        loc.storage.client.meta.events.register_last(f"before-send.s3.{op}",
-                                                     lambda request, **kw: sent.append(dict(request.headers)))
+def _headers_of_uploads(loc, sent: list[dict], ops=_UPLOADS) -> None:
+    """Record the headers of every request of ``ops`` ``loc``'s client sends, as they go on the wire (after
+    signing), each with the operation's name under ``"op"``."""
+    for op in ops:
+        loc.storage.client.meta.events.register_last(
+            f"before-send.s3.{op}", lambda request, _op=op, **kw: sent.append({**dict(request.headers), "op": _op}))
 
 
 def _header(headers: dict, name: str) -> str | None:
@@ -59,20 +62,64 @@ def test_upload_bodies_carry_a_checksum_and_are_signed_only_where_asked_or_unche
         content = _header(h, "x-amz-content-sha256")
         assert content is not None, h
         assert (content != "UNSIGNED-PAYLOAD") == signed, content
-        if not signed:
-            assert _header(h, "x-amz-checksum-crc32") is not None, h
+        if not signed:  # parts with the extension's CRC-32C, whole objects with botocore's CRC32
+            name = "x-amz-checksum-crc32c" if h["op"] == "UploadPart" else "x-amz-checksum-crc32"
+            assert _header(h, name) is not None, h
+    assert any(h["op"] == "UploadPart" for h in sent)
     dest = {"t": torch.zeros_like(big["t"]), "step": 0}
     tdb.checkpoint.load(dest, path, storage_options=dict(options or {}, part_bytes=5 << 20))
     assert torch.equal(dest["t"], big["t"]) and dest["step"] == 1
 
 
-def test_a_body_damaged_on_its_way_is_refused_by_the_store_and_the_previous_commit_stands(s3_bucket):
+def test_parts_carry_the_extensions_crc32c_declared_at_creation_and_botocores_crc32_without_it(s3_bucket,
+                                                                                                   monkeypatch):
+    """With the extension: the upload is created with ChecksumAlgorithm CRC32C and every part carries a
+    CRC-32C (that it is each part's, the store checks: the test below, and every save here would fail
+    otherwise). Without it (``TDB_NATIVE_KERNELS=0``): botocore's CRC32, and the checkpoint loads the same."""
+    from torchrec_dtensor_bridge.kernels import native
+
+    big = {"t": torch.randn(3 << 20, dtype=torch.float32), "step": 1}  # 12 MiB: three parts of 5 MiB
+    try:
+        for with_extension in (True, False):
+            if not with_extension:
+                monkeypatch.setenv("TDB_NATIVE_KERNELS", "0")
+                native.kernel.cache_clear()
+                assert native.kernel() is None
+            # a client per round: clients are kept per bucket and options
+            opts = {"part_bytes": 5 << 20, "max_concurrency": 2 if with_extension else 3}
+            path = f"s3://{s3_bucket}/{uuid.uuid4().hex[:8]}/ck"
+            loc = locate(path, opts)
+            sent: list[dict] = []
+            _headers_of_uploads(loc, sent, ("CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload"))
+            tdb.checkpoint.save(big, path, storage_options=opts)
+            created = [h for h in sent if h["op"] == "CreateMultipartUpload"]
+            parts = [h for h in sent if h["op"] == "UploadPart"]
+            assert created and len(parts) >= 3, [h["op"] for h in sent]
+            for h in created:
+                assert (_header(h, "x-amz-checksum-algorithm") == "CRC32C") == with_extension, h
+            for h in parts:
+                assert (_header(h, "x-amz-checksum-crc32c") is not None) == with_extension, h
+                assert (_header(h, "x-amz-checksum-crc32") is not None) != with_extension, h
+            dest = {"t": torch.zeros_like(big["t"]), "step": 0}
+            tdb.checkpoint.load(dest, path, storage_options=opts)
+            assert torch.equal(dest["t"], big["t"]) and dest["step"] == 1
+    finally:
+        monkeypatch.delenv("TDB_NATIVE_KERNELS", raising=False)
+        native.kernel.cache_clear()
+
+
+@pytest.mark.parametrize("part_bytes", [None, 5 << 20], ids=["whole-objects", "parts"])
+def test_a_body_damaged_on_its_way_is_refused_by_the_store_and_the_previous_commit_stands(s3_bucket, part_bytes):
     """One byte of every data-object upload changed after the request was signed (as a faulty link or proxy
-    would): the store refuses it (the CRC32 header no longer matches), the save raises, and the commit before
-    it loads bit-exact with no trace of the failed save among the checkpoint's names."""
-    path = f"s3://{s3_bucket}/damaged/ck"
-    tdb.checkpoint.save(_state(1), path)
-    loc = locate(path)
+    would), whole objects (CRC32) or the parts of multipart uploads (the extension's CRC-32C): the store
+    refuses it (the checksum header no longer matches), the save raises, and the commit before it loads
+    bit-exact with no trace of the failed save among the checkpoint's names."""
+    path = f"s3://{s3_bucket}/damaged-{uuid.uuid4().hex[:6]}/ck"
+    opts = None if part_bytes is None else {"part_bytes": part_bytes}
+    rows = 3000 if part_bytes is None else 30_000  # 0.7 MiB: one PutObject; 7.3 MiB: two parts
+    state = {i: {"t": torch.randn(rows, 64, generator=torch.Generator().manual_seed(i)), "step": i} for i in (1, 2, 3)}
+    tdb.checkpoint.save(state[1], path, storage_options=opts)
+    loc = locate(path, opts)
     names_before = sorted(loc.list())
     damaged: list[str] = []
 
@@ -91,18 +138,19 @@ def test_a_body_damaged_on_its_way_is_refused_by_the_store_and_the_previous_comm
         loc.storage.client.meta.events.register_last(f"before-send.s3.{op}", damage)
     try:
         with pytest.raises(Exception, match="BadDigest|did not match|checksum"):
-            tdb.checkpoint.save(_state(2), path)
+            tdb.checkpoint.save(state[2], path, storage_options=opts)
     finally:
         for op in _UPLOADS:
             loc.storage.client.meta.events.unregister(f"before-send.s3.{op}", damage)
     assert damaged, "no data object was uploaded"
-    dest = {"t": torch.zeros(3000, 64), "step": 0}
-    tdb.checkpoint.load(dest, path)
-    assert torch.equal(dest["t"], _state(1)["t"]) and dest["step"] == 1
+    assert all(("partNumber=" in u) == (part_bytes is not None) for u in damaged), damaged
+    dest = {"t": torch.zeros(rows, 64), "step": 0}
+    tdb.checkpoint.load(dest, path, storage_options=opts)
+    assert torch.equal(dest["t"], state[1]["t"]) and dest["step"] == 1
     assert protocol.resolve(loc).name in names_before
-    tdb.checkpoint.save(_state(3), path)  # and the next save goes through
-    tdb.checkpoint.load(dest, path)
-    assert torch.equal(dest["t"], _state(3)["t"]) and dest["step"] == 3
+    tdb.checkpoint.save(state[3], path, storage_options=opts)  # and the next save goes through
+    tdb.checkpoint.load(dest, path, storage_options=opts)
+    assert torch.equal(dest["t"], state[3]["t"]) and dest["step"] == 3
 
 
 # ------------------------------------------------------------------ loads above staging_bytes

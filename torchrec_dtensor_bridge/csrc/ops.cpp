@@ -1,5 +1,5 @@
 // The extension's ops, torch.ops.tdb_native: this package's C kernels (cpu_kernels.c, cpu_kernels16.c,
-// row_digests.c) over tensors, registered with TORCH_LIBRARY for the CPU dispatch key.
+// row_digests.c, crc32c.c) over tensors, registered with TORCH_LIBRARY for the CPU dispatch key.
 //
 //   version()                                     kVersion: what kernels/native.py expects of the build it loads.
 //   ids_valid(ids, offsets, rows)                 every table's ids inside its rows, the offsets in order.
@@ -9,6 +9,8 @@
 //                                                 a fused optimizer's update of the touched rows, in place.
 //   row_digests(rows)                             one 64-bit digest per row of a (rows, bytes) uint8 tensor.
 //   row_cuts(keys, threads, bounds)               where an update's grouped occurrences are cut over threads.
+//   crc32c(data, prev)                            the CRC-32C of prev's bytes then a 1-D contiguous uint8 tensor's.
+//   crc32c_hardware()                             whether crc32c runs on the CPU's instruction (else a bit a time).
 //
 // These ops trust their arguments: torch.ops.tdb (kernels/ops.py) checked them and chose these kernels; the C
 // code checks the ids itself, before any row is read or written. The work is split over torch's intra-op
@@ -32,7 +34,7 @@
 
 namespace {
 
-constexpr int64_t kVersion = 1;
+constexpr int64_t kVersion = 2;
 constexpr int64_t kMinPerThread = 16384;  // ids or occurrences: below this a thread's share is not worth it
 constexpr int64_t kDigestPartBytes = int64_t{32} << 20;  // the least a thread digests
 constexpr int64_t kDecayL2 = 1;  // optim_kinds.WeightDecayMode.L2
@@ -247,6 +249,16 @@ at::Tensor row_digests(const at::Tensor& rows) {
   return out;
 }
 
+int64_t crc32c(const at::Tensor& data, int64_t prev) {
+  TORCH_CHECK(data.dim() == 1 && data.scalar_type() == at::kByte && data.is_contiguous(),
+              "tdb_native::crc32c: data must be a contiguous 1-D uint8 tensor");
+  TORCH_CHECK(prev >= 0 && prev <= 0xffffffffLL, "tdb_native::crc32c: prev must be a 32-bit CRC, got ", prev);
+  return tdb_crc32c(static_cast<uint32_t>(prev), static_cast<const uint8_t*>(data.const_data_ptr()),
+                    static_cast<size_t>(data.numel()));
+}
+
+bool crc32c_hardware() { return tdb_crc32c_hardware() != 0; }
+
 }  // namespace
 
 TORCH_LIBRARY(tdb_native, m) {
@@ -260,6 +272,8 @@ TORCH_LIBRARY(tdb_native, m) {
         "bool row_wise_state, bool stochastic_rounding, int seed) -> ()");
   m.def("row_digests(Tensor rows) -> Tensor");
   m.def("row_cuts(Tensor keys, int threads, int[] bounds) -> int[]");
+  m.def("crc32c(Tensor data, int prev) -> int");
+  m.def("crc32c_hardware() -> bool", &crc32c_hardware);
 }
 
 TORCH_LIBRARY_IMPL(tdb_native, CPU, m) {
@@ -268,6 +282,7 @@ TORCH_LIBRARY_IMPL(tdb_native, CPU, m) {
   m.impl("sparse_update", &sparse_update);
   m.impl("row_digests", &row_digests);
   m.impl("row_cuts", &row_cuts);
+  m.impl("crc32c", &crc32c);
 }
 
 // An importable module (import torchrec_dtensor_bridge._C loads this library and so registers the ops above);

@@ -1,11 +1,12 @@
 /*
- * The C kernels' entry points (cpu_kernels.c, cpu_kernels16.c, row_digests.c), as ops.cpp calls them. The
+ * The C kernels' entry points (cpu_kernels.c, cpu_kernels16.c, row_digests.c, crc32c.c), as ops.cpp calls them. The
  * argument conventions are documented beside each definition; the C files are compiled as C11 (setup.py), so
  * their arithmetic is contracted nowhere it is not written (no implicit fused multiply-add).
  */
 #ifndef TDB_KERNELS_H
 #define TDB_KERNELS_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -64,6 +65,9 @@ int tdb_update_tables(int kind, int decay, float* weights, int64_t tables, const
                       int32_t* tmp_keys, int32_t* tmp_occ, float* bag_sq, const float* hp);
 
 int tdb_row_digests(const uint8_t* base, int64_t rows, int64_t row_bytes, int64_t stride, uint64_t* out);
+
+int tdb_crc32c_hardware(void);
+uint32_t tdb_crc32c(uint32_t prev, const uint8_t* p, size_t n);
 
 #ifdef __cplusplus
 }

@@ -63,7 +63,7 @@ __all__ = ["BUILD_HINT", "DTYPES", "MAX_DIM", "MIN_PER_THREAD", "VERSION", "Nati
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2
 """The extension's ``tdb_native::version()`` these modules are written for (``csrc/ops.cpp``'s ``kVersion``)."""
 MAX_DIM = 8192
 """The widest table the C code takes (``TDB_MAX_DIM``)."""
@@ -135,6 +135,18 @@ class NativeKernel:
         """``int64 [rows]``: the digest of each row of ``rows``, a ``(rows, bytes)`` uint8 CPU tensor with unit
         column stride (:mod:`...checkpoint.incremental.digests` defines the digest)."""
         return self._ops.row_digests(rows)
+
+    @functools.cached_property
+    def crc32c_hardware(self) -> bool:
+        """Whether :meth:`crc32c` runs on the CPU's CRC-32C instruction (x86-64 SSE4.2, aarch64 +crc); without
+        it the extension's CRC-32C takes a bit at a time, slower than ``zlib.crc32``."""
+        return bool(self._ops.crc32c_hardware())
+
+    def crc32c(self, data: torch.Tensor, prev: int = 0) -> int:
+        """The CRC-32C (Castagnoli) of ``prev``'s bytes followed by ``data`` (a contiguous 1-D uint8 CPU tensor),
+        where ``prev`` is the CRC-32C of the bytes before (0 for none), as ``zlib.crc32`` chains. Runs without
+        the GIL."""
+        return int(self._ops.crc32c(data, prev))
 
 
 def _hyper_values(hyper: Hyper, step: int) -> list[float]:

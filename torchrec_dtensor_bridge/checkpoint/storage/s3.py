@@ -12,8 +12,12 @@ cores, 2 to 8: :func:`default_concurrency`), ``lease_seconds`` (a save lock's le
 
 How the operations of :mod:`.` are kept on a store without rename or locks:
 
-* every upload carries botocore's CRC32 checksum header, which the store checks against the body it
-  received; the body itself is not hashed for the request's signature (:func:`_unsigned_payloads`);
+* every upload carries a checksum header, which the store checks against the body it received: a
+  multipart upload's parts the CRC-32C of each part (``x-amz-checksum-crc32c``, computed by this package's
+  extension on the CPU's CRC-32C instruction, 3-4x faster here than the CRC32 botocore computes with
+  ``zlib``; the upload is created with ``ChecksumAlgorithm=CRC32C`` and completed with every part's), other
+  uploads (and parts, without the extension or the instruction) botocore's CRC32; the body itself is not
+  hashed for the request's signature (:func:`_unsigned_payloads`);
 * ``put`` is one ``PutObject``: S3 objects appear whole or not at all;
 * ``create`` uploads parts of ``part_bytes`` as they fill, ``max_concurrency``
   at a time (a multipart upload, completed when the stream closes, aborted on
@@ -47,7 +51,7 @@ from email.utils import parsedate_to_datetime
 from typing import Any, BinaryIO
 
 from .base import Conflict, Handle, Loc, Lock, Storage
-from .s3_streams import Reader, Transfers, Upload
+from .s3_streams import Reader, Transfers, Upload, crc32c_header
 
 __all__ = ["S3Storage", "default_concurrency", "s3_location"]
 
@@ -88,11 +92,18 @@ def _unsigned_payloads(s3_config: dict[str, Any], config_kwargs: Mapping[str, An
     (``config_kwargs={"s3": {"payload_signing_enabled": True}}``) and where no checksum is sent
     (``request_checksum_calculation`` "when_required", by ``config_kwargs``, ``AWS_REQUEST_CHECKSUM_CALCULATION``
     or the AWS config file)."""
-    checksums = config_kwargs.get("request_checksum_calculation") or session.get_config_variable(
-        "request_checksum_calculation") or "when_supported"
-    if "payload_signing_enabled" not in s3_config and str(checksums).lower() == "when_supported":
+    if "payload_signing_enabled" not in s3_config and _checksums(config_kwargs, session):
         s3_config["payload_signing_enabled"] = False
     return s3_config
+
+
+def _checksums(config_kwargs: Mapping[str, Any], session: Any) -> bool:
+    """Whether uploads carry a checksum: botocore's ``request_checksum_calculation`` is "when_supported" (its
+    default; ``config_kwargs``, ``AWS_REQUEST_CHECKSUM_CALCULATION`` or the AWS config file may say
+    "when_required")."""
+    checksums = config_kwargs.get("request_checksum_calculation") or session.get_config_variable(
+        "request_checksum_calculation") or "when_supported"
+    return str(checksums).lower() == "when_supported"
 
 
 def _code(e: Exception) -> str:
@@ -187,7 +198,8 @@ class S3Storage(Storage):
         self.bucket = bucket
         self.client = boto3.session.Session(botocore_session=session).client(
             "s3", config=Config(**config_kwargs), **client_kwargs)
-        self.transfers = Transfers(self.client, bucket, self.part_bytes, self.max_concurrency)
+        self.transfers = Transfers(self.client, bucket, self.part_bytes, self.max_concurrency,
+                                   part_checksum=crc32c_header() if _checksums(config_kwargs, session) else None)
         self._owner = uuid.uuid4().hex
 
     def show(self, key: str) -> str:

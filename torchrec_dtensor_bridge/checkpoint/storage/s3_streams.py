@@ -3,18 +3,39 @@
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import io
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from .base import Handle
 
-__all__ = ["Reader", "Transfers", "Upload"]
+__all__ = ["Reader", "Transfers", "Upload", "crc32c_header"]
 
 _PIECE = 16 << 20  # bytes a ranged read fetches per request when it splits a large range
 MAX_PARTS = 10_000  # S3's most parts in one multipart upload
 MAX_PART_BYTES = 5 << 30  # S3's largest part
+
+
+def crc32c_header() -> Callable[[memoryview], str] | None:
+    """The value of an ``x-amz-checksum-crc32c`` header for a body (base64 of its CRC-32C, big-endian), computed
+    by this package's extension without the GIL; ``None`` when the extension is not loaded or the CPU has no
+    CRC-32C instruction (botocore's CRC32 is used then)."""
+    import torch
+
+    from ...kernels import native
+
+    k = native.kernel()
+    if k is None or not k.crc32c_hardware:
+        return None
+
+    def header(body: memoryview) -> str:
+        data = torch.frombuffer(body, dtype=torch.uint8) if len(body) else torch.empty(0, dtype=torch.uint8)
+        return base64.b64encode(k.crc32c(data).to_bytes(4, "big")).decode()
+
+    return header
 
 
 class Transfers:
@@ -24,11 +45,15 @@ class Transfers:
     An upload's parts are ``part_bytes`` for the first ``parts_per_size`` parts and double every
     ``parts_per_size`` parts after (at most 5 GiB a part): S3 takes at most 10,000 parts in one upload, and an
     upload does not know its object's size beforehand. With the defaults (32 MiB, 1,000) the first 31 GiB of an
-    object go in parts of 32 MiB and 10,000 parts hold 7.8 TiB, more than S3's largest object (5 TiB)."""
+    object go in parts of 32 MiB and 10,000 parts hold 7.8 TiB, more than S3's largest object (5 TiB).
+
+    ``part_checksum`` (:func:`crc32c_header`): each part is sent with it as its ``x-amz-checksum-crc32c`` and
+    the upload is created with ``ChecksumAlgorithm=CRC32C``; ``None``: botocore checksums the parts."""
 
     def __init__(self, client: Any, bucket: str, part_bytes: int, max_concurrency: int,
-                 parts_per_size: int = 1000) -> None:
+                 parts_per_size: int = 1000, part_checksum: Callable[[memoryview], str] | None = None) -> None:
         self.client, self.bucket = client, bucket
+        self.part_checksum = part_checksum
         self.part_bytes, self.max_concurrency = part_bytes, max_concurrency
         self.parts_per_size = parts_per_size
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=max_concurrency * 2, thread_name_prefix="tdb-s3")
@@ -142,19 +167,21 @@ class Upload(io.RawIOBase):
         assert buf is not None
         self._buf, self._fill = None, 0
         if self._upload_id is None:
-            self._upload_id = c.create_multipart_upload(Bucket=s.bucket, Key=self._key)["UploadId"]
+            algorithm = {} if s.part_checksum is None else {"ChecksumAlgorithm": "CRC32C"}
+            self._upload_id = c.create_multipart_upload(Bucket=s.bucket, Key=self._key, **algorithm)["UploadId"]
         number = len(self._parts) + 1
         self._slots.acquire()
 
         def send() -> dict[str, Any]:
             try:
-                # A whole buffer goes as it is: botocore checksums it in one call and urllib3 sends it in one
+                # A whole buffer goes as it is: it is checksummed in one call and urllib3 sends it in one
                 # sendall. A file-like body is read, copied and sent 16 KiB at a time: 0.35 CPU seconds per GiB
                 # more here (BENCHMARKS.md). The last, shorter part of an object is copied once.
+                check = {} if s.part_checksum is None else {"ChecksumCRC32C": s.part_checksum(memoryview(buf)[:size])}
                 body = buf if size == len(buf) else bytes(memoryview(buf)[:size])
                 r = c.upload_part(Bucket=s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number,
-                                  Body=body)
-                return {"PartNumber": number, "ETag": r["ETag"]}
+                                  Body=body, **check)
+                return {"PartNumber": number, "ETag": r["ETag"], **check}
             finally:
                 s.give_back(buf)
                 self._slots.release()
