@@ -10,6 +10,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from ...kernels import native
 from .base import Handle
 
 __all__ = ["Reader", "Transfers", "Upload", "crc32c_header"]
@@ -23,10 +26,6 @@ def crc32c_header() -> Callable[[memoryview], str] | None:
     """The value of an ``x-amz-checksum-crc32c`` header for a body (base64 of its CRC-32C, big-endian), computed
     by this package's extension without the GIL; ``None`` when the extension is not loaded or the CPU has no
     CRC-32C instruction (botocore's CRC32 is used then)."""
-    import torch
-
-    from ...kernels import native
-
     k = native.kernel()
     if k is None or not k.crc32c_hardware:
         return None
