@@ -310,8 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     for k, xs in r0["cpu_seconds"].items():
         if k:
             ranks, srv = statistics.median(x[0] for x in xs), statistics.median(x[1] for x in xs)
-            res["cpu_seconds"][k] = {"ranks": ranks, "server": srv}
-            print(f"  {k:<9} CPU seconds (medians): ranks {ranks:.1f}, server {srv:.1f}")
+            res["cpu_seconds"][k] = {"ranks": ranks, "server": srv, "each": xs}
+            print(f"  {k:<9} CPU seconds (medians): ranks {ranks:.1f}, server {srv:.1f} (each: "
+                  f"{' / '.join(f'{a:.1f}+{b:.1f}' for a, b in xs)})")
     if r0["ours_error"]:
         res["ours_error"] = r0["ours_error"]
         print(f"  ours: not available ({r0['ours_error']})")
