@@ -176,8 +176,9 @@ class Upload(io.RawIOBase):
                 # A whole buffer goes as it is: it is checksummed in one call and urllib3 sends it in one
                 # sendall. A file-like body is read, copied and sent 16 KiB at a time: 0.35 CPU seconds per GiB
                 # more here (BENCHMARKS.md). The last, shorter part of an object is copied once.
-                check = {} if s.part_checksum is None else {"ChecksumCRC32C": s.part_checksum(memoryview(buf)[:size])}
-                body = buf if size == len(buf) else bytes(memoryview(buf)[:size])
+                filled = memoryview(buf)[:size]
+                check = {} if s.part_checksum is None else {"ChecksumCRC32C": s.part_checksum(filled)}
+                body = buf if size == len(buf) else bytes(filled)
                 r = c.upload_part(Bucket=s.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number,
                                   Body=body, **check)
                 return {"PartNumber": number, "ETag": r["ETag"], **check}
